@@ -1,0 +1,142 @@
+"""An in-process communicator: ``m`` workers as threads of one process, for fast exact tests.
+
+Averages are summed in rank order by every worker, so all workers get bitwise identical
+results, as with a real allreduce.
+"""
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .base import Communicator, PendingExchange
+
+__all__ = ["ThreadWorld", "ThreadCommunicator", "run_threads"]
+
+
+class ThreadWorld:
+    """Shared state of ``size`` thread workers.
+
+    Args:
+        size: the number of workers.
+        timeout: seconds any worker waits for the others before failing (a deadlock in a test
+            then fails instead of hanging).
+    """
+
+    def __init__(self, size: int, timeout: float = 60.0) -> None:
+        if size < 1:
+            raise ValueError(f"ThreadWorld: size must be >= 1, got {size}")
+        self.size = size
+        self.timeout = timeout
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots: List[Any] = [None] * size
+        self._mail: Dict[Tuple[int, int, int], Tensor] = {}
+        self._mail_cv = threading.Condition()
+
+    def communicator(self, rank: int) -> "ThreadCommunicator":
+        """The communicator of worker ``rank``."""
+        return ThreadCommunicator(self, rank)
+
+    def _gather(self, rank: int, value: Any) -> List[Any]:
+        self._slots[rank] = value
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before everyone has read them all
+        return out
+
+
+class _ThreadExchange(PendingExchange):
+    def __init__(self, world: ThreadWorld, rank: int, recv_from: Sequence[int], tag: int) -> None:
+        self._world, self._rank, self._recv_from, self._tag = world, rank, list(recv_from), tag
+
+    def done(self) -> bool:
+        with self._world._mail_cv:
+            return self._arrived()
+
+    def wait(self) -> Dict[int, Tensor]:
+        w = self._world
+        with w._mail_cv:
+            if not w._mail_cv.wait_for(self._arrived, timeout=w.timeout):
+                missing = [s for s in self._recv_from if (s, self._rank, self._tag) not in w._mail]
+                raise TimeoutError(f"rank {self._rank}: no gossip message from rank(s) {missing} for step {self._tag}")
+            return {src: w._mail.pop((src, self._rank, self._tag)) for src in self._recv_from}
+
+    def _arrived(self) -> bool:  # caller holds the lock
+        return all((src, self._rank, self._tag) in self._world._mail for src in self._recv_from)
+
+
+class ThreadCommunicator(Communicator):
+    """Worker ``rank`` of a :class:`ThreadWorld`.
+
+    Args:
+        world: the shared world.
+        rank: this worker's rank.
+    """
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self.bytes_sent = 0
+
+    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
+        if self.size == 1 or not tensors:
+            return
+        everyone = self.world._gather(self.rank, [t.detach().clone() for t in tensors])
+        for i, t in enumerate(tensors):
+            total = everyone[0][i].clone()
+            for r in range(1, self.size):
+                total += everyone[r][i]
+            t.copy_(total / self.size)
+            self.bytes_sent += int(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return self.world._gather(self.rank, obj)
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return self.world._gather(self.rank, obj)[root_rank]
+
+    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int) -> PendingExchange:
+        w = self.world
+        with w._mail_cv:
+            for dst, t in sends.items():
+                w._mail[(self.rank, dst, tag)] = t.detach().clone()
+                self.bytes_sent += t.numel() * t.element_size()
+            w._mail_cv.notify_all()
+        return _ThreadExchange(w, self.rank, recv_from, tag)
+
+
+def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: float = 60.0) -> List[Any]:
+    """Run ``fn(communicator)`` on ``size`` thread workers and return their results in rank order.
+
+    The first exception raised by any worker is re-raised here.
+
+    Args:
+        size: the number of workers.
+        fn: the per-worker function.
+        timeout: seconds before a stuck collective fails.
+    """
+    world = ThreadWorld(size, timeout)
+    results: List[Any] = [None] * size
+    errors: List[Optional[BaseException]] = [None] * size
+
+    def target(rank: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            results[rank] = fn(world.communicator(rank))
+        except BaseException as e:  # re-raised in the caller's thread below
+            errors[rank] = e
+            world._barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError("run_threads: a worker thread did not finish")
+    return results

@@ -1,0 +1,457 @@
+"""``DistributedOptimizer``: SlowMo (arXiv 1910.00643, Algorithm 1) around any torch optimizer.
+
+The wrapper shares ``param_groups`` and ``state`` with the wrapped optimizer (like PyTorch's
+``PostLocalSGDOptimizer``), so LR schedulers, ``GradScaler`` and checkpoint tools see one
+optimizer. Each :meth:`DistributedOptimizer.step` is one base-algorithm step; every ``tau``
+steps it runs the outer step: exact average, slow momentum update, base-buffer strategy.
+"""
+import contextlib
+import math
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .bases import BASES
+from .buffers import BUFFER_STRATEGIES, averageable_buffers, reset_buffers
+from .comm.base import Communicator
+from .slowmo import slow_momentum_step_
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "STATE_FORMAT"]
+
+#: Version of the ``state_dict`` layout; :meth:`DistributedOptimizer.load_state_dict` refuses others.
+STATE_FORMAT = 1
+
+
+def _check_number(name: str, value: Any, low: float, high: float, high_open: bool, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}; {fix}")
+    if value < low or value > high or (high_open and value == high):
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in [{low}, {high}{bracket}, got {value!r}; {fix}")
+    return float(value)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
+
+    Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
+    ``beta`` -> ``slow_momentum``; ``x_{t,0}`` -> anchor; ``u_t`` -> slow buffer;
+    ``gamma_t`` -> each param group's current ``lr``.
+
+    Special cases: ``slow_lr=1, slow_momentum=0`` is the base algorithm with a periodic exact
+    average (Local SGD for ``base="localsgd"``), and skips the slow update and its memory;
+    ``tau=1`` over plain SGD is large-batch momentum SGD; one worker with ``slow_momentum=0`` is
+    Lookahead; Local SGD with ``slow_momentum>0`` is BMUF; ``buffers="average"`` with Local SGD
+    is double-averaging momentum.
+
+    Args:
+        optimizer: the base optimizer (any ``torch.optim.Optimizer``), stepping the local copy.
+        named_parameters: ``model.named_parameters()``; names appear in error messages and in
+            the cross-rank configuration check. Every optimizer parameter must be named.
+        base: the base algorithm: ``"localsgd"`` or ``"allreduce"`` (plus the gossip bases
+            when registered).
+        tau: base steps per outer step (>= 1).
+        slow_lr: ``alpha`` (> 0).
+        slow_momentum: ``beta`` in ``[0, 1)``.
+        buffers: the base optimizer's state at each outer step: ``"reset"``, ``"maintain"``
+            or ``"average"``.
+        average: False skips the exact average (SGP-SlowMo-noaverage): the slow update then
+            acts on each worker's own parameters.
+        model_buffers: non-parameter tensors averaged at each exact average, e.g.
+            ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
+            None averages none.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` for the exact
+            average's payload (Horovod communicator only).
+        communicator: the transport; default a Horovod communicator over all ranks.
+        base_options: extra keyword options for the base algorithm (gossip topology, ...).
+
+    Raises:
+        TypeError, ValueError: for invalid arguments, or a configuration that differs across
+            ranks (checked with one allgather at construction, so it fails instead of hanging).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+        base: str = "localsgd",
+        tau: int = 12,
+        slow_lr: float = 1.0,
+        slow_momentum: float = 0.5,
+        buffers: str = "reset",
+        average: bool = True,
+        model_buffers: Optional[Iterable[Tensor]] = None,
+        compression: Any = None,
+        communicator: Optional[Communicator] = None,
+        **base_options: Any,
+    ) -> None:
+        # Everything is validated before any state is created, so a bad argument leaves nothing behind.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a hvd_slowmo.DistributedOptimizer; wrap the base optimizer once")
+        if not isinstance(base, str) or base not in BASES:
+            raise ValueError(f"base must be one of {sorted(BASES)}, got {base!r}")
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"tau must be an integer >= 1 (base steps per outer step), got {tau!r}")
+        slow_lr = _check_number("slow_lr", slow_lr, 0.0, math.inf, True, "use e.g. slow_lr=1.0")
+        if slow_lr == 0:
+            raise ValueError("slow_lr must be > 0, got 0; slow_lr=1.0 is the paper's default")
+        slow_momentum = _check_number("slow_momentum", slow_momentum, 0.0, 1.0, True,
+                                      "the paper tunes it in [0.4, 0.8]; 0 disables slow momentum")
+        if buffers not in BUFFER_STRATEGIES:
+            raise ValueError(f"buffers must be one of {list(BUFFER_STRATEGIES)}, got {buffers!r}")
+        if not isinstance(average, bool):
+            raise TypeError(f"average must be True or False, got {average!r}")
+        if compression is not None and not (callable(getattr(compression, "compress", None))
+                                             and callable(getattr(compression, "decompress", None))):
+            raise TypeError(f"compression must be a hvd.Compression (none or fp16), got {compression!r}")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = self._check_names(params, named_parameters)
+        for p, n in zip(params, names):
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {n!r} has dtype {p.dtype}; only floating-point parameters can be "
+                                "averaged: keep integer tensors out of the optimizer (as buffers)")
+        base_cls = BASES[base]
+        extra = sorted(set(base_options) - set(base_cls.OPTIONS))
+        if extra:
+            raise TypeError(f"unknown argument(s) {extra} for DistributedOptimizer with base={base!r} "
+                            f"(its options: {list(base_cls.OPTIONS) or 'none'})")
+        if not average and not base_cls.communicates_every_step:
+            raise ValueError(f"average=False with base={base!r} would never synchronize workers; "
+                             "use average=False only with a gossip base (sgp, osgp, dpsgd)")
+        model_buffers = [b for b in (model_buffers or []) if isinstance(b, Tensor) and b.is_floating_point()]
+
+        if communicator is None:
+            from .comm.horovod import HorovodCommunicator
+
+            communicator = HorovodCommunicator(compression=compression)
+        elif compression is not None:
+            raise ValueError("compression is applied by the default Horovod communicator; "
+                             "pass compression to your communicator instead")
+        self.comm = communicator
+        self.base = base_cls(communicator, **base_options)
+        self.base_name = base
+        self.optimizer = optimizer
+        self.tau = tau
+        self.slow_lr = slow_lr
+        self.slow_momentum = slow_momentum
+        self.buffers = buffers
+        self.average = average
+        self.model_buffers = model_buffers
+        self.param_names = names
+        self._params = params
+        self._check_same_everywhere()
+        if base == "allreduce" and buffers == "average":
+            warnings.warn("buffers='average' with base='allreduce' averages buffers that are already "
+                          "identical on every worker; use buffers='maintain'", stacklevel=2)
+
+        self.base.attach(params)
+        #: Slow update disabled: plain periodic averaging with no anchor or buffer memory.
+        self.slow_enabled = not (slow_lr == 1.0 and slow_momentum == 0.0)
+        self.inner_step = 0  # base steps taken in the current outer step
+        self.num_steps = 0  # base steps taken in total
+        self.outer_steps = 0
+        self.anchor: Optional[List[Tensor]] = None  # captured lazily: after hvd.broadcast_parameters
+        self.slow_buffer: Optional[List[Tensor]] = None
+        self._synchronized = False
+        self._skip_synchronize = False
+        self._zero_lr_warned = False
+        #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
+        self.timings: Dict[str, float] = {"base_comm": 0.0, "average": 0.0, "slow_update": 0.0}
+
+    # --- the torch.optim.Optimizer surface, shared with the wrapped optimizer ---------------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Dict[Tensor, Any]:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Dict[Tensor, Any]) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return (f"hvd_slowmo.DistributedOptimizer(base={self.base_name!r}, tau={self.tau}, "
+                f"slow_lr={self.slow_lr}, slow_momentum={self.slow_momentum}, buffers={self.buffers!r}, "
+                f"average={self.average}, workers={self.comm.size}, optimizer={self.optimizer!r})")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``.
+
+        Args:
+            set_to_none: drop the gradient tensors instead of zeroing them.
+        """
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer (collective: call it on every rank).
+
+        Args:
+            param_group: as for ``torch.optim.Optimizer.add_param_group``.
+        """
+        self.optimizer.add_param_group(param_group)
+        new = self.optimizer.param_groups[-1]["params"]
+        for i, p in enumerate(new):
+            if not p.is_floating_point():
+                self.optimizer.param_groups.pop()
+                raise TypeError(f"add_param_group: parameter {i} has dtype {p.dtype}; only floating-point "
+                                "parameters can be averaged")
+        self._params.extend(new)
+        self.param_names.extend(f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new)))
+        if self.anchor is not None and self.slow_buffer is not None:
+            self.anchor.extend(p.detach().clone() for p in new)
+            self.slow_buffer.extend(torch.zeros_like(p) for p in new)
+        self.base.attach(self._params)
+
+    # --- Horovod's AMP protocol -----------------------------------------------------------
+    def synchronize(self) -> None:
+        """Run this step's gradient communication now (Horovod's recipe for ``GradScaler``:
+        ``synchronize()``, ``scaler.unscale_(opt)``, then ``with opt.skip_synchronize(): scaler.step(opt)``)."""
+        if not self._synchronized:
+            t0 = time.perf_counter()
+            self.base.pre_step()
+            self.timings["base_comm"] += time.perf_counter() - t0
+            self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context, :meth:`step` does not run :meth:`synchronize` again."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    # --- the algorithm --------------------------------------------------------------------
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One base-algorithm step; every ``tau``-th call also runs the outer step.
+
+        Args:
+            closure: optional, re-evaluates the model and returns the loss (called once).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.slow_enabled and self.anchor is None:
+            self._capture_anchor()
+        if not self._skip_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        self.optimizer.step()
+        t0 = time.perf_counter()
+        self.base.post_step(self.num_steps)
+        self.timings["base_comm"] += time.perf_counter() - t0
+        self.num_steps += 1
+        self.inner_step += 1
+        if self.inner_step == self.tau:
+            self._outer_step()
+        return loss
+
+    def _capture_anchor(self) -> None:
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self._params]
+            self.slow_buffer = [torch.zeros_like(p) for p in self._params]
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        self.base.before_average()
+        t0 = time.perf_counter()
+        if self.average and self.base.needs_exact_average:
+            self.comm.average_([p.detach() for p in self._params] + self.model_buffers,
+                               name="hvd_slowmo.exact_average")
+        elif self.average and self.model_buffers:
+            self.comm.average_(self.model_buffers, name="hvd_slowmo.exact_average")
+        self.base.after_average(self.average)
+        t1 = time.perf_counter()
+        if self.slow_enabled:
+            self._slow_update()
+        if self.buffers == "reset":
+            reset_buffers(self.optimizer.state, self._params)
+        elif self.buffers == "average":
+            self.comm.average_(averageable_buffers(self.optimizer.state, self._params),
+                               name="hvd_slowmo.buffer_average")
+        t2 = time.perf_counter()
+        self.timings["average"] += t1 - t0
+        self.timings["slow_update"] += t2 - t1
+        self.inner_step = 0
+        self.outer_steps += 1
+
+    def _slow_update(self) -> None:
+        assert self.anchor is not None and self.slow_buffer is not None
+        start = 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            idx = range(start, start + n)
+            start += n
+            lr = float(group["lr"])
+            params = [self._params[i].detach() for i in idx]
+            anchor = [self.anchor[i] for i in idx]
+            if lr <= 0:
+                # The pseudo-gradient is scaled by 1/lr: undefined at lr=0 (a warm-up that starts
+                # at zero). Keep the slow buffer, restart from the average.
+                if not self._zero_lr_warned:
+                    warnings.warn("a param group has lr=0 at an outer step: its slow update is skipped "
+                                  "and its anchor set to the average", stacklevel=3)
+                    self._zero_lr_warned = True
+                torch._foreach_copy_(anchor, params)
+                continue
+            slow_momentum_step_(params, anchor, [self.slow_buffer[i] for i in idx], lr,
+                                self.slow_lr, self.slow_momentum)
+
+    # --- checks ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_names(params: List[Tensor], named_parameters: Optional[Iterable[Tuple[str, Tensor]]]) -> List[str]:
+        if named_parameters is None:
+            return [f"param{i}" for i in range(len(params))]
+        try:
+            named = list(named_parameters)
+            by_id = {}
+            for name, p in named:
+                if not isinstance(name, str) or not isinstance(p, Tensor):
+                    raise TypeError
+                by_id.setdefault(id(p), name)
+        except (TypeError, ValueError):
+            raise TypeError("named_parameters must be an iterable of (name, tensor) pairs, "
+                            "as returned by model.named_parameters()") from None
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+                             f"(indices {missing[:5]}{'...' if len(missing) > 5 else ''}); pass "
+                             "named_parameters=model.named_parameters() for the model the optimizer trains")
+        return [by_id[id(p)] for p in params]
+
+    def _config(self) -> Dict[str, Any]:
+        return {
+            "base": self.base_name, "tau": self.tau, "slow_lr": self.slow_lr, "slow_momentum": self.slow_momentum,
+            "buffers": self.buffers, "average": self.average, "num_model_buffers": len(self.model_buffers),
+        }
+
+    def _check_same_everywhere(self) -> None:
+        mine = {**self._config(),
+                "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self._params)]}
+        everyone = self.comm.allgather_object(mine)
+        problems = []
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            diffs = [f"{k}={theirs.get(k)!r} (rank 0: {everyone[0].get(k)!r})"
+                     for k in sorted(set(theirs) | set(everyone[0])) if k != "params" and theirs.get(k) != everyone[0].get(k)]
+            if theirs["params"] != everyone[0]["params"]:
+                pairs = list(zip(theirs["params"], everyone[0]["params"]))
+                first = next((f"{a} vs rank 0 {b}" for a, b in pairs if a != b),
+                             f"{len(theirs['params'])} parameters vs rank 0's {len(everyone[0]['params'])}")
+                diffs.append(f"parameters differ: {first}")
+            problems.append(f"rank {rank}: " + "; ".join(diffs))
+        if problems:
+            raise ValueError("hvd_slowmo.DistributedOptimizer is configured differently across ranks: "
+                             + " | ".join(problems) + ". Build the same model and optimizer on every rank.")
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """Everything needed to continue exactly, keyed by parameter index (not tensor identity).
+
+        Contains the base optimizer's ``state_dict``, the anchor and slow buffer, the step
+        counters (position inside the outer step), and the base algorithm's own state.
+        Tensors are references, as in torch's own ``state_dict``; ``torch.save`` copies them.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "base_optimizer": self.optimizer.state_dict(),
+            "slowmo": {
+                "config": self._config(),
+                "num_params": len(self._params),
+                "inner_step": self.inner_step,
+                "num_steps": self.num_steps,
+                "outer_steps": self.outer_steps,
+                "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
+                "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
+                "base_algorithm": self.base.state_dict(),
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict` output; on any error the optimizer is left unchanged.
+
+        Args:
+            state_dict: from :meth:`state_dict` (any rank's, or rank 0's broadcast).
+
+        Raises:
+            ValueError: a state from another format version, model, or configuration.
+        """
+        if not isinstance(state_dict, dict) or "slowmo" not in state_dict or "base_optimizer" not in state_dict:
+            raise ValueError("load_state_dict: not a hvd_slowmo.DistributedOptimizer state (no 'slowmo' and "
+                             "'base_optimizer' keys); a plain optimizer state belongs in opt.optimizer.load_state_dict")
+        if state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(f"load_state_dict: state format {state_dict.get('format')!r} is not supported "
+                             f"(this version reads format {STATE_FORMAT})")
+        s = state_dict["slowmo"]
+        if s.get("num_params") != len(self._params):
+            raise ValueError(f"load_state_dict: the state has {s.get('num_params')} parameters, this optimizer "
+                             f"{len(self._params)}: it comes from another model")
+        inner = s.get("inner_step")
+        if not isinstance(inner, int) or not 0 <= inner < self.tau:
+            raise ValueError(f"load_state_dict: inner_step {inner!r} is outside [0, tau={self.tau}); "
+                             "the state was saved with a larger tau")
+        new_tensors: Dict[str, Optional[List[Tensor]]] = {}
+        for key in ("anchor", "slow_buffer"):
+            saved = s.get(key)
+            if saved is None:
+                new_tensors[key] = None
+                continue
+            if set(saved) != set(range(len(self._params))):
+                raise ValueError(f"load_state_dict: '{key}' does not cover parameters 0..{len(self._params) - 1}")
+            for i, p in enumerate(self._params):
+                if tuple(saved[i].shape) != tuple(p.shape):
+                    raise ValueError(f"load_state_dict: '{key}' of parameter {self.param_names[i]!r} has shape "
+                                     f"{tuple(saved[i].shape)}, the parameter {tuple(p.shape)}: another model")
+            new_tensors[key] = [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self._params)]
+        if self.slow_enabled and inner > 0 and new_tensors["anchor"] is None:
+            raise ValueError("load_state_dict: the state has no anchor but was saved inside an outer step; "
+                             "it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
+        self.base.check_state_dict(s.get("base_algorithm", {}))
+        # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
+        self.optimizer.load_state_dict(state_dict["base_optimizer"])
+        self.inner_step = inner
+        self.num_steps = int(s["num_steps"])
+        self.outer_steps = int(s["outer_steps"])
+        if self.slow_enabled:
+            self.anchor = new_tensors["anchor"]
+            self.slow_buffer = new_tensors["slow_buffer"]
+        self.base.load_state_dict(s.get("base_algorithm", {}))
+
+
+def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """Give every rank ``root_rank``'s full optimizer state (base state, anchor, slow buffer,
+    counters), e.g. after rank 0 alone loaded a checkpoint. Collective.
+
+    Args:
+        optimizer: the optimizer on this rank.
+        root_rank: the rank whose state is sent.
+    """
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("broadcast_optimizer_state expects a hvd_slowmo.DistributedOptimizer; "
+                        "use hvd.broadcast_optimizer_state for plain optimizers")
+    state = optimizer.comm.broadcast_object(optimizer.state_dict() if optimizer.comm.rank == root_rank else None,
+                                            root_rank=root_rank)
+    optimizer.load_state_dict(state)

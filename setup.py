@@ -1,0 +1,26 @@
+"""hvd_slowmo: SlowMo (arXiv 1910.00643) as a drop-in for horovod.torch.DistributedOptimizer.
+
+Horovod itself is not a pip dependency: its last release (0.28.1) does not compile against
+PyTorch >= 2.1 as published. Build it with ``scripts/install_horovod.sh`` (see README).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="hvd_slowmo",
+    version="0.1.0",
+    description="SlowMo (Slow Momentum) distributed training for PyTorch over Horovod",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1"],
+    extras_require={
+        "mpi": ["mpi4py>=3.1"],
+        "tensorboard": ["tensorboard>=2.10", "matplotlib>=3.5"],
+        "examples": ["torchvision", "scikit-learn>=1.0", "tensorboard>=2.10", "matplotlib>=3.5", "tqdm"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "tensorboard>=2.10"],
+    },
+    entry_points={"console_scripts": []},
+    license="Apache-2.0",
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)
