@@ -1,0 +1,735 @@
+"""Time per iteration of SlowMo and its bases on an emulated multi-host cluster (arXiv 1910.00643).
+
+Builds N emulated hosts on this machine (one network namespace each, a veth to a Linux bridge in a
+switch namespace, every link limited with ``tc tbf`` in both directions), runs one Horovod (Gloo)
+worker per host, and measures in the same processes: compute only (the limit), Horovod's own
+``hvd.DistributedOptimizer`` (AR-SGD), and hvd_slowmo's algorithms. Prints a table shaped like the
+paper's Table 2 (original vs with SlowMo), writes the raw numbers as JSON and TensorBoard scalars.
+
+Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 10M-parameter model)::
+
+    sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --workload synthetic \\
+        --params 10M --compute-ms 1000 --iters 48 --out runs/cluster
+
+The namespaces, links and ``/etc/netns`` files are removed afterwards, also on Ctrl-C / SIGTERM,
+and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
+Only ratios measured within one run mean anything: all hosts share this machine's CPU cores.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
+    "setup_commands", "shaping_commands", "teardown_commands", "stale_namespaces", "hosts_file",
+    "window_stats", "ring_bytes", "summarize", "render_markdown",
+]
+
+NETNS_DIR = "/etc/netns"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
+
+
+# --- the algorithms measured ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Algorithm:
+    """One measured configuration.
+
+    Args:
+        key: short identifier (JSON key, TensorBoard tag).
+        label: the row label in the table.
+        kind: ``"compute"`` (no communication), ``"horovod"`` (``hvd.DistributedOptimizer``) or
+            ``"slowmo"`` (``hvd_slowmo.DistributedOptimizer``).
+        base: hvd_slowmo base algorithm (``kind == "slowmo"`` only).
+        tau: base steps per outer step.
+        options: further ``hvd_slowmo.DistributedOptimizer`` keyword arguments.
+        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is its ideal.
+        payload: exact-average volume relative to the parameters (2 when optimizer buffers are averaged too).
+    """
+
+    key: str
+    label: str
+    kind: str
+    base: str = ""
+    tau: int = 1
+    options: Dict[str, Any] = field(default_factory=dict)
+    periodic: bool = False
+    payload: float = 1.0
+
+
+_SLOWMO = {"slow_lr": 1.0, "slow_momentum": 0.6}
+_PLAIN = {"slow_lr": 1.0, "slow_momentum": 0.0}  # slow update off: the base algorithm alone
+
+#: Measured in this order, every one in the same worker processes.
+ALGORITHMS: Tuple[Algorithm, ...] = (
+    Algorithm("compute", "compute only (no communication)", "compute"),
+    Algorithm("horovod_ar", "AR-SGD (hvd.DistributedOptimizer)", "horovod"),
+    # tau=1 with buffers kept: momentum must survive every "outer step" to be plain AR-SGD.
+    Algorithm("allreduce", "AR-SGD (hvd_slowmo base=allreduce)", "slowmo", "allreduce", 1,
+              {**_PLAIN, "buffers": "maintain"}),
+    Algorithm("localsgd", "Local SGD", "slowmo", "localsgd", 12, {**_PLAIN, "buffers": "reset"}, periodic=True),
+    Algorithm("localsgd_slowmo", "Local SGD + SlowMo", "slowmo", "localsgd", 12, {**_SLOWMO, "buffers": "reset"},
+              periodic=True),
+    Algorithm("double_avg", "double averaging (Local SGD, buffers averaged)", "slowmo", "localsgd", 12,
+              {**_PLAIN, "buffers": "average"}, periodic=True, payload=2.0),
+    Algorithm("sgp", "SGP", "slowmo", "sgp", 48, {**_PLAIN, "buffers": "reset"}),
+    Algorithm("sgp_slowmo", "SGP + SlowMo", "slowmo", "sgp", 48, {**_SLOWMO, "buffers": "reset"}),
+    Algorithm("sgp_slowmo_noavg", "SGP + SlowMo, no exact average", "slowmo", "sgp", 48,
+              {**_SLOWMO, "buffers": "reset", "average": False}),
+    Algorithm("osgp", "OSGP", "slowmo", "osgp", 48, {**_PLAIN, "buffers": "reset"}),
+    Algorithm("osgp_slowmo", "OSGP + SlowMo", "slowmo", "osgp", 48, {**_SLOWMO, "buffers": "reset"}),
+)
+ALGORITHM_BY_KEY = {a.key: a for a in ALGORITHMS}
+#: Rows of the paper-shaped table: (label, original, with SlowMo).
+TABLE2_ROWS = (("Local SGD", "localsgd", "localsgd_slowmo"), ("SGP", "sgp", "sgp_slowmo"),
+               ("OSGP", "osgp", "osgp_slowmo"))
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a ``tc`` rate such as ``"1gbit"`` or ``"100mbit"``.
+
+    Args:
+        rate: a number followed by ``bit``, ``kbit``, ``mbit``, ``gbit`` or ``tbit``.
+
+    Raises:
+        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x mistake).
+    """
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", str(rate).strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--rate must look like 1gbit, 100mbit or 500kbit (bits per second), got {rate!r}")
+    return int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+
+
+def parse_count(text: str) -> int:
+    """Parameter count from ``"10M"``, ``"1.5M"``, ``"500k"`` or ``"123456"``.
+
+    Args:
+        text: the count, with an optional ``k``/``M``/``G`` suffix.
+    """
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", str(text).strip())
+    if not m:
+        raise ValueError(f"--params entries must look like 1M, 10M, 500k or 123456, got {text!r}")
+    value = int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"--params entries must be at least 1 parameter, got {text!r}")
+    return value
+
+
+# --- the cluster plan ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Host:
+    """One emulated host.
+
+    Args:
+        rank: its Horovod rank.
+        netns: its network namespace.
+        hostname: the name Horovod knows it by.
+        address: its IPv4 address on the bridge (``eth0`` inside the namespace).
+        port: its veth end in the switch namespace (shaped for the host's download direction).
+        peer: the veth end created in the root namespace, then moved in and renamed ``eth0``.
+    """
+
+    rank: int
+    netns: str
+    hostname: str
+    address: str
+    port: str
+    peer: str
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Every name and address of one emulated cluster (pure data: building it touches nothing).
+
+    Args:
+        prefix: the prefix of every namespace, link and ``/etc/netns`` entry it creates.
+        hosts: the hosts, in rank order.
+        switch: the switch namespace holding the bridge ``br0``.
+        control: the root-namespace end of an unshaped link to the bridge (rendezvous traffic).
+        control_peer: that link's end on the bridge.
+        control_address: the root namespace's address on the bridge (the rendezvous server).
+        prefix_len: the subnet's prefix length.
+    """
+
+    prefix: str
+    hosts: Tuple[Host, ...]
+    switch: str
+    control: str
+    control_peer: str
+    control_address: str
+    prefix_len: int = 24
+
+
+def plan_cluster(num_hosts: int, prefix: str = "hsmc", subnet: str = "10.77.0") -> ClusterPlan:
+    """Names and addresses for ``num_hosts`` hosts.
+
+    Args:
+        num_hosts: number of hosts (2 to 250).
+        prefix: 1 to 8 lowercase letters or digits, starting with a letter (link names are capped
+            at 15 characters by the kernel).
+        subnet: the first three octets of a free /24, e.g. ``"10.77.0"``.
+    """
+    if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or not 2 <= num_hosts <= 250:
+        raise ValueError(f"--hosts must be an integer in [2, 250], got {num_hosts!r}")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+        raise ValueError(f"--prefix must be 1-8 lowercase letters/digits starting with a letter, got {prefix!r}")
+    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or any(int(o) > 255 for o in subnet.split(".")):
+        raise ValueError(f"--subnet must be three octets such as 10.77.0, got {subnet!r}")
+    hosts = tuple(Host(rank=i, netns=f"{prefix}-h{i}", hostname=f"{prefix}h{i}", address=f"{subnet}.{i + 1}",
+                       port=f"{prefix}p{i}", peer=f"{prefix}v{i}") for i in range(num_hosts))
+    return ClusterPlan(prefix=prefix, hosts=hosts, switch=f"{prefix}-sw", control=f"{prefix}c0",
+                       control_peer=f"{prefix}c1", control_address=f"{subnet}.254")
+
+
+def setup_commands(plan: ClusterPlan) -> List[List[str]]:
+    """The ``ip`` commands that build the cluster, in order (no shaping yet).
+
+    Args:
+        plan: from :func:`plan_cluster`.
+    """
+    sw = plan.switch
+    cmds = [["ip", "netns", "add", sw],
+            ["ip", "-n", sw, "link", "set", "lo", "up"],
+            ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", sw, "link", "set", "br0", "up"]]
+    for h in plan.hosts:
+        cmds += [["ip", "netns", "add", h.netns],
+                 ["ip", "-n", h.netns, "link", "set", "lo", "up"],
+                 ["ip", "link", "add", h.peer, "type", "veth", "peer", "name", h.port],
+                 ["ip", "link", "set", h.port, "netns", sw],
+                 ["ip", "-n", sw, "link", "set", h.port, "master", "br0"],
+                 ["ip", "-n", sw, "link", "set", h.port, "up"],
+                 ["ip", "link", "set", h.peer, "netns", h.netns],
+                 # Every host calls its link eth0, so HOROVOD_GLOO_IFACE is the same everywhere.
+                 ["ip", "-n", h.netns, "link", "set", h.peer, "name", "eth0"],
+                 ["ip", "-n", h.netns, "addr", "add", f"{h.address}/{plan.prefix_len}", "dev", "eth0"],
+                 ["ip", "-n", h.netns, "link", "set", "eth0", "up"]]
+    # The root namespace joins the bridge on an unshaped link, for the rendezvous server only.
+    cmds += [["ip", "link", "add", plan.control, "type", "veth", "peer", "name", plan.control_peer],
+             ["ip", "link", "set", plan.control_peer, "netns", sw],
+             ["ip", "-n", sw, "link", "set", plan.control_peer, "master", "br0"],
+             ["ip", "-n", sw, "link", "set", plan.control_peer, "up"],
+             ["ip", "addr", "add", f"{plan.control_address}/{plan.prefix_len}", "dev", plan.control],
+             ["ip", "link", "set", plan.control, "up"]]
+    return cmds
+
+
+def tbf_args(rate: str, latency_ms: int = 50) -> List[str]:
+    """``tc`` arguments of a token-bucket filter limiting a link to ``rate``.
+
+    The bucket holds 4 ms of traffic (at least 128 KiB): ``tbf`` needs at least ``rate / HZ``
+    bytes (HZ up to 250) and more than one 64 KiB GSO packet, or it drops instead of shaping.
+
+    Args:
+        rate: e.g. ``"1gbit"`` (validated by :func:`parse_rate`).
+        latency_ms: the longest a packet may queue before being dropped.
+    """
+    bits = parse_rate(rate)
+    burst = max(bits // 8 // 250, 128 * 1024)
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms}ms"]
+
+
+def shaping_commands(plan: ClusterPlan, rate: str) -> List[List[str]]:
+    """Commands that limit each host's link to ``rate`` in both directions (replacing any earlier limit).
+
+    Args:
+        plan: from :func:`plan_cluster`.
+        rate: e.g. ``"1gbit"``.
+    """
+    tbf = tbf_args(rate)
+    cmds = []
+    for h in plan.hosts:
+        # Host egress is the upload, the switch port's egress the download: tbf shapes egress only.
+        cmds.append(["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
+        cmds.append(["ip", "netns", "exec", plan.switch, "tc", "qdisc", "replace", "dev", h.port, "root", *tbf])
+    return cmds
+
+
+def teardown_commands(plan: ClusterPlan) -> List[List[str]]:
+    """Commands that remove everything :func:`setup_commands` built (each may fail if already gone).
+
+    Deleting a namespace deletes the veths in it, and with them their peers.
+
+    Args:
+        plan: from :func:`plan_cluster`.
+    """
+    return ([["ip", "netns", "del", h.netns] for h in plan.hosts]
+            + [["ip", "netns", "del", plan.switch], ["ip", "link", "del", plan.control]])
+
+
+def stale_namespaces(netns_list_output: str, prefix: str) -> List[str]:
+    """The namespaces in ``ip netns list`` output that a run with ``prefix`` created.
+
+    Args:
+        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per line).
+        prefix: the run's prefix.
+    """
+    names = [line.split()[0] for line in netns_list_output.splitlines() if line.strip()]
+    return [n for n in names if re.fullmatch(rf"{re.escape(prefix)}-(h\d+|sw)", n)]
+
+
+def hosts_file(plan: ClusterPlan, host: Host, machine_hostname: str) -> str:
+    """Contents of ``/etc/netns/<netns>/hosts`` for ``host``.
+
+    Horovod 0.28.1 builds its Gloo process-set contexts from the machine's host name, ignoring
+    ``HOROVOD_GLOO_IFACE``; inside a namespace that name resolves to 127.0.0.1 and peers get
+    "connection refused". Mapping it to the host's own bridge address fixes it
+    (``ip netns exec`` bind-mounts this file over ``/etc/hosts``).
+
+    Args:
+        plan: from :func:`plan_cluster`.
+        host: the host whose file this is.
+        machine_hostname: ``socket.gethostname()`` (shared by every namespace).
+    """
+    lines = ["127.0.0.1 localhost", f"{host.address} {machine_hostname} {host.hostname}"]
+    lines += [f"{h.address} {h.hostname}" for h in plan.hosts if h is not host]
+    return "\n".join(lines) + "\n"
+
+
+def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> Dict[str, str]:
+    """The environment Horovod's own Gloo launcher would give ``host``'s worker.
+
+    Args:
+        plan: from :func:`plan_cluster`.
+        host: the host the worker runs on.
+        rendezvous_port: the port of the rendezvous server at ``plan.control_address``.
+    """
+    n = str(len(plan.hosts))
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": plan.control_address, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0",
+        "HOROVOD_HOSTNAME": host.hostname, "HOROVOD_RANK": str(host.rank), "HOROVOD_SIZE": n,
+        "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": str(host.rank),
+        "HOROVOD_CROSS_SIZE": n,
+        # One thread per worker: the hosts share the machine's cores.
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    }
+
+
+# --- statistics and the table ----------------------------------------------------------------------
+def window_stats(stamps: Sequence[float], window: int) -> Dict[str, Any]:
+    """Milliseconds per iteration over consecutive windows of ``window`` iterations.
+
+    A window of one outer period (``tau`` iterations) contains exactly one outer step, so every
+    window holds the same mix of cheap inner steps and the expensive average.
+
+    Args:
+        stamps: ``perf_counter`` seconds: the start, then the end of each iteration.
+        window: iterations per window (>= 1); trailing iterations that fill no window are ignored.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    n = (len(stamps) - 1) // window
+    if n < 1:
+        raise ValueError(f"need at least {window} timed iterations for one window, got {len(stamps) - 1}")
+    per = [1e3 * (stamps[(i + 1) * window] - stamps[i * window]) / window for i in range(n)]
+    return {"median_ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per),
+            "mean_ms": statistics.fmean(per), "windows": n, "window": window, "per_window_ms": per}
+
+
+def ring_bytes(payload_bytes: int, size: int) -> int:
+    """Bytes one worker sends in a ring allreduce of ``payload_bytes`` over ``size`` workers.
+
+    Args:
+        payload_bytes: the reduced tensors' total size.
+        size: number of workers.
+    """
+    return int(2 * (size - 1) / size * payload_bytes) if size > 1 else 0
+
+
+def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Ratios of every measured algorithm against AR-SGD and the compute-only limit.
+
+    Args:
+        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are skipped.
+
+    Returns:
+        ``{"rows": {key: ratios}, "targets": {...}}``: ``speedup_vs_ar`` = T_AR / T;
+        ``over_compute`` = T / T_compute; ``over_ideal`` = T / (T_compute + payload * AR_comm / tau)
+        for the periodic-average algorithms, where AR_comm = T_AR - T_compute.
+    """
+    def t(key: str) -> Optional[float]:
+        r = results.get(key)
+        return r["median_ms"] if r and r.get("median_ms") is not None else None
+
+    comp, ar = t("compute"), t("horovod_ar")
+    ar_comm = ar - comp if ar is not None and comp is not None else None
+    rows: Dict[str, Dict[str, Optional[float]]] = {}
+    for key, r in results.items():
+        ms = t(key)
+        if ms is None:
+            continue
+        algo = ALGORITHM_BY_KEY.get(key)
+        ideal = None
+        if algo is not None and algo.periodic and ar_comm is not None:
+            ideal = comp + algo.payload * ar_comm / algo.tau
+        rows[key] = {"ms": ms, "speedup_vs_ar": ar / ms if ar is not None else None,
+                     "over_compute": ms / comp if comp else None,
+                     "ideal_ms": ideal, "over_ideal": ms / ideal if ideal else None}
+
+    def ratio(a: str, b: str) -> Optional[float]:
+        return t(a) / t(b) if t(a) is not None and t(b) else None
+
+    targets: Dict[str, Optional[float]] = {
+        "ar_comm_ms": ar_comm, "ar_comm_fraction": ar_comm / ar if ar_comm is not None and ar else None,
+        "localsgd_slowmo_over_ideal": rows.get("localsgd_slowmo", {}).get("over_ideal"),
+        "localsgd_slowmo_speedup_vs_ar": rows.get("localsgd_slowmo", {}).get("speedup_vs_ar"),
+    }
+    for _, orig, slow in TABLE2_ROWS:
+        targets[f"{slow}_over_{orig}"] = ratio(slow, orig)
+    # The part of SGP's gossip overhead (over compute only) that OSGP's overlap removes.
+    for suffix in ("", "_slowmo"):
+        s, o = t("sgp" + suffix), t("osgp" + suffix)
+        targets[f"osgp{suffix}_hidden_fraction"] = (
+            (s - o) / (s - comp) if s is not None and o is not None and comp is not None and s > comp else None)
+    return {"rows": rows, "targets": targets}
+
+
+def _fmt(x: Optional[float], spec: str = ".0f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _fmt_bytes(b: Optional[float]) -> str:
+    if b is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def render_markdown(run: Dict[str, Any]) -> str:
+    """The report of one (workload, rate) measurement as markdown.
+
+    Args:
+        run: ``{"header": {...}, "results": {key: {...}}}`` as written by the harness; results
+            entries may be ``{"available": False, "reason": ...}``.
+    """
+    h, results = run["header"], run["results"]
+    summary = summarize({k: v for k, v in results.items() if v.get("available", True)})
+    rows, tg = summary["rows"], summary["targets"]
+    out = [f"### {h['workload']} ({h['params_human']} parameters, {_fmt_bytes(h['param_bytes'])} fp32), "
+           f"{h['hosts']} hosts, {h['rate']} links"
+           + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
+           "",
+           f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
+           f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
+           "period (tau iterations), [min-max] over windows.",
+           "",
+           "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
+           "",
+           "| base algorithm | tau | original | w/ SlowMo | SlowMo overhead |",
+           "|---|---|---|---|---|"]
+
+    def cell(key: str) -> str:
+        r = results.get(key)
+        if r is None or not r.get("available", True):
+            return "not available"
+        return f"{r['median_ms']:.0f} ms ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
+
+    for label, orig, slow in TABLE2_ROWS:
+        over = tg.get(f"{slow}_over_{orig}")
+        out.append(f"| {label} | {ALGORITHM_BY_KEY[orig].tau} | {cell(orig)} | {cell(slow)} | "
+                   f"{_fmt(None if over is None else 100 * (over - 1), '+.1f', '%')} |")
+    out += ["", "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
+                "bytes sent / worker / it |", "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        algo = ALGORITHM_BY_KEY[key]
+        if not r.get("available", True):
+            out.append(f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | |")
+            continue
+        row = rows[key]
+        sent = _fmt_bytes(r.get("bytes_per_iter")) + (" (computed)" if r.get("bytes_computed") else "")
+        out.append(f"| {algo.label} | {algo.tau} | {r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
+                   f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
+                   f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |")
+
+    def pct(x: Optional[float]) -> str:
+        return _fmt(None if x is None else 100 * x, ".1f", "%")
+
+    out += ["",
+            f"- AR-SGD communication: {_fmt(tg['ar_comm_ms'], '.1f', ' ms')} per iteration, "
+            f"{pct(tg['ar_comm_fraction'])} of its time.",
+            f"- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
+            f"{pct(None if tg['localsgd_slowmo_over_ideal'] is None else tg['localsgd_slowmo_over_ideal'] - 1)} "
+            "(target: within 5%).",
+            f"- Local SGD + SlowMo speed-up over AR-SGD: {_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
+            "(target: >= 1.45x where AR-SGD spends a third of its time communicating)."]
+    for label, orig, slow in TABLE2_ROWS:
+        over = tg.get(f"{slow}_over_{orig}")
+        out.append(f"- SlowMo over {label}: {pct(None if over is None else over - 1)} (target: <= 2%).")
+    for suffix, label in (("", "OSGP"), ("_slowmo", "OSGP + SlowMo")):
+        out.append(f"- {label} hides {pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's communication time "
+                   "(1 - (T_OSGP - T_compute) / (T_SGP - T_compute)).")
+    return "\n".join(out) + "\n"
+
+
+# --- running it (root only) ------------------------------------------------------------------------
+def _run(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Cluster:
+    """Builds the plan's namespaces and links, and removes them again (also after a crash).
+
+    Args:
+        plan: from :func:`plan_cluster`.
+    """
+
+    def __init__(self, plan: ClusterPlan) -> None:
+        self.plan = plan
+        self.workers: List[subprocess.Popen] = []
+
+    def clean_stale(self) -> List[str]:
+        """Remove what an earlier run with the same prefix left behind; returns what was found."""
+        found = stale_namespaces(_run(["ip", "netns", "list"]).stdout, self.plan.prefix)
+        for ns in found:
+            _run(["ip", "netns", "del", ns], check=False)
+        if _run(["ip", "link", "show", self.plan.control], check=False).returncode == 0:
+            _run(["ip", "link", "del", self.plan.control], check=False)
+            found.append(self.plan.control)
+        if os.path.isdir(NETNS_DIR):
+            for d in os.listdir(NETNS_DIR):
+                if re.fullmatch(rf"{re.escape(self.plan.prefix)}-(h\d+|sw)", d):
+                    shutil.rmtree(os.path.join(NETNS_DIR, d), ignore_errors=True)
+                    found.append(os.path.join(NETNS_DIR, d))
+        return found
+
+    def build(self, rate: str) -> None:
+        """Create the namespaces, links, addresses, ``/etc/netns`` host files, and shape to ``rate``.
+
+        Args:
+            rate: the link rate, e.g. ``"1gbit"``.
+        """
+        for cmd in setup_commands(self.plan):
+            self._checked(cmd)
+        machine = socket.gethostname()
+        for h in self.plan.hosts:
+            os.makedirs(os.path.join(NETNS_DIR, h.netns), exist_ok=True)
+            with open(os.path.join(NETNS_DIR, h.netns, "hosts"), "w") as f:
+                f.write(hosts_file(self.plan, h, machine))
+        self.shape(rate)
+
+    def shape(self, rate: str) -> None:
+        """Limit every link to ``rate`` in both directions.
+
+        Args:
+            rate: e.g. ``"100mbit"``.
+        """
+        for cmd in shaping_commands(self.plan, rate):
+            self._checked(cmd)
+
+    @staticmethod
+    def _checked(cmd: List[str]) -> None:
+        r = _run(cmd, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
+
+    def stop_workers(self) -> None:
+        """Terminate the worker process groups this object started (then kill what is left)."""
+        for p in self.workers:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        for p in self.workers:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.workers = []
+
+    def teardown(self) -> None:
+        """Stop the workers, delete the namespaces and links, and remove the ``/etc/netns`` files."""
+        self.stop_workers()
+        for cmd in teardown_commands(self.plan):
+            _run(cmd, check=False)
+        for h in self.plan.hosts:
+            shutil.rmtree(os.path.join(NETNS_DIR, h.netns), ignore_errors=True)
+        if os.path.isdir(NETNS_DIR) and not os.listdir(NETNS_DIR):
+            os.rmdir(NETNS_DIR)  # we created it; leave the machine as it was
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    # Turn SIGTERM/SIGHUP into an exception so the finally-block teardown runs.
+    raise SystemExit(128 + signum)
+
+
+def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float) -> None:
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+
+    plan = cluster.plan
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    try:
+        spec = ",".join(f"{h.hostname}:1" for h in plan.hosts)
+        server.init(get_host_assignments(parse_hosts(spec), len(plan.hosts)))
+        for h in plan.hosts:
+            env = {**os.environ, **worker_env(plan, h, port)}
+            cmd = ["ip", "netns", "exec", h.netns, sys.executable, WORKER, *worker_args]
+            # Own process group: teardown can end the worker and anything it started, and only that.
+            cluster.workers.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in cluster.workers):
+            failed = [p for p in cluster.workers if p.returncode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a worker exited with code {failed[0].returncode}; see its output above")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers still running after --timeout {timeout_s:.0f} s")
+            time.sleep(0.2)
+        codes = [p.returncode for p in cluster.workers]
+        if any(codes):
+            raise RuntimeError(f"worker exit codes {codes}; see their output above")
+        cluster.workers = []
+    finally:
+        server.stop()
+
+
+def _write_tensorboard(logdir: str, runs: List[Dict[str, Any]]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(logdir) as w:
+        for run in runs:
+            h = run["header"]
+            scope = f"{h['workload']}_{h['params_human']}/{h['rate']}"
+            w.add_text(f"{scope}/header", json.dumps(h, indent=1).replace("\n", "  \n"))
+            summary = summarize({k: v for k, v in run["results"].items() if v.get("available", True)})
+            for key, r in run["results"].items():
+                if not r.get("available", True):
+                    continue
+                for i, ms in enumerate(r["per_window_ms"]):
+                    w.add_scalar(f"{scope}/ms_per_iter_window/{key}", ms, i)
+                w.add_scalar(f"{scope}/ms_per_iter_median/{key}", r["median_ms"], 0)
+                for name, value in summary["rows"][key].items():
+                    if value is not None and name != "ms":
+                        w.add_scalar(f"{scope}/{name}/{key}", value, 0)
+                if r.get("bytes_per_iter") is not None:
+                    w.add_scalar(f"{scope}/bytes_per_iter/{key}", r["bytes_per_iter"], 0)
+
+
+def _human(n: int) -> str:
+    for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale and n % (scale // 10) == 0:
+            return f"{n / scale:g}{suffix}"
+    return str(n)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse arguments, build the cluster, measure, report, tear down.
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+    """
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one Horovod worker each")
+    p.add_argument("--rate", action="append", help="link rate, tc syntax (repeatable): 1gbit, 100mbit")
+    p.add_argument("--workload", choices=["synthetic", "resnet18", "transformer"], default="synthetic")
+    p.add_argument("--params", default="10M", help="synthetic model sizes, comma separated: 1M,10M,50M")
+    p.add_argument("--compute-ms", default="100",
+                   help="synthetic compute per iteration (sleep), one value or one per --params entry")
+    p.add_argument("--iters", type=int, default=48,
+                   help="timed iterations per algorithm (raised to at least --windows outer periods)")
+    p.add_argument("--windows", type=int, default=3, help="minimum timed outer periods per algorithm")
+    p.add_argument("--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads")
+    p.add_argument("--algorithms", default=",".join(a.key for a in ALGORITHMS),
+                   help="comma-separated subset of: " + ", ".join(a.key for a in ALGORITHMS))
+    p.add_argument("--prefix", default="hsmc", help="prefix of every namespace and link created")
+    p.add_argument("--subnet", default="10.77.0", help="a free /24 for the emulated hosts")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
+    p.add_argument("--out", default="runs/cluster", help="output folder: results.json, table.md, tensorboard/")
+    args = p.parse_args(argv)
+
+    rates = args.rate or ["1gbit"]
+    for r in rates:
+        parse_rate(r)
+    sizes = [parse_count(s) for s in args.params.split(",")]
+    compute = [float(c) for c in args.compute_ms.split(",")]
+    if len(compute) not in (1, len(sizes)):
+        p.error(f"--compute-ms needs one value or one per --params entry ({len(sizes)}), got {len(compute)}")
+    if any(c < 0 for c in compute):
+        p.error("--compute-ms must be >= 0")
+    compute = compute * len(sizes) if len(compute) == 1 else compute
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in ALGORITHM_BY_KEY]
+    if unknown:
+        p.error(f"--algorithms: unknown {unknown}; choose from {[a.key for a in ALGORITHMS]}")
+    if args.iters < 1 or args.windows < 1:
+        p.error("--iters and --windows must be >= 1")
+    plan = plan_cluster(args.hosts, args.prefix, args.subnet)
+    if os.geteuid() != 0:
+        print("cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr)
+        return 2
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        print("cluster.py needs the `ip` and `tc` tools (iproute2).", file=sys.stderr)
+        return 2
+
+    workloads = ([{"workload": "synthetic", "params": n, "compute_ms": c} for n, c in zip(sizes, compute)]
+                 if args.workload == "synthetic" else [{"workload": args.workload, "compute_ms": None}])
+    os.makedirs(args.out, exist_ok=True)
+    cluster = Cluster(plan)
+    old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    runs: List[Dict[str, Any]] = []
+    try:
+        stale = cluster.clean_stale()
+        if stale:
+            print(f"removed leftovers of an earlier run: {stale}", flush=True)
+        cluster.build(rates[0])
+        for rate in rates:
+            cluster.shape(rate)
+            for wl in workloads:
+                raw = os.path.join(args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json")
+                spec = {**wl, "algorithms": algos, "iters": args.iters, "windows": args.windows,
+                        "batch_size": args.batch_size, "output": os.path.abspath(raw)}
+                print(f"== {wl['workload']} {_human(wl['params']) if 'params' in wl else ''} at {rate}: "
+                      f"{len(algos)} algorithms on {args.hosts} hosts", flush=True)
+                _launch(cluster, ["--spec", json.dumps(spec)], args.timeout)
+                with open(raw) as f:
+                    measured = json.load(f)
+                header = {**measured["header"], "hosts": args.hosts, "rate": rate,
+                          "rate_bits_per_s": parse_rate(rate), "tbf": " ".join(tbf_args(rate)),
+                          "cpu_cores": os.cpu_count(), "command": " ".join([sys.executable, *sys.argv])}
+                header["params_human"] = _human(header["params"])
+                run = {"header": header, "results": measured["results"]}
+                run["summary"] = summarize({k: v for k, v in run["results"].items() if v.get("available", True)})
+                runs.append(run)
+                print(render_markdown(run), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: tearing the cluster down", file=sys.stderr)
+        return 130
+    finally:
+        cluster.teardown()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write("\n".join(render_markdown(r) for r in runs))
+    _write_tensorboard(os.path.join(args.out, "tensorboard"), runs)
+    print(f"wrote {args.out}/results.json, table.md, tensorboard/", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

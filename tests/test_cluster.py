@@ -1,0 +1,245 @@
+"""Tests of the emulated-cluster benchmark (benchmarks/cluster.py).
+
+The pure logic (plans, commands, statistics, ratios, the table) is tested everywhere, fast;
+one end-to-end run on 2 emulated hosts needs root, ``ip netns`` and Horovod.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("cluster", os.path.join(ROOT, "benchmarks", "cluster.py"))
+cluster = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cluster)
+
+
+@pytest.mark.parametrize("rate,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5gbit", 25 * 10**8),
+                                       ("500kbit", 5 * 10**5), ("10GBIT", 10**10)],
+                         ids=["1gbit", "100mbit", "fraction", "kbit", "uppercase"])
+def test_parse_rate(rate, bits):
+    assert cluster.parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["1gbps", "fast", "0mbit", "-1gbit", ""], ids=["bytes", "word", "zero", "neg", "empty"])
+def test_parse_rate_rejects(rate):
+    with pytest.raises(ValueError, match="--rate"):
+        cluster.parse_rate(rate)
+
+
+def test_parse_count():
+    assert [cluster.parse_count(s) for s in ("1M", "10M", "50m", "500k", "1.5M", "123")] == \
+        [10**6, 10**7, 5 * 10**7, 5 * 10**5, 1_500_000, 123]
+    with pytest.raises(ValueError, match="--params"):
+        cluster.parse_count("ten")
+    with pytest.raises(ValueError, match="--params"):
+        cluster.parse_count("0")
+
+
+def test_plan_names_and_addresses():
+    plan = cluster.plan_cluster(3, prefix="abc", subnet="10.9.8")
+    assert [h.netns for h in plan.hosts] == ["abc-h0", "abc-h1", "abc-h2"]
+    assert [h.address for h in plan.hosts] == ["10.9.8.1", "10.9.8.2", "10.9.8.3"]
+    assert [h.rank for h in plan.hosts] == [0, 1, 2]
+    assert plan.switch == "abc-sw" and plan.control_address == "10.9.8.254"
+    # Link names must fit the kernel's 15-character limit, even for the longest prefix and rank.
+    longest = cluster.plan_cluster(250, prefix="abcdefgh")
+    names = [n for h in longest.hosts for n in (h.port, h.peer)] + [longest.control, longest.control_peer]
+    assert max(len(n) for n in names) <= 15
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_hosts": 1}, "--hosts"), ({"num_hosts": 251}, "--hosts"), ({"num_hosts": True}, "--hosts"),
+    ({"num_hosts": 2, "prefix": "Bad-Prefix"}, "--prefix"), ({"num_hosts": 2, "prefix": "toolongpfx"}, "--prefix"),
+    ({"num_hosts": 2, "subnet": "10.0.300"}, "--subnet"), ({"num_hosts": 2, "subnet": "10.0.0.0/24"}, "--subnet"),
+], ids=["one-host", "too-many", "bool", "prefix-chars", "prefix-long", "octet", "cidr"])
+def test_plan_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cluster.plan_cluster(**kwargs)
+
+
+def test_setup_commands_build_every_link():
+    plan = cluster.plan_cluster(2, prefix="t")
+    cmds = [" ".join(c) for c in cluster.setup_commands(plan)]
+    assert cmds[0] == "ip netns add t-sw"
+    assert "ip netns add t-h0" in cmds and "ip netns add t-h1" in cmds
+    assert "ip link add tv1 type veth peer name tp1" in cmds
+    assert "ip -n t-sw link set tp1 master br0" in cmds
+    assert "ip -n t-h1 link set tv1 name eth0" in cmds
+    assert "ip -n t-h1 addr add 10.77.0.2/24 dev eth0" in cmds
+    assert "ip addr add 10.77.0.254/24 dev tc0" in cmds
+    # A veth is renamed only after it moved into its namespace (the name eth0 exists in the root one).
+    assert cmds.index("ip link set tv0 netns t-h0") < cmds.index("ip -n t-h0 link set tv0 name eth0")
+
+
+def test_tbf_args_and_shaping_both_directions():
+    assert cluster.tbf_args("1gbit") == ["tbf", "rate", "1gbit", "burst", "500000", "latency", "50ms"]
+    # Low rates still get a bucket larger than one 64 KiB GSO packet.
+    assert cluster.tbf_args("10mbit")[4] == str(128 * 1024)
+    plan = cluster.plan_cluster(2, prefix="t")
+    cmds = [" ".join(c) for c in cluster.shaping_commands(plan, "100mbit")]
+    assert len(cmds) == 4
+    tbf = "tbf rate 100mbit burst 131072 latency 50ms"
+    assert f"ip netns exec t-h0 tc qdisc replace dev eth0 root {tbf}" in cmds
+    assert f"ip netns exec t-sw tc qdisc replace dev tp0 root {tbf}" in cmds
+    assert f"ip netns exec t-sw tc qdisc replace dev tp1 root {tbf}" in cmds
+    with pytest.raises(ValueError, match="--rate"):
+        cluster.shaping_commands(plan, "1GB")
+
+
+def test_teardown_commands_cover_everything_built():
+    plan = cluster.plan_cluster(3, prefix="t")
+    built = {c[3] for c in cluster.setup_commands(plan) if c[:3] == ["ip", "netns", "add"]}
+    torn = [c for c in cluster.teardown_commands(plan)]
+    assert {c[3] for c in torn if c[:3] == ["ip", "netns", "del"]} == built
+    assert ["ip", "link", "del", "tc0"] in torn  # the only link left in the root namespace
+
+
+def test_stale_namespaces_matches_only_this_prefix():
+    listing = "hsmc-h0 (id: 3)\nhsmc-sw (id: 2)\nhsmc-h12\nhsmcx-h0\nother-h0\nhsmc-hx\n\n"
+    assert cluster.stale_namespaces(listing, "hsmc") == ["hsmc-h0", "hsmc-sw", "hsmc-h12"]
+    assert cluster.stale_namespaces("", "hsmc") == []
+
+
+def test_hosts_file_maps_machine_name_to_own_address():
+    plan = cluster.plan_cluster(3, prefix="t")
+    text = cluster.hosts_file(plan, plan.hosts[1], "vm")
+    lines = text.splitlines()
+    assert lines[0] == "127.0.0.1 localhost"
+    assert lines[1] == "10.77.0.2 vm th1"
+    assert "10.77.0.1 th0" in lines and "10.77.0.3 th2" in lines
+    assert not any("127.0.0.1 vm" in line for line in lines)
+
+
+def test_worker_env_matches_horovod_gloo_launcher():
+    plan = cluster.plan_cluster(4, prefix="t")
+    env = cluster.worker_env(plan, plan.hosts[2], 4321)
+    assert env["HOROVOD_RANK"] == "2" and env["HOROVOD_SIZE"] == "4"
+    assert env["HOROVOD_CROSS_RANK"] == "2" and env["HOROVOD_CROSS_SIZE"] == "4"
+    assert env["HOROVOD_LOCAL_RANK"] == "0" and env["HOROVOD_LOCAL_SIZE"] == "1"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.254" and env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4321"
+    assert env["HOROVOD_HOSTNAME"] == "th2" and env["HOROVOD_GLOO_IFACE"] == "eth0"
+
+
+def test_window_stats():
+    # 6 iterations, windows of 3: [1, 1, 4] s then [1, 1, 1] s.
+    stamps = [0.0, 1.0, 2.0, 6.0, 7.0, 8.0, 9.0]
+    s = cluster.window_stats(stamps, 3)
+    assert s["per_window_ms"] == [2000.0, 1000.0]
+    assert s["median_ms"] == 1500.0 and s["min_ms"] == 1000.0 and s["max_ms"] == 2000.0
+    assert s["windows"] == 2
+    # A trailing partial window is ignored rather than mixed in.
+    assert cluster.window_stats(stamps + [100.0], 3)["per_window_ms"] == [2000.0, 1000.0]
+    with pytest.raises(ValueError, match="at least 3"):
+        cluster.window_stats([0.0, 1.0, 2.0], 3)
+
+
+def test_ring_bytes():
+    assert cluster.ring_bytes(4_000_000, 4) == 6_000_000  # 2 * 3/4 * 4 MB
+    assert cluster.ring_bytes(1000, 2) == 1000
+    assert cluster.ring_bytes(1000, 1) == 0
+
+
+def _results(**ms):
+    return {k: {"median_ms": v, "min_ms": v, "max_ms": v, "bytes_per_iter": 0} for k, v in ms.items()}
+
+
+def test_summarize_ratios():
+    # compute 100, AR-SGD 150 -> AR_comm 50 (a third of AR's time).
+    res = _results(compute=100.0, horovod_ar=150.0, localsgd=105.0, localsgd_slowmo=106.0, double_avg=110.0,
+                   sgp=140.0, sgp_slowmo=140.0, osgp=110.0, osgp_slowmo=120.0)
+    s = cluster.summarize(res)
+    rows, tg = s["rows"], s["targets"]
+    assert rows["horovod_ar"]["speedup_vs_ar"] == 1.0
+    assert rows["localsgd_slowmo"]["speedup_vs_ar"] == pytest.approx(150 / 106)
+    assert rows["localsgd"]["over_compute"] == pytest.approx(1.05)
+    assert rows["localsgd"]["ideal_ms"] == pytest.approx(100 + 50 / 12)
+    assert rows["double_avg"]["ideal_ms"] == pytest.approx(100 + 2 * 50 / 12)  # buffers doubled the payload
+    assert rows["sgp"]["ideal_ms"] is None and rows["horovod_ar"]["over_ideal"] is None
+    assert tg["ar_comm_ms"] == 50.0 and tg["ar_comm_fraction"] == pytest.approx(1 / 3)
+    assert tg["localsgd_slowmo_over_localsgd"] == pytest.approx(106 / 105)
+    assert tg["osgp_hidden_fraction"] == pytest.approx((140 - 110) / 40)
+    assert tg["osgp_slowmo_hidden_fraction"] == pytest.approx((140 - 120) / 40)
+
+
+def test_summarize_missing_entries():
+    s = cluster.summarize(_results(compute=100.0, localsgd=105.0))
+    assert s["rows"]["localsgd"]["speedup_vs_ar"] is None and s["rows"]["localsgd"]["ideal_ms"] is None
+    assert s["targets"]["osgp_hidden_fraction"] is None and s["targets"]["ar_comm_ms"] is None
+
+
+def test_render_markdown_table():
+    res = _results(compute=100.0, horovod_ar=150.0, localsgd=105.0, localsgd_slowmo=106.0)
+    res["horovod_ar"].update(bytes_per_iter=6e6, bytes_computed=True)
+    res["sgp"] = {"available": False, "reason": "base 'sgp' not in hvd_slowmo.BASES"}
+    header = {"workload": "synthetic", "params_human": "1M", "param_bytes": 4_000_000, "hosts": 4,
+              "rate": "1gbit", "compute_ms": 100.0, "cpu_cores": 2, "horovod": "0.28.1"}
+    md = cluster.render_markdown({"header": header, "results": res})
+    assert "4 hosts, 1gbit links" in md and "1M parameters" in md
+    assert "| Local SGD | 12 | 105 ms (1.43x) | 106 ms (1.42x) | +1.0% |" in md
+    assert "| SGP | 48 | not available | not available | n/a |" in md
+    assert "6.00 MB (computed)" in md
+    assert "33.3% of its time" in md
+
+
+def _cluster_skip_reason():
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns list` failed: {probe.stderr.strip()}"
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as e:
+        return f"horovod.torch not importable ({e})"
+    return None
+
+
+def test_needs_root_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    assert cluster.main(["--hosts", "2", "--out", str(tmp_path)]) != 0
+    assert "needs root" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(240)
+def test_end_to_end_two_hosts(tmp_path):
+    reason = _cluster_skip_reason()
+    if reason:
+        print(f"skipping the emulated-cluster run: {reason}")
+        pytest.skip(reason)
+    prefix = "hsmt"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--rate", "100mbit",
+           "--workload", "synthetic", "--params", "100k", "--compute-ms", "5", "--iters", "4", "--windows", "2",
+           "--algorithms", "compute,horovod_ar,allreduce,localsgd_slowmo", "--prefix", prefix, "--subnet", "10.78.0",
+           "--timeout", "150", "--out", str(tmp_path)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    finally:
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert cluster.stale_namespaces(left, prefix) == [], f"namespaces left behind: {left}"
+        assert not os.path.exists(f"/etc/netns/{prefix}-h0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())
+    assert len(runs) == 1
+    res = runs[0]["results"]
+    assert set(res) == {"compute", "horovod_ar", "allreduce", "localsgd_slowmo"}
+    assert res["localsgd_slowmo"]["iterations"] == 24 and res["localsgd_slowmo"]["windows"] == 2
+    assert res["horovod_ar"]["iterations"] == 4
+    assert all(r_["median_ms"] > 0 for r_ in res.values())
+    # The sleep is a floor for every algorithm's iteration time.
+    assert res["compute"]["median_ms"] >= 5.0
+    # hvd_slowmo counted its allreduce bytes: ring volume of 100k fp32 over 2 workers, every step.
+    assert res["allreduce"]["bytes_per_iter"] == pytest.approx(400_000, rel=0.01)
+    assert res["localsgd_slowmo"]["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
+    assert res["horovod_ar"]["bytes_computed"] is True
+    assert "| Local SGD |" in (tmp_path / "table.md").read_text()
+    assert os.listdir(tmp_path / "tensorboard")
