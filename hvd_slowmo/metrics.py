@@ -1,0 +1,226 @@
+"""Training metrics for SlowMo runs (arXiv 1910.00643): TensorBoard scalars, the per-iteration
+time split (compute / base communication / exact average / slow update), bytes sent and the
+consensus distance between workers.
+
+One :class:`TrainingMonitor` per process; every rank calls it (some measurements are
+collectives), only rank 0 writes. The tag names below are what :mod:`hvd_slowmo.report` reads.
+"""
+import json
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import Tensor
+
+from .comm.base import Communicator
+
+__all__ = ["TAGS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
+
+#: Scalar tags written to TensorBoard (step = global base-step count).
+TAGS = {
+    "train_loss": "train/loss",  # mean over workers and the logging window
+    "lr": "train/lr",
+    "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",  # classification, in percent
+    "val_nll": "val/nll",  # translation: per-token negative log-likelihood
+    "iter_ms": "time/iter_ms",  # wall time per iteration (rank 0), window mean
+    "compute_ms": "time/compute_ms",  # iter_ms minus the three communication phases below
+    "base_comm_ms": "time/base_comm_ms",  # the base algorithm's per-step communication (gossip, allreduce)
+    "average_ms": "time/average_ms",  # the exact average every tau steps
+    "slow_update_ms": "time/slow_update_ms",  # slow momentum update and buffer strategy
+    "bytes_sent": "comm/bytes_sent",  # cumulative payload bytes sent by rank 0 (training traffic only)
+    "consensus": "consensus/distance",  # mean_i ||x_i - mean_j x_j|| just before an exact average
+}
+#: File written next to the event files with the run's configuration (read by the report).
+CONFIG_FILE = "config.json"
+_PHASES = ("base_comm", "average", "slow_update")
+
+
+@torch.no_grad()
+def consensus_distance(params: Iterable[Tensor], comm: Communicator) -> float:
+    """Mean distance of the workers' parameters to their average: ``mean_i ||x_i - x_bar||_2``.
+
+    Collective: every worker must call it with the same parameter shapes; all get the same
+    value. Costs two allreduces (the parameters, then one scalar). See arXiv 1910.00643 for
+    why drift between exact averages matters for SlowMo.
+
+    Args:
+        params: this worker's parameters ``x_i``.
+        comm: the communicator over all workers.
+    """
+    params = list(params)
+    if not params:
+        raise ValueError("consensus_distance: params is empty; pass model.parameters()")
+    # float64 so that the subtraction of two nearly equal models does not lose the difference.
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
+    mean = flat.clone()
+    comm.average_([mean], name="hvd_slowmo.metrics.consensus_mean")
+    dist = torch.linalg.vector_norm(flat - mean).reshape(1)
+    comm.average_([dist], name="hvd_slowmo.metrics.consensus_dist")
+    return float(dist.item())
+
+
+class TrainingMonitor:
+    """Times iterations, measures consensus and writes TensorBoard scalars on rank 0.
+
+    Usage, per iteration (every rank)::
+
+        monitor.start_iteration()
+        loss = ...; loss.backward()
+        monitor.before_step()          # consensus distance, when an exact average is next
+        opt.step()
+        monitor.end_iteration(loss.item())
+        if step % log_every == 0: monitor.log_window(step)
+
+    The consensus measurement and the loss averaging run outside the timed region and their
+    traffic is subtracted from ``comm/bytes_sent``.
+
+    Args:
+        optimizer: the :class:`hvd_slowmo.DistributedOptimizer` being trained.
+        logdir: the run's TensorBoard directory (rank 0 creates it); None writes nothing.
+        config: the run's configuration, saved as ``config.json`` next to the event files.
+        measure_consensus: measure the consensus distance before each exact average.
+        device: the training device; on CUDA the clock is read after a synchronize so the
+            time split is real.
+    """
+
+    def __init__(self, optimizer: Any, logdir: Optional[str], config: Dict[str, Any],
+                 measure_consensus: bool = True, device: Optional[torch.device] = None) -> None:
+        for attr in ("comm", "timings", "inner_step", "tau", "base", "param_groups"):
+            if not hasattr(optimizer, attr):
+                raise TypeError(f"optimizer must be a hvd_slowmo.DistributedOptimizer (it lacks {attr!r}), "
+                                f"got {type(optimizer).__name__}")
+        self.opt = optimizer
+        self.comm: Communicator = optimizer.comm
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.measure_consensus = measure_consensus
+        self.writer = None
+        if logdir is not None and self.comm.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(logdir, exist_ok=True)
+            with open(os.path.join(logdir, CONFIG_FILE), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=1, sort_keys=True, default=str)
+            self.writer = SummaryWriter(logdir)
+        self.measurement_bytes = 0  # traffic of the monitor itself, kept out of comm/bytes_sent
+        self.last_consensus: Optional[float] = None
+        self.total_iterations = 0
+        self.total_seconds = 0.0
+        self._reset_window()
+        self._t0: Optional[float] = None
+        self._phase0: Dict[str, float] = {}
+
+    def _reset_window(self) -> None:
+        self._win_iters = 0
+        self._win_seconds = 0.0
+        self._win_phases = {k: 0.0 for k in _PHASES}
+        self._win_loss = 0.0
+        self._win_loss_count = 0
+        self._win_consensus: List[float] = []
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start_iteration(self) -> None:
+        """Call at the top of an iteration, after the batch is loaded."""
+        self._phase0 = dict(self.opt.timings)
+        self._t0 = self._clock()
+
+    def before_step(self) -> None:
+        """Call right before ``optimizer.step()``: if that step ends an outer loop (its exact
+        average comes next), measure the consensus distance. Collective on those steps."""
+        if self._t0 is None:
+            raise RuntimeError("TrainingMonitor.before_step() called before start_iteration()")
+        # Allreduce keeps the workers identical: nothing to measure there.
+        if not self.measure_consensus or not self.opt.base.needs_exact_average:
+            return
+        if self.opt.inner_step != self.opt.tau - 1:
+            return
+        t = self._clock()
+        before = self.comm.bytes_sent
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        self.last_consensus = consensus_distance(params, self.comm)
+        self.measurement_bytes += self.comm.bytes_sent - before
+        self._win_consensus.append(self.last_consensus)
+        self._t0 += self._clock() - t  # the measurement is not training time
+
+    def end_iteration(self, loss: float) -> float:
+        """Call after ``optimizer.step()``; returns this iteration's wall time in seconds.
+
+        Args:
+            loss: this worker's training loss of the iteration (a float).
+        """
+        if self._t0 is None:
+            raise RuntimeError("TrainingMonitor.end_iteration() called before start_iteration()")
+        elapsed = self._clock() - self._t0
+        self._t0 = None
+        for k in _PHASES:
+            self._win_phases[k] += self.opt.timings[k] - self._phase0[k]
+        self._win_iters += 1
+        self._win_seconds += elapsed
+        self._win_loss += float(loss)
+        self._win_loss_count += 1
+        self.total_iterations += 1
+        self.total_seconds += elapsed
+        return elapsed
+
+    @torch.no_grad()
+    def log_window(self, step: int) -> Dict[str, float]:
+        """Write the window's means (loss over all workers; times of this rank) and start a new
+        window. Collective (one small allreduce for the loss). Returns what was computed.
+
+        Args:
+            step: the global step for the x axis (e.g. ``opt.num_steps``).
+        """
+        before = self.comm.bytes_sent
+        loss = torch.tensor([self._win_loss, float(self._win_loss_count)], dtype=torch.float64)
+        self.comm.average_([loss], name="hvd_slowmo.metrics.train_loss")
+        self.measurement_bytes += self.comm.bytes_sent - before
+        out: Dict[str, float] = {}
+        if loss[1] > 0:
+            out["train_loss"] = float(loss[0] / loss[1])
+        if self._win_iters:
+            n = self._win_iters
+            out["iter_ms"] = 1000.0 * self._win_seconds / n
+            for k in _PHASES:
+                out[f"{k}_ms"] = 1000.0 * self._win_phases[k] / n
+            out["compute_ms"] = out["iter_ms"] - sum(out[f"{k}_ms"] for k in _PHASES)
+        if self._win_consensus:
+            out["consensus"] = sum(self._win_consensus) / len(self._win_consensus)
+        out["lr"] = float(self.opt.param_groups[0]["lr"])
+        out["bytes_sent"] = float(self.comm.bytes_sent - self.measurement_bytes)
+        self._write(out, step)
+        self._reset_window()
+        return out
+
+    def log_validation(self, step: int, metrics: Dict[str, float]) -> None:
+        """Write validation metrics (rank 0).
+
+        Args:
+            step: the global step for the x axis.
+            metrics: keys among ``val_loss``, ``val_accuracy``, ``val_nll``.
+        """
+        unknown = sorted(set(metrics) - {"val_loss", "val_accuracy", "val_nll"})
+        if unknown:
+            raise ValueError(f"log_validation: unknown metric(s) {unknown}; use val_loss, val_accuracy or val_nll")
+        self._write(metrics, step)
+
+    def _write(self, values: Dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(TAGS[key], value, step)
+        self.writer.flush()
+
+    def mean_iteration_ms(self) -> float:
+        """Mean wall time per iteration over the whole run so far (this rank), in ms."""
+        return 1000.0 * self.total_seconds / max(self.total_iterations, 1)
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

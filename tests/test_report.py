@@ -1,0 +1,200 @@
+"""The report (hvd_slowmo.report) against event files written here with known values, and the
+metrics it reads (hvd_slowmo.metrics) on in-process thread workers. No Horovod needed."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+import hvd_slowmo
+from hvd_slowmo import report
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.metrics import CONFIG_FILE, TAGS, TrainingMonitor, consensus_distance
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def write_run(root, name, config, scalars):
+    """One run folder: config.json (unless config is None) and scalars {key: [(step, value)]}."""
+    folder = os.path.join(root, name)
+    os.makedirs(folder, exist_ok=True)
+    if config is not None:
+        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+            json.dump(config, f)
+    w = SummaryWriter(folder)
+    for key, points in scalars.items():
+        for step, value in points:
+            w.add_scalar(TAGS[key], value, step)
+    w.close()
+    return folder
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    # Dyadic values: exact in the float32 that TensorBoard stores.
+    write_run(tmp_path, "localsgd_tau12", {"task": "digits", "algo": "localsgd", "slowmo": False, "optimizer": "sgd"}, {
+        "train_loss": [(10, 0.75), (20, 0.5), (30, 0.625)],
+        "val_accuracy": [(15, 80.0), (30, 85.5), (45, 83.0)],
+        "iter_ms": [(10, 50.0), (20, 10.0), (30, 20.0)],
+        "compute_ms": [(10, 40.0), (20, 8.0), (30, 16.0)],
+        "base_comm_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
+        "average_ms": [(10, 10.0), (20, 2.0), (30, 4.0)],
+        "slow_update_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
+        "bytes_sent": [(10, 1e6), (20, 2e6), (30, 3e6)],
+        "consensus": [(10, 0.5), (20, 0.25)],
+    })
+    # Two SlowMo runs share a cell: the one with the better validation accuracy is shown.
+    write_run(tmp_path, "localsgd-slowmo_tau12_a1_b0.7_reset",
+              {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"}, {
+                  "train_loss": [(10, 0.5), (20, 0.125), (30, 0.25)],
+                  "val_accuracy": [(15, 86.0), (30, 90.5)],
+                  "iter_ms": [(10, 40.0), (20, 12.0)],
+              })
+    write_run(tmp_path, "localsgd-slowmo_tau12_a1_b0.5_reset",
+              {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"}, {
+                  "train_loss": [(10, 0.0625)],
+                  "val_accuracy": [(15, 88.0)],
+                  "iter_ms": [(10, 99.0)],
+              })
+    # No config.json: algo and SlowMo come from the name.
+    write_run(tmp_path, "allreduce", None, {
+        "train_loss": [(10, 0.375)], "val_accuracy": [(15, 70.0), (30, 75.25)], "iter_ms": [(10, 30.0)]})
+    write_run(tmp_path, "ar", {"task": "digits", "algo": "allreduce", "slowmo": False, "optimizer": "sgd"},
+              {"train_loss": [(10, 0.25)], "val_accuracy": [(15, 92.0)], "iter_ms": [(10, 20.0), (20, 24.0)]})
+    write_run(tmp_path, "wmt/localsgd-slowmo", {"task": "wmt", "algo": "localsgd", "slowmo": True, "optimizer": "adam"},
+              {"train_loss": [(5, 3.5), (10, 2.5)], "val_nll": [(5, 3.0), (10, 2.25), (15, 2.5)],
+               "iter_ms": [(5, 8.0), (10, 6.0), (15, 7.0)]})
+    return tmp_path
+
+
+def row(table, *starts):
+    """The cells of the table line whose first cells are ``starts``."""
+    for line in table.splitlines():
+        cells = [c for c in line.split("  ") if c.strip()]
+        cells = [c.strip() for c in cells]
+        if cells[: len(starts)] == list(starts):
+            return cells
+    raise AssertionError(f"no row starting with {starts} in:\n{table}")
+
+
+def test_load_and_summarize(runs_dir):
+    runs = {r.name: r for r in report.load_runs([str(runs_dir)])}
+    assert sorted(runs) == sorted(["localsgd_tau12", "localsgd-slowmo_tau12_a1_b0.7_reset",
+                                   "localsgd-slowmo_tau12_a1_b0.5_reset", "allreduce", "ar",
+                                   os.path.join("wmt", "localsgd-slowmo")])
+    s = report.summarize(runs["localsgd_tau12"])
+    assert s["best_train_loss"] == 0.5
+    assert (s["val_kind"], s["best_val"]) == ("accuracy", 85.5)
+    assert s["iter_ms"] == 15.0  # the first window (50 ms, start-up) is left out
+    assert (s["compute_ms"], s["average_ms"], s["base_comm_ms"]) == (12.0, 3.0, 0.0)
+    assert s["bytes_sent"] == 3e6 and s["steps"] == 45
+    assert s["consensus"] == 0.375
+    a = report.summarize(runs["allreduce"])
+    assert (a["algo"], a["slowmo"], a["iter_ms"], a["best_val"]) == ("allreduce", False, 30.0, 75.25)
+    w = report.summarize(runs[os.path.join("wmt", "localsgd-slowmo")])
+    assert (w["val_kind"], w["best_val"], w["best_train_loss"], w["iter_ms"]) == ("nll", 2.25, 2.5, 6.5)
+
+
+def test_tables(runs_dir):
+    runs = report.load_runs([str(runs_dir)])
+    t1 = report.table1(runs)
+    assert row(t1, "digits", "Local SGD") == ["digits", "Local SGD", "0.5000", "0.1250", "85.50%", "90.50%"]
+    assert row(t1, "-", "AR-SGD") == ["-", "AR-SGD", "0.3750", "-", "75.25%", "-"]  # task unknown: no config
+    assert row(t1, "digits", "AR-SGD") == ["digits", "AR-SGD", "0.2500", "-", "92.00%", "-"]
+    assert row(t1, "wmt", "Local Adam") == ["wmt", "Local Adam", "-", "2.5000", "-", "2.250"]
+    # The paper's order: Local SGD before AR-SGD.
+    assert t1.index("digits  Local SGD") < t1.index("digits  AR-SGD")
+    t2 = report.table2(runs)
+    assert row(t2, "digits", "Local SGD") == ["digits", "Local SGD", "15.00", "12.00"]
+    assert row(t2, "digits", "AR-SGD") == ["digits", "AR-SGD", "24.00", "-"]
+    assert row(t2, "-", "AR-SGD") == ["-", "AR-SGD", "30.00", "-"]  # a single window is kept
+    detail = report.runs_table(runs)
+    assert row(detail, "localsgd_tau12") == ["localsgd_tau12", "45", "0.5000", "85.50%", "15.00", "12.00", "0.00",
+                                             "3.00", "0.00", "3.00", "0.3750"]
+
+
+def test_main_prints_tables_and_saves_png(runs_dir, capsys):
+    png = runs_dir / "out" / "fig.png"
+    assert report.main([str(runs_dir), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "Table 1" in out and "Table 2" in out and f"Figure: {png}" in out
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_without_runs_fails(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 1
+    assert "no TensorBoard event files" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a folder"):
+        report.load_runs([str(tmp_path / "missing")])
+
+
+def test_consensus_distance_exact():
+    # Worker r holds ones * r over n elements: the mean is 1.5, worker r is |r - 1.5| sqrt(n) away.
+    n = 9
+
+    def worker(comm):
+        params = [torch.full((2, 3), float(comm.rank)), torch.full((3,), float(comm.rank))]
+        return consensus_distance(params, comm), comm.bytes_sent
+
+    out = run_threads(4, worker)
+    expected = (1.5 + 0.5 + 0.5 + 1.5) / 4 * math.sqrt(n)
+    assert [d for d, _ in out] == [pytest.approx(expected, rel=1e-12)] * 4
+    assert len({d for d, _ in out}) == 1  # bitwise the same everywhere
+    assert all(b > 0 for _, b in out)
+
+
+def test_consensus_distance_rejects_empty():
+    with pytest.raises(ValueError, match="params is empty"):
+        run_threads(1, lambda comm: consensus_distance([], comm))
+
+
+def test_monitor_logs_window_and_consensus(tmp_path):
+    """Two Local SGD workers (tau=2) on different data: consensus is measured before each exact
+    average only, the logged loss is the mean over workers, measurement traffic is excluded."""
+    logdir = str(tmp_path / "run")
+
+    def worker(comm):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = hvd_slowmo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              named_parameters=model.named_parameters(), base="localsgd", tau=2,
+                                              slow_momentum=0.5, communicator=comm)
+        mon = TrainingMonitor(opt, logdir if comm.rank == 0 else None, {"algo": "localsgd", "slowmo": True})
+        measured = []
+        x = torch.full((4, 3), float(comm.rank + 1))
+        for _ in range(4):
+            mon.start_iteration()
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            before = mon.last_consensus
+            at_average = opt.inner_step == opt.tau - 1
+            mon.before_step()
+            measured.append(mon.last_consensus is not before and at_average)
+            opt.step()
+            mon.end_iteration(float(comm.rank + 1))  # known "losses": 1 and 2
+        out = mon.log_window(opt.num_steps)
+        mon.close()
+        return measured, out, opt.comm.bytes_sent, mon.measurement_bytes
+
+    results = run_threads(2, worker)
+    for measured, out, sent, extra in results:
+        assert measured == [False, True, False, True]
+        assert out["train_loss"] == 1.5
+        assert extra > 0 and out["bytes_sent"] == sent - extra
+        assert out["consensus"] > 0
+        assert out["iter_ms"] == pytest.approx(out["compute_ms"] + out["base_comm_ms"] + out["average_ms"]
+                                               + out["slow_update_ms"])
+    assert results[0][1]["consensus"] == results[1][1]["consensus"]
+    (run,) = report.load_runs([logdir])
+    assert run.values("train_loss") == [1.5]
+    assert run.config == {"algo": "localsgd", "slowmo": True}
+    assert os.listdir(tmp_path) == ["run"]  # rank 1 wrote nothing
+
+
+def test_monitor_rejects_plain_optimizer():
+    with pytest.raises(TypeError, match="hvd_slowmo.DistributedOptimizer"):
+        TrainingMonitor(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, {})
