@@ -65,6 +65,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             None averages none.
         compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` for the exact
             average's payload (Horovod communicator only).
+        nonfinite: what an outer step does when any worker's parameters hold NaN/inf, checked
+            before anything is averaged: ``"raise"`` a ``FloatingPointError`` naming the ranks and
+            the step on every rank; ``"skip"`` the outer step, restarting every worker from the
+            previous anchor with reset base buffers (keeps an anchor even without slow momentum);
+            ``"ignore"`` skips the check and its one tiny collective per outer step.
         communicator: the transport; default a Horovod communicator over all ranks.
         base_options: extra keyword options for the base algorithm (gossip topology, ...).
 
@@ -85,6 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average: bool = True,
         model_buffers: Optional[Iterable[Tensor]] = None,
         compression: Any = None,
+        nonfinite: str = "raise",
         communicator: Optional[Communicator] = None,
         **base_options: Any,
     ) -> None:
@@ -106,6 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       "the paper tunes it in [0.4, 0.8]; 0 disables slow momentum")
         if buffers not in BUFFER_STRATEGIES:
             raise ValueError(f"buffers must be one of {list(BUFFER_STRATEGIES)}, got {buffers!r}")
+        if nonfinite not in ("raise", "skip", "ignore"):
+            raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
         if not isinstance(average, bool):
             raise TypeError(f"average must be True or False, got {average!r}")
         if compression is not None and not (callable(getattr(compression, "compress", None))
@@ -143,6 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.slow_momentum = slow_momentum
         self.buffers = buffers
         self.average = average
+        self.nonfinite = nonfinite
         self.model_buffers = model_buffers
         self.param_names = names
         self._params = params
@@ -218,8 +227,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 "parameters can be averaged")
         self._params.extend(new)
         self.param_names.extend(f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new)))
-        if self.anchor is not None and self.slow_buffer is not None:
+        if self.anchor is not None:
             self.anchor.extend(p.detach().clone() for p in new)
+        if self.slow_buffer is not None:
             self.slow_buffer.extend(torch.zeros_like(p) for p in new)
         self.base.attach(self._params)
 
@@ -253,7 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.slow_enabled and self.anchor is None:
+        if self.anchor is None and self._keeps_anchor:
             self._capture_anchor()
         if not self._skip_synchronize:
             self.synchronize()
@@ -268,34 +278,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._outer_step()
         return loss
 
+    @property
+    def _keeps_anchor(self) -> bool:
+        return self.slow_enabled or self.nonfinite == "skip"
+
     def _capture_anchor(self) -> None:
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self._params]
-            self.slow_buffer = [torch.zeros_like(p) for p in self._params]
+            if self.slow_enabled:
+                self.slow_buffer = [torch.zeros_like(p) for p in self._params]
 
     @torch.no_grad()
     def _outer_step(self) -> None:
         self.base.before_average()
         t0 = time.perf_counter()
+        params = [p.detach() for p in self._params]
+        if self.nonfinite != "ignore" and not self._all_finite_everywhere(params):
+            self.inner_step = 0
+            self.outer_steps += 1
+            return
         if self.average and self.base.needs_exact_average:
-            self.comm.average_([p.detach() for p in self._params] + self.model_buffers,
-                               name="hvd_slowmo.exact_average")
+            self.comm.average_(params + self.model_buffers, name="hvd_slowmo.exact_average")
         elif self.average and self.model_buffers:
             self.comm.average_(self.model_buffers, name="hvd_slowmo.exact_average")
         self.base.after_average(self.average)
+        if self.buffers == "average":
+            self.comm.average_(averageable_buffers(self.optimizer.state, self._params),
+                               name="hvd_slowmo.buffer_average")
         t1 = time.perf_counter()
         if self.slow_enabled:
             self._slow_update()
+        elif self.anchor is not None:
+            torch._foreach_copy_(self.anchor, params)
         if self.buffers == "reset":
             reset_buffers(self.optimizer.state, self._params)
-        elif self.buffers == "average":
-            self.comm.average_(averageable_buffers(self.optimizer.state, self._params),
-                               name="hvd_slowmo.buffer_average")
-        t2 = time.perf_counter()
         self.timings["average"] += t1 - t0
-        self.timings["slow_update"] += t2 - t1
+        self.timings["slow_update"] += time.perf_counter() - t1
         self.inner_step = 0
         self.outer_steps += 1
+
+    def _all_finite_everywhere(self, params: List[Tensor]) -> bool:
+        """Agree across ranks on whether every worker's parameters are finite, before any averaging.
+
+        One tiny collective per outer step; with ``nonfinite="skip"`` a failed check restores the
+        anchor on every rank, so one worker's NaN never reaches the others.
+        """
+        local_ok = bool(torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all()) if params else True
+        bad = [r for r, ok in enumerate(self.comm.allgather_object(local_ok)) if not ok]
+        if not bad:
+            return True
+        where = (f"non-finite parameters (NaN/inf) on rank(s) {bad} after step {self.num_steps} "
+                 f"(outer step {self.outer_steps})")
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"{where}; they were not averaged into the other workers. Lower the learning rate or clip "
+                "gradients, or pass nonfinite='skip' to restart the outer step from the last anchor")
+        assert self.anchor is not None  # nonfinite="skip" always keeps an anchor
+        warnings.warn(f"{where}: outer step skipped, every worker restarts from the previous anchor", stacklevel=3)
+        torch._foreach_copy_(params, self.anchor)
+        reset_buffers(self.optimizer.state, self._params)
+        return False
 
     def _slow_update(self) -> None:
         assert self.anchor is not None and self.slow_buffer is not None
@@ -426,18 +468,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"load_state_dict: '{key}' of parameter {self.param_names[i]!r} has shape "
                                      f"{tuple(saved[i].shape)}, the parameter {tuple(p.shape)}: another model")
             new_tensors[key] = [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self._params)]
-        if self.slow_enabled and inner > 0 and new_tensors["anchor"] is None:
+        if self._keeps_anchor and inner > 0 and new_tensors["anchor"] is None:
             raise ValueError("load_state_dict: the state has no anchor but was saved inside an outer step; "
                              "it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
+        if self.slow_enabled and new_tensors["anchor"] is not None and new_tensors["slow_buffer"] is None:
+            raise ValueError("load_state_dict: the state has an anchor but no slow buffer; it was saved with "
+                             "the slow update disabled (slow_lr=1, slow_momentum=0)")
         self.base.check_state_dict(s.get("base_algorithm", {}))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.inner_step = inner
         self.num_steps = int(s["num_steps"])
         self.outer_steps = int(s["outer_steps"])
-        if self.slow_enabled:
+        if self._keeps_anchor:
             self.anchor = new_tensors["anchor"]
-            self.slow_buffer = new_tensors["slow_buffer"]
+            self.slow_buffer = new_tensors["slow_buffer"] if self.slow_enabled else None
         self.base.load_state_dict(s.get("base_algorithm", {}))
 
 

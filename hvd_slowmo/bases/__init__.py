@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator
 
-__all__ = ["BaseAlgorithm", "LocalSGD", "AllReduceSGD", "BASES"]
+__all__ = ["BaseAlgorithm", "LocalSGD", "AllReduceSGD", "SGP", "OSGP", "DPSGD", "BASES"]
 
 
 class BaseAlgorithm:
@@ -103,3 +103,8 @@ class AllReduceSGD(BaseAlgorithm):
 
 #: Registered base algorithms: name -> class, constructed as ``cls(comm, **options)``.
 BASES: Dict[str, Type[BaseAlgorithm]] = {"localsgd": LocalSGD, "allreduce": AllReduceSGD}
+
+# The gossip bases subclass BaseAlgorithm, so they are imported after it (no import cycle).
+from .gossip import DPSGD, OSGP, SGP  # noqa: E402
+
+BASES.update({"sgp": SGP, "osgp": OSGP, "dpsgd": DPSGD})

@@ -5,7 +5,7 @@ same algorithm runs over Horovod (:mod:`hvd_slowmo.comm.horovod`), MPI neighbour
 (:mod:`hvd_slowmo.comm.mpi`) or in-process threads (:mod:`hvd_slowmo.comm.local`, for tests).
 """
 import abc
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence
 
 from torch import Tensor
 
@@ -66,7 +66,8 @@ class Communicator(abc.ABC):
             root_rank: the worker whose object is sent.
         """
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int) -> PendingExchange:
+    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                       graph_key: Optional[Hashable] = None) -> PendingExchange:
         """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive from ``recv_from``.
 
         All messages of one exchange are flat 1-D tensors of the same dtype and length.
@@ -75,10 +76,15 @@ class Communicator(abc.ABC):
             sends: ``{destination rank: flat tensor}``; the tensors must not change until
                 the exchange completes.
             recv_from: the ranks this worker receives one message from.
-            tag: the step number, identical on every worker for one exchange.
+            tag: unique per exchange (the gossip bases use ``step * groups + group``),
+                identical on every worker for one exchange.
+            graph_key: identifies the global graph of this exchange, identical on every rank;
+                transports that build per-graph state (MPI distributed-graph communicators)
+                cache it under this key, the others ignore it.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support gossip exchanges")
 
-    def exchange(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int) -> Dict[int, Tensor]:
+    def exchange(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                 graph_key: Optional[Hashable] = None) -> Dict[int, Tensor]:
         """Blocking form of :meth:`exchange_start`."""
-        return self.exchange_start(sends, recv_from, tag).wait()
+        return self.exchange_start(sends, recv_from, tag, graph_key).wait()

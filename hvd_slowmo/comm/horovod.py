@@ -1,7 +1,7 @@
 """The communicator over Horovod: the exact average is a grouped Horovod allreduce
 (NCCL for CUDA tensors, Gloo or MPI for CPU tensors), gossip is Horovod ``alltoall`` with
 zero-length splits to non-peers (Horovod has no point-to-point API)."""
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -20,8 +20,9 @@ def _hvd():
 class _AlltoallExchange(PendingExchange):
     # Horovod's alltoall is a collective that every rank enters once per exchange; it runs on
     # Horovod's background thread, so the handle lets compute overlap it (OSGP).
-    def __init__(self, handle: Any, recv_from: Sequence[int], chunk: int) -> None:
+    def __init__(self, handle: Any, recv_from: Sequence[int], chunk: int, send_buf: Tensor) -> None:
         self._handle, self._recv_from, self._chunk = handle, list(recv_from), chunk
+        self._send_buf: Optional[Tensor] = send_buf
         self._result: Optional[Dict[int, Tensor]] = None
 
     def done(self) -> bool:
@@ -30,6 +31,7 @@ class _AlltoallExchange(PendingExchange):
     def wait(self) -> Dict[int, Tensor]:
         if self._result is None:
             out, received = _hvd().synchronize(self._handle)
+            self._send_buf = None
             counts = received.tolist()
             offsets = [0]
             for c in counts:
@@ -82,16 +84,26 @@ class HorovodCommunicator(Communicator):
         return _hvd().broadcast_object(obj, root_rank=root_rank, name="hvd_slowmo.broadcast_object",
                                        process_set=self.process_set)
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int) -> PendingExchange:
+    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                       graph_key: Optional[Hashable] = None) -> PendingExchange:
+        if not sends:
+            # Every rank enters the collective with a buffer of the message dtype; with nothing
+            # to send this rank would not know it.
+            raise ValueError("HorovodCommunicator.exchange_start: sends is empty; every rank must send "
+                             "at least one message per exchange (Horovod's alltoall is collective)")
         hvd = _hvd()
-        chunks = list(sends.values())
-        chunk = chunks[0].numel() if chunks else 0
-        # One flat send buffer in rank order with per-destination splits (zero to non-peers).
+        chunks = {t.numel() for t in sends.values()}
+        if len(chunks) != 1:
+            raise ValueError(f"exchange_start: all messages of one exchange must have one length, got {sorted(chunks)}")
+        chunk = chunks.pop()
+        # One flat send buffer in rank order with per-destination splits (zero to non-peers);
+        # with one destination (SGP, OSGP) the caller's buffer is sent as is, without a copy.
         parts = [sends[r] for r in sorted(sends)]
-        buf = torch.cat(parts) if parts else torch.empty(0)
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
         splits = torch.zeros(self.size, dtype=torch.int32)
         for r in sends:
             splits[r] = chunk
         handle = hvd.alltoall_async(buf, splits=splits, name=f"hvd_slowmo.gossip.{tag}", process_set=self.process_set)
         self.bytes_sent += buf.numel() * buf.element_size()
-        return _AlltoallExchange(handle, recv_from, chunk)
+        # buf is kept alive by the exchange: Horovod reads it on its background thread.
+        return _AlltoallExchange(handle, recv_from, chunk, buf)

@@ -4,7 +4,7 @@ Averages are summed in rank order by every worker, so all workers get bitwise id
 results, as with a real allreduce.
 """
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -96,7 +96,8 @@ class ThreadCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self.world._gather(self.rank, obj)[root_rank]
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int) -> PendingExchange:
+    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                       graph_key: Optional[Hashable] = None) -> PendingExchange:
         w = self.world
         with w._mail_cv:
             for dst, t in sends.items():

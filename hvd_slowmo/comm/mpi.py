@@ -1,0 +1,178 @@
+"""Gossip over MPI neighbour collectives (mpi4py), for MPI launches (``horovodrun --mpi``, ``mpirun``).
+
+Each global graph of a time-varying topology gets one distributed-graph communicator, created
+once (collectively, on every rank at the same exchange) and cached under the graph's key; an
+exchange is one non-blocking ``MPI_Ineighbor_alltoallv`` on flat contiguous buffers, which
+MPI progresses while the caller polls ``MPI_Test`` (so a wait can have a deadline).
+
+Under Horovod this shares Horovod's MPI world (a duplicate of ``COMM_WORLD``); it needs
+``MPI_THREAD_MULTIPLE`` because Horovod's background thread calls MPI at the same time. Never
+use it under a Gloo launch: mpi4py would then see a world of one process.
+
+CUDA tensors: with a CUDA-aware MPI pass ``cuda_aware=True``; otherwise each message is staged
+through pinned host buffers (written for completeness, not tested: this machine has no GPU).
+"""
+from collections import OrderedDict
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .base import Communicator, PendingExchange
+
+__all__ = ["MPICommunicator"]
+
+#: Distributed-graph communicators kept per MPICommunicator; the oldest is freed beyond this
+#: (every rank sees the same key sequence, so every rank frees the same one at the same call).
+MAX_CACHED_GRAPHS = 64
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # imported lazily: under Gloo, importing it creates a one-process world
+
+    return MPI
+
+
+class _NeighborExchange(PendingExchange):
+    """One ``Ineighbor_alltoallv`` in flight; holds its buffers until it completes."""
+
+    def __init__(self, request: Any, sources: List[int], recv: Tensor, chunk: int, send: Tensor,
+                 device: Optional[torch.device]) -> None:
+        self._request, self._sources, self._recv, self._chunk = request, sources, recv, chunk
+        self._send: Optional[Tensor] = send  # MPI reads it until completion: keep it alive
+        self._device = device  # set when the receive buffer is a host staging copy
+        self._result: Optional[Dict[int, Tensor]] = None
+
+    def done(self) -> bool:
+        # MPI_Test also drives MPI's progress engine for this request.
+        return self._result is not None or bool(self._request.Test())
+
+    def wait(self) -> Dict[int, Tensor]:
+        if self._result is None:
+            self._request.Wait()
+            self._send = None
+            recv = self._recv if self._device is None else self._recv.to(self._device)
+            self._result = {src: recv[i * self._chunk:(i + 1) * self._chunk] for i, src in enumerate(self._sources)}
+        return self._result
+
+
+class MPICommunicator(Communicator):
+    """Collectives and neighbour exchanges over an MPI communicator.
+
+    Args:
+        comm: an ``mpi4py`` communicator (default ``COMM_WORLD``); it is duplicated, so this
+            object's traffic never matches anyone else's.
+        cuda_aware: the MPI library accepts CUDA device buffers (else they are staged on the host).
+
+    Raises:
+        RuntimeError: MPI was initialized without ``MPI_THREAD_MULTIPLE``.
+    """
+
+    def __init__(self, comm: Any = None, cuda_aware: bool = False) -> None:
+        MPI = _mpi()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("MPI gossip needs MPI_THREAD_MULTIPLE (Horovod's background thread uses MPI "
+                               "concurrently); unset HOROVOD_MPI_THREADS_DISABLE or use gossip_transport='horovod'")
+        self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self.cuda_aware = cuda_aware
+        self.bytes_sent = 0
+        self._graphs: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self._types: Dict[int, Any] = {}
+
+    @classmethod
+    def for_horovod(cls, hvd_comm: Communicator) -> "MPICommunicator":
+        """The MPI world under a Horovod communicator, checked to have the same ranks.
+
+        Args:
+            hvd_comm: a :class:`~hvd_slowmo.comm.horovod.HorovodCommunicator` of an MPI launch.
+
+        Raises:
+            ValueError: Horovod runs over a process set smaller than the MPI world, or its
+                ranks are numbered differently.
+        """
+        mpi = cls()
+        if (mpi.rank, mpi.size) != (hvd_comm.rank, hvd_comm.size):
+            raise ValueError(f"MPI gossip: MPI rank/size {mpi.rank}/{mpi.size} differ from Horovod's "
+                             f"{hvd_comm.rank}/{hvd_comm.size} (a Horovod process set?); use gossip_transport='horovod'")
+        return mpi
+
+    # --- collectives (for completeness of the interface; the gossip bases only exchange) ------
+    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
+        if self.size == 1 or not tensors:
+            return
+        MPI = _mpi()
+        for t in tensors:
+            # Reduce at one root then broadcast: every rank gets the root's bits exactly (an
+            # allreduce may round differently on different ranks).
+            host = t.detach().to("cpu", copy=True).contiguous()
+            buf = host.view(-1).numpy()
+            self._comm.Reduce(MPI.IN_PLACE if self.rank == 0 else buf, buf if self.rank == 0 else None,
+                              op=MPI.SUM, root=0)
+            self._comm.Bcast(buf, root=0)
+            t.copy_(host.div_(self.size))
+            self.bytes_sent += int(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return self._comm.allgather(obj)
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return self._comm.bcast(obj, root=root_rank)
+
+    # --- gossip ------------------------------------------------------------------------------
+    def _graph_comm(self, sources: Tuple[int, ...], dests: Tuple[int, ...], key: Optional[Hashable]) -> Any:
+        if key is not None and key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        # Collective over the world: every rank reaches this at the same exchange because all
+        # ranks see the same key sequence (the key names the global graph, not this rank's part).
+        g = self._comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
+        if key is None:
+            return g
+        self._graphs[key] = g
+        if len(self._graphs) > MAX_CACHED_GRAPHS:
+            self._graphs.popitem(last=False)[1].Free()
+        return g
+
+    def _elem_type(self, itemsize: int) -> Any:
+        # One MPI element per tensor element (counts stay below 2^31 for large models, and
+        # bfloat16/float16 need no MPI type of their own).
+        if itemsize not in self._types:
+            self._types[itemsize] = _mpi().BYTE.Create_contiguous(itemsize).Commit()
+        return self._types[itemsize]
+
+    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                       graph_key: Optional[Hashable] = None) -> PendingExchange:
+        dests = tuple(sorted(sends))
+        sources = tuple(sorted(recv_from))
+        lengths = {t.numel() for t in sends.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"exchange_start: all messages of one exchange must have one length, got {sorted(lengths)}")
+        first = next(iter(sends.values()), None)
+        if first is None:
+            raise ValueError("MPICommunicator.exchange_start: sends is empty; send at least one message")
+        chunk = first.numel()
+        parts = [sends[d].detach().reshape(-1) for d in dests]
+        send = parts[0] if len(parts) == 1 else torch.cat(parts)
+        device = None
+        if send.is_cuda and not self.cuda_aware:
+            device = send.device
+            staged = torch.empty(send.numel(), dtype=send.dtype, pin_memory=True)
+            staged.copy_(send)  # synchronous: the device buffer may be reused after this returns
+            send = staged
+        recv = torch.empty(len(sources) * chunk, dtype=send.dtype, device=send.device,
+                           pin_memory=device is not None)
+        etype = self._elem_type(send.element_size())
+        graph = self._graph_comm(sources, dests, graph_key)
+        request = graph.Ineighbor_alltoallv(
+            [self._buffer(send), ([chunk] * len(dests), [i * chunk for i in range(len(dests))]), etype],
+            [self._buffer(recv), ([chunk] * len(sources), [i * chunk for i in range(len(sources))]), etype])
+        self.bytes_sent += send.numel() * send.element_size()
+        return _NeighborExchange(request, list(sources), recv, chunk, send, device)
+
+    @staticmethod
+    def _buffer(t: Tensor) -> Any:
+        if t.is_cuda:
+            return t  # CUDA-aware MPI: mpi4py reads __cuda_array_interface__ / DLPack
+        return t.view(torch.uint8).numpy()

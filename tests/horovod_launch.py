@@ -1,0 +1,40 @@
+"""Launch a worker script under horovodrun (Gloo or MPI) from a test, with a hard timeout."""
+import os
+import shutil
+import subprocess
+import sys
+from typing import List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
+
+    Args:
+        np: number of processes.
+        controller: "gloo" or "mpi".
+        args: the script and its arguments.
+        timeout: seconds before the launch is killed (a deadlock then fails instead of hanging CI).
+        env: extra environment variables.
+    """
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(exe):
+        pytest.fail(f"horovodrun not found next to {sys.executable}: run scripts/setup_env.sh")
+    cmd = [exe, "-np", str(np), "-H", f"localhost:{np}"]
+    if controller == "mpi":
+        if shutil.which("mpirun") is None:
+            pytest.fail("mpirun not found: install OpenMPI (scripts/setup_env.sh does)")
+        cmd += ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root --bind-to none"]
+    else:
+        cmd += ["--gloo"]
+    cmd += [sys.executable] + args
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-4000:]}")
+    return proc

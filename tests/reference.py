@@ -1,0 +1,108 @@
+"""Hand-written single-process references: every worker simulated in one process, by hand.
+
+Shared by the in-process tests and the horovodrun tests, so both compare against the same
+replay. Nothing here uses hvd_slowmo.
+"""
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """A tiny MLP with a BatchNorm layer (its running stats are model buffers)."""
+    torch.manual_seed(seed)
+    # BatchNorm after the nonlinearity: right after a Linear it would make that bias's gradient
+    # pure rounding noise, which Adam amplifies into arbitrary steps.
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.BatchNorm1d(5), nn.Linear(5, 2))
+
+
+def batch(rank: int, step: int):
+    """Worker ``rank``'s deterministic batch at ``step`` (different on every worker)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 4, generator=g) + rank
+    y = torch.randn(8, 2, generator=g)
+    return x, y
+
+
+def loss_at(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def lr_at(step: int, base_lr: float = 0.05) -> float:
+    """A schedule that changes between outer steps (so the 1/lr scaling is really exercised)."""
+    return base_lr * (1.0 + 0.5 * (step // 4))
+
+
+def reference_slowmo(
+    m: int,
+    steps: int,
+    tau: int,
+    slow_lr: float,
+    slow_momentum: float,
+    make_opt: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+    buffers: str = "reset",
+    lr_schedule: Optional[Callable[[int], float]] = lr_at,
+    average_model_buffers: bool = True,
+) -> List[nn.Module]:
+    """Replay SlowMo over Local SGD/Adam for ``m`` workers; returns each worker's model.
+
+    The slow update is replayed as ``torch.optim.SGD(lr=slow_lr * lr, momentum=slow_momentum)`` on
+    the pseudo-gradient ``(x0 - x_avg) / lr``.
+    """
+    models = [make_model() for _ in range(m)]
+    opts = [make_opt(mod.parameters()) for mod in models]
+    anchor = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
+    slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum)
+    for k in range(steps):
+        lr = lr_schedule(k) if lr_schedule else None
+        for w in range(m):
+            if lr is not None:
+                for g in opts[w].param_groups:
+                    g["lr"] = lr
+            opts[w].zero_grad()
+            loss_at(models[w], w, k).backward()
+            opts[w].step()
+        if (k + 1) % tau:
+            continue
+        with torch.no_grad():
+            plist = [list(mod.parameters()) for mod in models]
+            avg = [sum(plist[w][i] for w in range(m)) / m for i in range(len(anchor))]
+            cur_lr = opts[0].param_groups[0]["lr"]
+            if (slow_lr, slow_momentum) == (1.0, 0.0):
+                new = avg
+            else:
+                for a, x in zip(anchor, avg):
+                    a.grad = (a - x) / cur_lr
+                slow.param_groups[0]["lr"] = slow_lr * cur_lr
+                slow.step()
+                new = anchor
+            for w in range(m):
+                for p, v in zip(plist[w], new):
+                    p.copy_(v)
+            if average_model_buffers:
+                blist = [[b for b in mod.buffers() if b.is_floating_point()] for mod in models]
+                for i in range(len(blist[0])):
+                    mean = sum(blist[w][i] for w in range(m)) / m
+                    for w in range(m):
+                        blist[w][i].copy_(mean)
+            if buffers == "reset":
+                for o in opts:
+                    o.state.clear()
+            elif buffers == "average":
+                for i, p0 in enumerate(plist[0]):
+                    for key, v in opts[0].state[p0].items():
+                        if torch.is_tensor(v) and v.shape == p0.shape:
+                            mean = sum(opts[w].state[plist[w][i]][key] for w in range(m)) / m
+                            for w in range(m):
+                                opts[w].state[plist[w][i]][key].copy_(mean)
+    return models
+
+
+def params_of(model: nn.Module) -> List[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def state_summary(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,327 @@
+"""DistributedOptimizer on in-process thread workers, against hand-written references."""
+import io
+import warnings
+
+import pytest
+import torch
+
+from hvd_slowmo import DistributedOptimizer, broadcast_optimizer_state
+from hvd_slowmo.comm.local import ThreadWorld, run_threads
+
+from reference import lr_at, loss_at, make_model, params_of, reference_slowmo
+
+SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+ADAM = lambda ps: torch.optim.Adam(ps, lr=0.01)  # noqa: E731
+ADAMW = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
+PLAIN_SGD = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+
+
+def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, **kwargs):
+    """Train ``m`` thread workers; returns per rank (model, [params after each outer step], optimizer)."""
+    models = models or [make_model() for _ in range(m)]  # built here: torch's global RNG is not thread-safe
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
+                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
+        snaps = []
+        for k in range(steps):
+            if schedule:
+                for g in opt.param_groups:
+                    g["lr"] = schedule(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+            if opt.inner_step == 0:
+                snaps.append(params_of(model))
+        return model, snaps, opt
+
+    return run_threads(m, worker)
+
+
+def assert_bitwise_equal_across_ranks(results):
+    for rank_snaps in zip(*[snaps for _, snaps, _ in results]):
+        for tensors in zip(*rank_snaps):
+            for t in tensors[1:]:
+                assert torch.equal(t, tensors[0]), "ranks differ after an exact average"
+
+
+def assert_close_models(got, want, atol=1e-5):
+    for a, b in zip(got.state_dict().values(), want.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
+
+
+CASES = {
+    "sgd-nesterov-reset": (SGD_NESTEROV, "reset", 0.7, 0.6),
+    "sgd-nesterov-maintain": (SGD_NESTEROV, "maintain", 1.0, 0.5),
+    "sgd-nesterov-average": (SGD_NESTEROV, "average", 1.0, 0.5),
+    "adam-reset": (ADAM, "reset", 1.0, 0.5),
+    "adam-maintain": (ADAM, "maintain", 0.5, 0.4),
+    "adam-average": (ADAM, "average", 1.0, 0.5),
+    "adamw-maintain": (ADAMW, "maintain", 1.0, 0.6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_general_update_matches_reference(case):
+    make_opt, buffers, alpha, beta = CASES[case]
+    m, steps, tau = 3, 13, 3
+    results = run_slowmo(m, steps, make_opt, tau=tau, slow_lr=alpha, slow_momentum=beta, buffers=buffers)
+    ref = reference_slowmo(m, steps, tau, alpha, beta, make_opt, buffers=buffers)
+    assert_bitwise_equal_across_ranks(results)
+    for (model, _, _), want in zip(results, ref):
+        assert_close_models(model, want)
+    assert len(results[0][1]) == steps // tau
+
+
+def test_buffers_strategies_really_differ():
+    """The three strategies must not collapse into one (a test of the tests)."""
+    finals = {}
+    for buffers in ("reset", "maintain", "average"):
+        results = run_slowmo(2, 7, SGD_NESTEROV, tau=3, slow_lr=1.0, slow_momentum=0.5, buffers=buffers)
+        finals[buffers] = params_of(results[0][0])
+    assert not torch.equal(finals["reset"][0], finals["maintain"][0])
+    assert not torch.equal(finals["maintain"][0], finals["average"][0])
+
+
+def test_average_touches_floating_per_element_state_only():
+    results = run_slowmo(2, 3, ADAM, tau=3, buffers="average", slow_lr=1.0, slow_momentum=0.5)
+    for _, _, opt in results:
+        for p in opt._params:
+            st = opt.state[p]
+            assert float(st["step"]) == 3.0  # a count, never averaged
+    s0 = results[0][2].state[results[0][2]._params[0]]["exp_avg"]
+    s1 = results[1][2].state[results[1][2]._params[0]]["exp_avg"]
+    assert torch.equal(s0, s1)
+
+
+def test_local_sgd_special_case():
+    """beta=0, alpha=1: plain Local SGD (periodic exact average), with no anchor kept."""
+    m, steps, tau = 4, 12, 4
+    results = run_slowmo(m, steps, SGD_NESTEROV, tau=tau, slow_lr=1.0, slow_momentum=0.0, buffers="maintain")
+    ref = reference_slowmo(m, steps, tau, 1.0, 0.0, SGD_NESTEROV, buffers="maintain")
+    assert_bitwise_equal_across_ranks(results)
+    for (model, _, opt), want in zip(results, ref):
+        assert_close_models(model, want)
+        assert opt.anchor is None and opt.slow_buffer is None
+
+
+def test_tau_one_is_large_batch_momentum_sgd():
+    """tau=1 over plain SGD = momentum SGD (lr, momentum beta) on the worker-averaged gradient."""
+    m, steps, beta, lr = 3, 6, 0.8, 0.05
+    models = [make_model() for _ in range(m)]
+    for mod in models:  # BatchNorm statistics are not part of this identity
+        mod[2].track_running_stats = False
+    results = run_slowmo(m, steps, PLAIN_SGD, schedule=None, models=models, tau=1, slow_lr=1.0,
+                         slow_momentum=beta, buffers="maintain")
+    ref = make_model()
+    ref[2].track_running_stats = False
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=beta)
+    for k in range(steps):
+        opt.zero_grad()
+        (sum(loss_at(ref, w, k) for w in range(m)) / m).backward()
+        opt.step()
+    for (model, _, _) in results:
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_worker_beta_zero_is_lookahead():
+    """m=1, beta=0: Lookahead with k=tau steps and slow step size alpha (hand-written)."""
+    tau, alpha, steps = 4, 0.5, 12
+    got = run_slowmo(1, steps, ADAM, schedule=None, tau=tau, slow_lr=alpha, slow_momentum=0.0, buffers="maintain")
+    model = make_model()
+    fast = torch.optim.Adam(model.parameters(), lr=0.01)
+    slow = [p.detach().clone() for p in model.parameters()]
+    for k in range(steps):
+        fast.zero_grad()
+        loss_at(model, 0, k).backward()
+        fast.step()
+        if (k + 1) % tau == 0:
+            with torch.no_grad():
+                for s, p in zip(slow, model.parameters()):
+                    s.add_(p - s, alpha=alpha)
+                    p.copy_(s)
+    for a, b in zip(got[0][0].parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_allreduce_base_is_momentum_sgd_on_averaged_gradient():
+    m, steps = 2, 5
+    results = run_slowmo(m, steps, SGD_NESTEROV, schedule=None, base="allreduce", tau=1, slow_lr=1.0,
+                         slow_momentum=0.0, buffers="maintain")
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    for k in range(steps):
+        opt.zero_grad()
+        (sum(loss_at(ref, w, k) for w in range(m)) / m).backward()
+        opt.step()
+    for model, _, _ in results:
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(params_of(results[0][0])[0], params_of(results[1][0])[0])
+
+
+def test_resume_mid_inner_loop_equals_uninterrupted():
+    m, steps, stop, tau = 2, 11, 5, 3
+    kwargs = dict(tau=tau, slow_lr=0.8, slow_momentum=0.6, buffers="maintain")
+    full = run_slowmo(m, steps, SGD_NESTEROV, **kwargs)
+    models = [make_model() for _ in range(m)]
+
+    def first_half(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
+        for k in range(stop):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        return buf.getvalue()
+
+    saved = run_threads(m, first_half)
+    fresh = [make_model(seed=123) for _ in range(m)]  # different init: everything must come from the file
+
+    def second_half(comm):
+        model = fresh[comm.rank]
+        ckpt = torch.load(io.BytesIO(saved[comm.rank]), weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
+        opt.load_state_dict(ckpt["opt"])
+        assert opt.inner_step == stop % tau
+        for k in range(stop, steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+        return model
+
+    resumed = run_threads(m, second_half)
+    for a, (b, _, _) in zip(resumed, full):
+        for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+            assert torch.equal(x, y)
+
+
+def test_broadcast_optimizer_state_copies_rank0():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                   communicator=comm, tau=4)
+        opt.zero_grad()
+        loss_at(model, comm.rank, 0).backward()
+        opt.step()
+        broadcast_optimizer_state(opt, root_rank=0)
+        return opt
+
+    o0, o1 = run_threads(2, worker)
+    a0, a1 = o0.state_dict()["slowmo"], o1.state_dict()["slowmo"]
+    assert torch.equal(a0["anchor"][0], a1["anchor"][0])
+    b0 = o0.state_dict()["base_optimizer"]["state"][0]["momentum_buffer"]
+    b1 = o1.state_dict()["base_optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(b0, b1)
+
+
+def test_torch_optimizer_surface():
+    """LR schedulers, GradScaler, zero_grad(set_to_none), add_param_group see one optimizer."""
+    world = ThreadWorld(1)
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), communicator=world.communicator(0),
+                               tau=2)
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for k in range(3):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_at(model, 0, k)).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    assert opt.num_steps == 3 and opt.outer_steps == 1
+    assert base.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": [extra], "lr": 0.01})
+    extra.grad = torch.ones(3)
+    opt.step()  # the new parameter joins the outer step (anchor extended)
+    assert len(opt.anchor) == len(opt._params) == len(list(model.parameters())) + 1
+
+
+def test_model_buffers_are_averaged():
+    results = run_slowmo(2, 3, SGD_NESTEROV, tau=3)
+    b0 = results[0][0][2].running_mean
+    b1 = results[1][0][2].running_mean
+    assert torch.equal(b0, b1)
+
+
+def test_model_buffers_not_averaged_when_not_given():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                   communicator=comm, tau=1)
+        opt.zero_grad()
+        loss_at(model, comm.rank, 0).backward()
+        opt.step()
+        return model[2].running_mean.clone()
+
+    r0, r1 = run_threads(2, worker)
+    assert not torch.equal(r0, r1)
+
+
+def test_zero_lr_outer_step_warns_and_averages():
+    models = [make_model() for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = run_slowmo(2, 2, PLAIN_SGD, schedule=lambda k: 0.0 if k == 1 else 0.05, models=models, tau=2)
+    assert any("lr=0" in str(w.message) for w in caught)
+    assert torch.equal(params_of(results[0][0])[0], params_of(results[1][0])[0])
+
+
+def _poison_rank1(models, nonfinite):
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(PLAIN_SGD(model.parameters()), named_parameters=model.named_parameters(),
+                                   communicator=comm, tau=2, slow_lr=1.0, slow_momentum=0.5, nonfinite=nonfinite)
+        for k in range(2):
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            if comm.rank == 1 and k == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except FloatingPointError as e:
+                return str(e), params_of(model), opt
+        return "", params_of(model), opt
+
+    return run_threads(2, worker)
+
+
+def test_nonfinite_raises_on_every_rank_before_averaging():
+    models = [make_model() for _ in range(2)]
+    results = _poison_rank1(models, "raise")
+    for msg, params, _ in results:
+        assert "rank(s) [1] after step 2" in msg, msg
+    assert torch.isfinite(results[0][1][0]).all(), "rank 0 must not receive rank 1's NaN"
+
+
+def test_nonfinite_skip_restarts_from_anchor():
+    models = [make_model() for _ in range(2)]
+    start = params_of(models[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = _poison_rank1(models, "skip")
+    assert any("outer step skipped" in str(w.message) for w in caught)
+    for msg, params, opt in results:
+        assert msg == "" and opt.outer_steps == 1 and opt.inner_step == 0
+        for a, b in zip(params, start):
+            assert torch.equal(a, b)
