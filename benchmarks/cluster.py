@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 __all__ = [
     "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
     "setup_commands", "shaping_commands", "teardown_commands", "stale_namespaces", "hosts_file",
-    "window_stats", "ring_bytes", "summarize", "render_markdown",
+    "cluster_stamps", "window_stats", "ring_bytes", "summarize", "render_markdown",
 ]
 
 NETNS_DIR = "/etc/netns"
@@ -77,6 +77,9 @@ ALGORITHMS: Tuple[Algorithm, ...] = (
     # tau=1 with buffers kept: momentum must survive every "outer step" to be plain AR-SGD.
     Algorithm("allreduce", "AR-SGD (hvd_slowmo base=allreduce)", "slowmo", "allreduce", 1,
               {**_PLAIN, "buffers": "maintain"}),
+    # The same without the per-outer-step NaN/inf check (one small allgather): what that check costs.
+    Algorithm("allreduce_nocheck", "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')", "slowmo",
+              "allreduce", 1, {**_PLAIN, "buffers": "maintain", "nonfinite": "ignore"}),
     Algorithm("localsgd", "Local SGD", "slowmo", "localsgd", 12, {**_PLAIN, "buffers": "reset"}, periodic=True),
     Algorithm("localsgd_slowmo", "Local SGD + SlowMo", "slowmo", "localsgd", 12, {**_SLOWMO, "buffers": "reset"},
               periodic=True),
@@ -341,6 +344,22 @@ def window_stats(stamps: Sequence[float], window: int) -> Dict[str, Any]:
             "mean_ms": statistics.fmean(per), "windows": n, "window": window, "per_window_ms": per}
 
 
+def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> List[float]:
+    """When every worker had finished each iteration: the element-wise max over ranks of their
+    stamps relative to their own start (all start right after a barrier).
+
+    A synchronous job runs at its slowest worker's pace, so the compute-only limit is the
+    slowest worker's time, not rank 0's.
+
+    Args:
+        rank_stamps: per rank, ``perf_counter`` seconds at the start and after each iteration.
+    """
+    lengths = {len(s) for s in rank_stamps}
+    if len(lengths) != 1:
+        raise ValueError(f"every rank must report the same number of stamps, got lengths {sorted(lengths)}")
+    return [max(s[k] - s[0] for s in rank_stamps) for k in range(lengths.pop())]
+
+
 def ring_bytes(payload_bytes: int, size: int) -> int:
     """Bytes one worker sends in a ring allreduce of ``payload_bytes`` over ``size`` workers.
 
@@ -428,7 +447,7 @@ def render_markdown(run: Dict[str, Any]) -> str:
            "",
            f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
            f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
-           "period (tau iterations), [min-max] over windows.",
+           "period (tau iterations), [min-max] over windows, timed by the slowest worker.",
            "",
            "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
            "",

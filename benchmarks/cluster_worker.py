@@ -18,10 +18,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import horovod  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_slowmo  # noqa: E402
-from cluster import ALGORITHM_BY_KEY, Algorithm, ring_bytes, window_stats  # noqa: E402
+from cluster import ALGORITHM_BY_KEY, Algorithm, cluster_stamps, ring_bytes, window_stats  # noqa: E402
 
 Step = Callable[[nn.Module], None]
 
@@ -148,7 +149,7 @@ def barrier() -> None:
 
 
 def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Time ``algo`` over whole outer periods, after one outer period of warm-up.
+    """Time ``algo`` over whole outer periods, after two warm-up iterations.
 
     Args:
         algo: the configuration.
@@ -177,8 +178,8 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
 
     tau = algo.tau
     n = max(spec["iters"], spec["windows"] * tau)
-    n = -(-n // tau) * tau  # whole outer periods: each window holds exactly one outer step
-    for _ in range(max(tau, 2)):
+    n = -(-n // tau) * tau  # whole outer periods: any tau consecutive iterations hold exactly one outer step
+    for _ in range(2):  # warm-up: allocations, Horovod's first negotiation of each tensor
         iteration()
     barrier()
     bytes0 = comm.bytes_sent if comm is not None else 0
@@ -187,11 +188,13 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
     for _ in range(n):
         iteration()
         stamps.append(time.perf_counter())
-    total = stamps[-1] - stamps[0]
     barrier()
-    out = window_stats(stamps, tau)
+    everyone = hvd.allgather_object(stamps, name=f"cluster.stamps.{algo.key}")
+    merged = cluster_stamps(everyone)
+    out = window_stats(merged, tau)
+    out["iteration_ms"] = [1e3 * (b - a) for a, b in zip(merged, merged[1:])]
     out["iterations"] = n
-    out["rank_total_s"] = hvd.allgather_object(total, name=f"cluster.total.{algo.key}")
+    out["rank_median_ms"] = [window_stats(s, tau)["median_ms"] for s in everyone]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if comm is not None:
         out["bytes_per_iter"] = (comm.bytes_sent - bytes0) / n
@@ -227,7 +230,7 @@ def main() -> None:
                   "params": sum(p.numel() for p in model.parameters()),
                   "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                   "batch_size": None if spec["workload"] == "synthetic" else spec["batch_size"],
-                  "horovod": hvd.__version__ if hasattr(hvd, "__version__") else "?",
+                  "horovod": horovod.__version__,
                   "torch": torch.__version__, "size": hvd.size()}
         tmp = spec["output"] + ".tmp"
         with open(tmp, "w") as f:

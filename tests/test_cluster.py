@@ -139,6 +139,14 @@ def test_window_stats():
         cluster.window_stats([0.0, 1.0, 2.0], 3)
 
 
+def test_cluster_stamps_follow_the_slowest_worker():
+    # Rank 1 started later on its own clock and is slower in the second iteration.
+    stamps = cluster.cluster_stamps([[10.0, 11.0, 12.0], [50.0, 51.0, 53.5]])
+    assert stamps == [0.0, 1.0, 3.5]
+    with pytest.raises(ValueError, match="same number of stamps"):
+        cluster.cluster_stamps([[0.0, 1.0], [0.0]])
+
+
 def test_ring_bytes():
     assert cluster.ring_bytes(4_000_000, 4) == 6_000_000  # 2 * 3/4 * 4 MB
     assert cluster.ring_bytes(1000, 2) == 1000
