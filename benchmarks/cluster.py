@@ -591,6 +591,7 @@ class Cluster:
 
 def _terminate(signum: int, frame: Any) -> None:
     # Turn SIGTERM/SIGHUP into an exception so the finally-block teardown runs.
+    print(f"signal {signum}: tearing the cluster down", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 

@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -225,6 +227,8 @@ def test_end_to_end_two_hosts(tmp_path):
         print(f"skipping the emulated-cluster run: {reason}")
         pytest.skip(reason)
     prefix = "hsmt"
+    # A namespace left by a "crashed" earlier run with this prefix: the harness must remove it.
+    subprocess.run(["ip", "netns", "add", f"{prefix}-h7"], check=True)
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--rate", "100mbit",
            "--workload", "synthetic", "--params", "100k", "--compute-ms", "5", "--iters", "4", "--windows", "2",
            "--algorithms", "compute,horovod_ar,allreduce,localsgd_slowmo", "--prefix", prefix, "--subnet", "10.78.0",
@@ -251,3 +255,42 @@ def test_end_to_end_two_hosts(tmp_path):
     assert res["horovod_ar"]["bytes_computed"] is True
     assert "| Local SGD |" in (tmp_path / "table.md").read_text()
     assert os.listdir(tmp_path / "tensorboard")
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(180)
+def test_sigterm_tears_down(tmp_path):
+    reason = _cluster_skip_reason()
+    if reason:
+        print(f"skipping the emulated-cluster run: {reason}")
+        pytest.skip(reason)
+    prefix = "hsms"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--params", "10k",
+           "--compute-ms", "50", "--iters", "100000", "--algorithms", "compute", "--prefix", prefix,
+           "--subnet", "10.78.1", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        # Wait until the workers run inside the namespaces, then interrupt.
+        deadline = time.monotonic() + 90
+        while True:
+            listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            workers = subprocess.run(["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True)
+            if len(cluster.stale_namespaces(listing, prefix)) == 3 and len(workers.stdout.split()) == 2:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the emulated cluster did not come up within 90 s")
+            time.sleep(0.5)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "tearing the cluster down" in out
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert cluster.stale_namespaces(listing, prefix) == [], listing
+    assert not os.path.exists(f"/etc/netns/{prefix}-h0")
+    workers = subprocess.run(["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True)
+    assert workers.stdout.split() == [], "worker processes survived the teardown"
