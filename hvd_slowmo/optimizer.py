@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -70,6 +70,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the step on every rank; ``"skip"`` the outer step, restarting every worker from the
             previous anchor with reset base buffers (keeps an anchor even without slow momentum);
             ``"ignore"`` skips the check and its one tiny collective per outer step.
+        outer_optimizer: the slow update: ``"heavyball"`` (the paper's), ``"nesterov"`` (Nesterov
+            slow momentum, same ``slow_lr``/``slow_momentum``), or a callable that builds any torch
+            optimizer over a list of anchor tensors, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7,
+            momentum=0.9, nesterov=True)`` (DiLoCo). A custom outer optimizer is applied to the
+            *unscaled* pseudo-gradient ``x0 - x_avg`` with its own learning rate (so it does not
+            follow the base LR schedule); ``slow_lr`` and ``slow_momentum`` are then unused.
         communicator: the transport; default a Horovod communicator over all ranks.
         base_options: extra keyword options for the base algorithm (gossip topology, ...).
 
@@ -91,6 +97,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model_buffers: Optional[Iterable[Tensor]] = None,
         compression: Any = None,
         nonfinite: str = "raise",
+        outer_optimizer: Union[str, Callable[[List[Tensor]], torch.optim.Optimizer]] = "heavyball",
         communicator: Optional[Communicator] = None,
         **base_options: Any,
     ) -> None:
@@ -112,6 +119,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       "the paper tunes it in [0.4, 0.8]; 0 disables slow momentum")
         if buffers not in BUFFER_STRATEGIES:
             raise ValueError(f"buffers must be one of {list(BUFFER_STRATEGIES)}, got {buffers!r}")
+        if not (outer_optimizer in ("heavyball", "nesterov") or callable(outer_optimizer)):
+            raise ValueError(f"outer_optimizer must be 'heavyball', 'nesterov' or a callable building a torch "
+                             f"optimizer from a list of tensors, got {outer_optimizer!r}")
+        if callable(outer_optimizer) and (slow_lr, slow_momentum) != (1.0, 0.5):
+            warnings.warn("slow_lr and slow_momentum are not used with a custom outer_optimizer: set the "
+                          "outer optimizer's own lr and momentum instead", stacklevel=2)
         if nonfinite not in ("raise", "skip", "ignore"):
             raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
         if not isinstance(average, bool):
@@ -155,6 +168,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model_buffers = model_buffers
         self.param_names = names
         self._params = params
+        self.outer_optimizer_factory = outer_optimizer if callable(outer_optimizer) else None
+        self.outer_optimizer: Optional[torch.optim.Optimizer] = None  # built with the anchor
+        self.nesterov = outer_optimizer == "nesterov"
         self._check_same_everywhere()
         if base == "allreduce" and buffers == "average":
             warnings.warn("buffers='average' with base='allreduce' averages buffers that are already "
@@ -162,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self.base.attach(params)
         #: Slow update disabled: plain periodic averaging with no anchor or buffer memory.
-        self.slow_enabled = not (slow_lr == 1.0 and slow_momentum == 0.0)
+        self.slow_enabled = callable(outer_optimizer) or not (slow_lr == 1.0 and slow_momentum == 0.0)
         self.inner_step = 0  # base steps taken in the current outer step
         self.num_steps = 0  # base steps taken in total
         self.outer_steps = 0
@@ -285,8 +301,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _capture_anchor(self) -> None:
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self._params]
-            if self.slow_enabled:
+            if self.outer_optimizer_factory is not None:
+                self.outer_optimizer = self._build_outer_optimizer(self.anchor)
+            elif self.slow_enabled:
                 self.slow_buffer = [torch.zeros_like(p) for p in self._params]
+
+    def _build_outer_optimizer(self, anchor: List[Tensor]) -> torch.optim.Optimizer:
+        assert self.outer_optimizer_factory is not None
+        opt = self.outer_optimizer_factory(anchor)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        return opt
 
     @torch.no_grad()
     def _outer_step(self) -> None:
@@ -340,7 +365,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return False
 
     def _slow_update(self) -> None:
-        assert self.anchor is not None and self.slow_buffer is not None
+        assert self.anchor is not None
+        if self.outer_optimizer is not None:
+            params = [p.detach() for p in self._params]
+            for a, x in zip(self.anchor, params):
+                a.grad = a - x  # the unscaled pseudo-gradient
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+            torch._foreach_copy_(params, self.anchor)
+            return
+        assert self.slow_buffer is not None
         start = 0
         for group in self.param_groups:
             n = len(group["params"])
@@ -359,7 +393,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(anchor, params)
                 continue
             slow_momentum_step_(params, anchor, [self.slow_buffer[i] for i in idx], lr,
-                                self.slow_lr, self.slow_momentum)
+                                self.slow_lr, self.slow_momentum, nesterov=self.nesterov)
 
     # --- checks ---------------------------------------------------------------------------
     @staticmethod
@@ -387,6 +421,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {
             "base": self.base_name, "tau": self.tau, "slow_lr": self.slow_lr, "slow_momentum": self.slow_momentum,
             "buffers": self.buffers, "average": self.average, "num_model_buffers": len(self.model_buffers),
+            "nonfinite": self.nonfinite,
+            "outer_optimizer": "custom" if self.outer_optimizer_factory else ("nesterov" if self.nesterov else "heavyball"),
         }
 
     def _check_same_everywhere(self) -> None:
@@ -429,6 +465,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
                 "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
                 "base_algorithm": self.base.state_dict(),
+                "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
             },
         }
 
@@ -455,6 +492,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(inner, int) or not 0 <= inner < self.tau:
             raise ValueError(f"load_state_dict: inner_step {inner!r} is outside [0, tau={self.tau}); "
                              "the state was saved with a larger tau")
+        for key in ("num_steps", "outer_steps"):
+            if not isinstance(s.get(key), int) or s[key] < 0:
+                raise ValueError(f"load_state_dict: '{key}' is {s.get(key)!r}, not a step count: a damaged state")
         new_tensors: Dict[str, Optional[List[Tensor]]] = {}
         for key in ("anchor", "slow_buffer"):
             saved = s.get(key)
@@ -471,9 +511,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._keeps_anchor and inner > 0 and new_tensors["anchor"] is None:
             raise ValueError("load_state_dict: the state has no anchor but was saved inside an outer step; "
                              "it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
-        if self.slow_enabled and new_tensors["anchor"] is not None and new_tensors["slow_buffer"] is None:
+        if (self.slow_enabled and self.outer_optimizer_factory is None and new_tensors["anchor"] is not None
+                and new_tensors["slow_buffer"] is None):
             raise ValueError("load_state_dict: the state has an anchor but no slow buffer; it was saved with "
                              "the slow update disabled (slow_lr=1, slow_momentum=0)")
+        outer = None
+        if self.outer_optimizer_factory is not None and new_tensors["anchor"] is not None:
+            if s.get("outer_optimizer") is None:
+                raise ValueError("load_state_dict: this optimizer has a custom outer_optimizer but the state has no "
+                                 "outer optimizer state; it was saved with outer_optimizer='heavyball'/'nesterov'")
+            outer = self._build_outer_optimizer(new_tensors["anchor"])
+            outer.load_state_dict(s["outer_optimizer"])  # into a new object: raises before anything changes
         self.base.check_state_dict(s.get("base_algorithm", {}))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
@@ -482,7 +530,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.outer_steps = int(s["outer_steps"])
         if self._keeps_anchor:
             self.anchor = new_tensors["anchor"]
-            self.slow_buffer = new_tensors["slow_buffer"] if self.slow_enabled else None
+            self.slow_buffer = new_tensors["slow_buffer"] if self.outer_optimizer_factory is None else None
+            self.outer_optimizer = outer
         self.base.load_state_dict(s.get("base_algorithm", {}))
 
 

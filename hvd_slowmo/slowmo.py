@@ -17,6 +17,7 @@ def slow_momentum_step_(
     lr: float,
     slow_lr: float,
     slow_momentum: float,
+    nesterov: bool = False,
 ) -> None:
     """One slow momentum step, in place, fused over a list of tensors.
 
@@ -33,6 +34,9 @@ def slow_momentum_step_(
         lr: the base optimizer's current learning rate ``gamma_t`` (must be > 0).
         slow_lr: ``alpha``.
         slow_momentum: ``beta``.
+        nesterov: Nesterov slow momentum (as in DiLoCo-style training):
+            ``x0 <- x0 - alpha * lr * (g + beta * u)`` with ``g = (x0 - x_avg) / lr``, the form of
+            ``torch.optim.SGD(nesterov=True)``.
     """
     if not params:
         return
@@ -42,5 +46,10 @@ def slow_momentum_step_(
     torch._foreach_sub_(params, anchor)
     torch._foreach_mul_(slow_buffer, slow_momentum)
     torch._foreach_add_(slow_buffer, params, alpha=-1.0 / lr)
-    torch._foreach_add_(anchor, slow_buffer, alpha=-slow_lr * lr)
+    if nesterov:
+        # -alpha * lr * g == alpha * params, so no temporary is needed for the gradient term.
+        torch._foreach_add_(anchor, slow_buffer, alpha=-slow_lr * lr * slow_momentum)
+        torch._foreach_add_(anchor, params, alpha=slow_lr)
+    else:
+        torch._foreach_add_(anchor, slow_buffer, alpha=-slow_lr * lr)
     torch._foreach_copy_(params, anchor)

@@ -45,6 +45,7 @@ def reference_slowmo(
     buffers: str = "reset",
     lr_schedule: Optional[Callable[[int], float]] = lr_at,
     average_model_buffers: bool = True,
+    outer_nesterov: bool = False,
 ) -> List[nn.Module]:
     """Replay SlowMo over Local SGD/Adam for ``m`` workers; returns each worker's model.
 
@@ -54,7 +55,7 @@ def reference_slowmo(
     models = [make_model() for _ in range(m)]
     opts = [make_opt(mod.parameters()) for mod in models]
     anchor = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
-    slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum)
+    slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum, nesterov=outer_nesterov)
     for k in range(steps):
         lr = lr_schedule(k) if lr_schedule else None
         for w in range(m):

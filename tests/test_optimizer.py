@@ -325,3 +325,72 @@ def test_nonfinite_skip_restarts_from_anchor():
         assert msg == "" and opt.outer_steps == 1 and opt.inner_step == 0
         for a, b in zip(params, start):
             assert torch.equal(a, b)
+
+
+def test_nesterov_outer_optimizer_matches_reference():
+    m, steps, tau, alpha, beta = 2, 8, 4, 1.0, 0.6
+    results = run_slowmo(m, steps, SGD_NESTEROV, schedule=None, tau=tau, slow_lr=alpha, slow_momentum=beta,
+                         outer_optimizer="nesterov", buffers="maintain")
+    ref = reference_slowmo(m, steps, tau, alpha, beta, SGD_NESTEROV, buffers="maintain", lr_schedule=None,
+                           outer_nesterov=True)
+    assert_bitwise_equal_across_ranks(results)
+    for (model, _, _), want in zip(results, ref):
+        assert_close_models(model, want)
+
+
+def test_custom_outer_optimizer_on_unscaled_pseudo_gradient():
+    """DiLoCo-style: SGD(lr=0.7, momentum=0.9, nesterov) on x0 - x_avg, replayed by hand."""
+    m, steps, tau = 2, 9, 3
+    outer = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    results = run_slowmo(m, steps, ADAM, tau=tau, outer_optimizer=outer, buffers="maintain")
+    models = [make_model() for _ in range(m)]
+    opts = [ADAM(mod.parameters()) for mod in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    u = [torch.zeros_like(a) for a in anchor]
+    for k in range(steps):
+        for w in range(m):
+            for g in opts[w].param_groups:
+                g["lr"] = lr_at(k)
+            opts[w].zero_grad()
+            loss_at(models[w], w, k).backward()
+            opts[w].step()
+        if (k + 1) % tau == 0:
+            with torch.no_grad():
+                plist = [list(mod.parameters()) for mod in models]
+                for i, a in enumerate(anchor):
+                    g = a - sum(plist[w][i] for w in range(m)) / m
+                    u[i] = g.clone() if k + 1 == tau else 0.9 * u[i] + g
+                    a -= 0.7 * (g + 0.9 * u[i])
+                    for w in range(m):
+                        plist[w][i].copy_(a)
+    for (model, _, _) in results:
+        for a, b in zip(model.parameters(), models[0].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    sd = results[0][2].state_dict()["slowmo"]["outer_optimizer"]
+    assert sd["state"][0]["momentum_buffer"].shape == anchor[0].shape
+
+
+def test_custom_outer_optimizer_state_survives_resume():
+    outer = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)  # noqa: E731
+    full = run_slowmo(1, 8, SGD_NESTEROV, tau=2, outer_optimizer=outer)
+    first = run_slowmo(1, 5, SGD_NESTEROV, tau=2, outer_optimizer=outer)
+    model, _, opt = first[0]
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=False)
+    fresh = make_model(seed=5)
+    fresh.load_state_dict(ckpt["model"])
+    world = ThreadWorld(1)
+    opt2 = DistributedOptimizer(SGD_NESTEROV(fresh.parameters()), named_parameters=fresh.named_parameters(),
+                                model_buffers=fresh.buffers(), communicator=world.communicator(0), tau=2,
+                                outer_optimizer=outer)
+    opt2.load_state_dict(ckpt["opt"])
+    for k in range(5, 8):
+        for g in opt2.param_groups:
+            g["lr"] = lr_at(k)
+        opt2.zero_grad()
+        loss_at(fresh, 0, k).backward()
+        opt2.step()
+    for a, b in zip(fresh.state_dict().values(), full[0][0].state_dict().values()):
+        assert torch.equal(a, b)

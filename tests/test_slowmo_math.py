@@ -37,3 +37,20 @@ def test_lookahead_form():
 def test_zero_lr_is_rejected():
     with pytest.raises(ValueError, match="lr must be > 0"):
         slow_momentum_step_([torch.ones(1)], [torch.ones(1)], [torch.zeros(1)], lr=0.0, slow_lr=1.0, slow_momentum=0.5)
+
+
+def test_nesterov_matches_sgd_nesterov_replay():
+    torch.manual_seed(1)
+    alpha, beta = 0.8, 0.7
+    anchor = [torch.randn(6, dtype=torch.float64)]
+    buf = [torch.zeros(6, dtype=torch.float64)]
+    ref_anchor = [anchor[0].clone().requires_grad_(True)]
+    ref = torch.optim.SGD(ref_anchor, lr=1.0, momentum=beta, nesterov=True)
+    for lr in [0.1, 0.2, 0.05]:
+        avg = [anchor[0] + torch.randn(6, dtype=torch.float64) * 0.1]
+        ref_anchor[0].grad = (ref_anchor[0].detach() - avg[0]) / lr
+        ref.param_groups[0]["lr"] = alpha * lr
+        ref.step()
+        params = [avg[0].clone()]
+        slow_momentum_step_(params, anchor, buf, lr, alpha, beta, nesterov=True)
+        torch.testing.assert_close(anchor[0], ref_anchor[0].detach(), rtol=0, atol=1e-12)
