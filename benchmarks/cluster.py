@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 __all__ = [
     "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
     "setup_commands", "shaping_commands", "teardown_commands", "stale_namespaces", "hosts_file",
-    "cluster_stamps", "window_stats", "ring_bytes", "summarize", "render_markdown",
+    "cluster_stamps", "window_stats", "pool_repeats", "ring_bytes", "summarize", "render_markdown",
 ]
 
 NETNS_DIR = "/etc/netns"
@@ -344,6 +344,34 @@ def window_stats(stamps: Sequence[float], window: int) -> Dict[str, Any]:
             "mean_ms": statistics.fmean(per), "windows": n, "window": window, "per_window_ms": per}
 
 
+def pool_repeats(repeats: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One result from repeated measurements of the same algorithm: statistics over all their
+    windows together, per-iteration averages of the counters, and each repeat's median (drift).
+
+    Args:
+        repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
+            ``rank_median_ms``, ``bytes_per_iter``, ``bytes_computed`` and, for hvd_slowmo,
+            ``phase_ms_per_iter``.
+    """
+    if not repeats:
+        raise ValueError("pool_repeats needs at least one measurement")
+    per = [ms for r in repeats for ms in r["per_window_ms"]]
+    out: Dict[str, Any] = {
+        "median_ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per), "mean_ms": statistics.fmean(per),
+        "windows": len(per), "window": repeats[0]["window"], "per_window_ms": per,
+        "iteration_ms": [ms for r in repeats for ms in r["iteration_ms"]],
+        "iterations": sum(r["iterations"] for r in repeats),
+        "repeat_median_ms": [r["median_ms"] for r in repeats],
+        "rank_median_ms": [r["rank_median_ms"] for r in repeats],
+        "bytes_per_iter": statistics.fmean(r["bytes_per_iter"] for r in repeats),
+        "bytes_computed": repeats[0]["bytes_computed"],
+    }
+    if "phase_ms_per_iter" in repeats[0]:
+        out["phase_ms_per_iter"] = {k: statistics.fmean(r["phase_ms_per_iter"][k] for r in repeats)
+                                    for k in repeats[0]["phase_ms_per_iter"]}
+    return out
+
+
 def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> List[float]:
     """When every worker had finished each iteration: the element-wise max over ranks of their
     stamps relative to their own start (all start right after a barrier).
@@ -447,7 +475,8 @@ def render_markdown(run: Dict[str, Any]) -> str:
            "",
            f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
            f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
-           "period (tau iterations), [min-max] over windows, timed by the slowest worker.",
+           "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
+           f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order.",
            "",
            "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
            "",
@@ -672,6 +701,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=48,
                    help="timed iterations per algorithm (raised to at least --windows outer periods)")
     p.add_argument("--windows", type=int, default=3, help="minimum timed outer periods per algorithm")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure the whole list this often, in alternating order (cancels slow drift)")
     p.add_argument("--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads")
     p.add_argument("--algorithms", default=",".join(a.key for a in ALGORITHMS),
                    help="comma-separated subset of: " + ", ".join(a.key for a in ALGORITHMS))
@@ -695,8 +726,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [a for a in algos if a not in ALGORITHM_BY_KEY]
     if unknown:
         p.error(f"--algorithms: unknown {unknown}; choose from {[a.key for a in ALGORITHMS]}")
-    if args.iters < 1 or args.windows < 1:
-        p.error("--iters and --windows must be >= 1")
+    if args.iters < 1 or args.windows < 1 or args.repeats < 1:
+        p.error("--iters, --windows and --repeats must be >= 1")
     plan = plan_cluster(args.hosts, args.prefix, args.subnet)
     if os.geteuid() != 0:
         print("cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr)
@@ -720,7 +751,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cluster.shape(rate)
             for wl in workloads:
                 raw = os.path.join(args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json")
-                spec = {**wl, "algorithms": algos, "iters": args.iters, "windows": args.windows,
+                spec = {**wl, "algorithms": algos, "iters": args.iters, "windows": args.windows, "repeats": args.repeats,
                         "batch_size": args.batch_size, "output": os.path.abspath(raw)}
                 print(f"== {wl['workload']} {_human(wl['params']) if 'params' in wl else ''} at {rate}: "
                       f"{len(algos)} algorithms on {args.hosts} hosts", flush=True)

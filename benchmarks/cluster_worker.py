@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ import horovod  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_slowmo  # noqa: E402
-from cluster import ALGORITHM_BY_KEY, Algorithm, cluster_stamps, ring_bytes, window_stats  # noqa: E402
+from cluster import ALGORITHM_BY_KEY, Algorithm, cluster_stamps, pool_repeats, ring_bytes, window_stats  # noqa: E402
 
 Step = Callable[[nn.Module], None]
 
@@ -215,15 +215,23 @@ def main() -> None:
     spec = json.loads(parser.parse_args().spec)
     torch.set_num_threads(1)
     hvd.init()
-    results = {}
-    for key in spec["algorithms"]:
-        t0 = time.perf_counter()
-        results[key] = measure(ALGORITHM_BY_KEY[key], spec)
-        if hvd.rank() == 0:
-            r = results[key]
-            msg = (f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] over {r['windows']} windows"
-                   if r.get("available", True) else "not available: " + r["reason"])
-            print(f"  {key:18s} {msg} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    raw: Dict[str, List[Dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
+    unavailable: Dict[str, Dict[str, Any]] = {}
+    for rep in range(spec["repeats"]):
+        # Forward, then backward, ...: a slow drift of the machine's load then hits every algorithm alike.
+        order = spec["algorithms"] if rep % 2 == 0 else spec["algorithms"][::-1]
+        for key in order:
+            t0 = time.perf_counter()
+            r = measure(ALGORITHM_BY_KEY[key], spec)
+            if r.get("available", True):
+                raw[key].append(r)
+            else:
+                unavailable[key] = r
+            if hvd.rank() == 0:
+                msg = (f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] over {r['windows']} windows"
+                       if r.get("available", True) else "not available: " + r["reason"])
+                print(f"  {key:18s} {msg} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results = {key: pool_repeats(raw[key]) if raw[key] else unavailable[key] for key in spec["algorithms"]}
     if hvd.rank() == 0:
         model, _ = build(spec)
         header = {"workload": spec["workload"], "compute_ms": spec.get("compute_ms"),
@@ -231,7 +239,7 @@ def main() -> None:
                   "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                   "batch_size": None if spec["workload"] == "synthetic" else spec["batch_size"],
                   "horovod": horovod.__version__,
-                  "torch": torch.__version__, "size": hvd.size()}
+                  "torch": torch.__version__, "size": hvd.size(), "repeats": spec["repeats"]}
         tmp = spec["output"] + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"header": header, "results": results}, f, indent=1)

@@ -149,6 +149,21 @@ def test_cluster_stamps_follow_the_slowest_worker():
         cluster.cluster_stamps([[0.0, 1.0], [0.0]])
 
 
+def test_pool_repeats():
+    def rep(windows, iters, sent, phase):
+        return {"per_window_ms": windows, "window": 12, "median_ms": sorted(windows)[len(windows) // 2],
+                "iteration_ms": [1.0] * iters, "iterations": iters, "rank_median_ms": [1.0, 2.0],
+                "bytes_per_iter": sent, "bytes_computed": False, "phase_ms_per_iter": {"average": phase}}
+    pooled = cluster.pool_repeats([rep([10.0, 30.0], 24, 100.0, 2.0), rep([20.0, 40.0, 50.0], 36, 300.0, 4.0)])
+    assert pooled["per_window_ms"] == [10.0, 30.0, 20.0, 40.0, 50.0]
+    assert pooled["median_ms"] == 30.0 and pooled["min_ms"] == 10.0 and pooled["max_ms"] == 50.0
+    assert pooled["windows"] == 5 and pooled["iterations"] == 60 and len(pooled["iteration_ms"]) == 60
+    assert pooled["repeat_median_ms"] == [30.0, 40.0]
+    assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
+    with pytest.raises(ValueError, match="at least one"):
+        cluster.pool_repeats([])
+
+
 def test_ring_bytes():
     assert cluster.ring_bytes(4_000_000, 4) == 6_000_000  # 2 * 3/4 * 4 MB
     assert cluster.ring_bytes(1000, 2) == 1000
@@ -232,7 +247,7 @@ def test_end_to_end_two_hosts(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--rate", "100mbit",
            "--workload", "synthetic", "--params", "100k", "--compute-ms", "5", "--iters", "4", "--windows", "2",
            "--algorithms", "compute,horovod_ar,allreduce,localsgd_slowmo", "--prefix", prefix, "--subnet", "10.78.0",
-           "--timeout", "150", "--out", str(tmp_path)]
+           "--repeats", "2", "--timeout", "150", "--out", str(tmp_path)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
     finally:
@@ -244,8 +259,9 @@ def test_end_to_end_two_hosts(tmp_path):
     assert len(runs) == 1
     res = runs[0]["results"]
     assert set(res) == {"compute", "horovod_ar", "allreduce", "localsgd_slowmo"}
-    assert res["localsgd_slowmo"]["iterations"] == 24 and res["localsgd_slowmo"]["windows"] == 2
-    assert res["horovod_ar"]["iterations"] == 4
+    # Two repeats of: 2 windows of one outer period (tau=12), and 4 single-iteration windows at tau=1.
+    assert res["localsgd_slowmo"]["iterations"] == 48 and res["localsgd_slowmo"]["windows"] == 4
+    assert res["horovod_ar"]["iterations"] == 8 and len(res["horovod_ar"]["repeat_median_ms"]) == 2
     assert all(r_["median_ms"] > 0 for r_ in res.values())
     # The sleep is a floor for every algorithm's iteration time.
     assert res["compute"]["median_ms"] >= 5.0
