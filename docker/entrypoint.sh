@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Entrypoint of the hvd_slowmo images: sets up sshd for multi-node launches when asked, then runs
+# the command (everything was installed at build time; nothing is installed here).
+#
+#   (no arguments)  the image's CMD: the main job, python examples/compare.py
+#   sshd            sshd alone, in the foreground: a worker node that horovodrun/mpirun reach by ssh
+#   COMMAND...      runs COMMAND; with HVD_SLOWMO_SSHD=1, sshd is started in the background first
+#
+# Environment:
+#   HVD_SLOWMO_SSH_PORT  port sshd listens on and ssh connects to (default 2222). Every node uses the
+#                        same one, so horovodrun and mpirun need no port flag.
+#   HVD_SLOWMO_SSH_KEYS  directory holding the cluster's key, mounted read-only (default
+#                        /etc/hvd_slowmo/ssh): id_ed25519, id_ecdsa or id_rsa, and optionally
+#                        authorized_keys (default: the public halves of those keys, so every node that
+#                        holds the key may log in to every other).
+#   HVD_SLOWMO_SSHD      1: start sshd in the background before COMMAND (for the launching node when
+#                        it also runs ranks that other nodes' orted must reach; harmless otherwise).
+set -euo pipefail
+
+PORT=${HVD_SLOWMO_SSH_PORT:-2222}
+KEYS=${HVD_SLOWMO_SSH_KEYS:-/etc/hvd_slowmo/ssh}
+SSH_DIR=$HOME/.ssh
+die() { echo "entrypoint: error: $*" >&2; exit 1; }
+
+setup_ssh() {
+  if ! [[ $PORT =~ ^[0-9]{1,5}$ ]] || [ "$PORT" -lt 1 ] || [ "$PORT" -gt 65535 ]; then
+    die "HVD_SLOWMO_SSH_PORT must be a port number (1-65535), not '$PORT'"
+  fi
+  [ "$(id -u)" = 0 ] || [ "$PORT" -ge 1024 ] \
+    || die "HVD_SLOWMO_SSH_PORT=$PORT needs root; as $(id -un) use a port >= 1024 (default 2222)"
+  mkdir -p "$SSH_DIR/hostkeys"
+  chmod 700 "$SSH_DIR"
+  # Copy the mounted keys rather than using them in place: a bind mount keeps the host's owner and
+  # modes, which ssh and sshd reject for private keys and authorized_keys.
+  local key name found=0
+  local auth=$SSH_DIR/authorized_keys.new
+  : > "$auth"
+  for key in "$KEYS"/id_ed25519 "$KEYS"/id_ecdsa "$KEYS"/id_rsa; do
+    [ -f "$key" ] || continue
+    name=$(basename "$key")
+    install -m 600 "$key" "$SSH_DIR/$name"
+    ssh-keygen -y -f "$SSH_DIR/$name" >> "$auth" || die "$key is not a private key without passphrase"
+    found=1
+  done
+  [ "$found" = 1 ] || die "no private key (id_ed25519, id_ecdsa or id_rsa) in $KEYS: mount the cluster's key there," \
+    "e.g. -v \$HOME/.hvd_slowmo_ssh:$KEYS:ro (docker/README.md shows how to make one)"
+  [ ! -f "$KEYS/authorized_keys" ] || cat "$KEYS/authorized_keys" > "$auth"
+  chmod 600 "$auth"
+  mv "$auth" "$SSH_DIR/authorized_keys"
+
+  # Host keys are made per container, never baked into the image (every node would share them).
+  local hostkey=$SSH_DIR/hostkeys/ssh_host_ed25519_key
+  [ -f "$hostkey" ] || ssh-keygen -q -t ed25519 -N '' -C "$(hostname)" -f "$hostkey"
+
+  cat > "$SSH_DIR/sshd_config" <<CONF
+Port $PORT
+HostKey $hostkey
+AuthorizedKeysFile $SSH_DIR/authorized_keys
+PidFile $SSH_DIR/sshd.pid
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+UsePAM no
+# ssh sessions do not inherit the container's environment: give them the image's PATH so that
+# python, horovodrun and OpenMPI's orted are the same programs on every node.
+SetEnv PATH=$PATH
+CONF
+  # Host keys change with every container, and the nodes talk over the cluster's own network:
+  # do not pin them. Where that is not acceptable, mount fixed host keys over $SSH_DIR/hostkeys.
+  cat > "$SSH_DIR/config" <<CONF
+Host *
+  Port $PORT
+  StrictHostKeyChecking no
+  UserKnownHostsFile /dev/null
+  LogLevel ERROR
+CONF
+  chmod 600 "$SSH_DIR/config" "$SSH_DIR/sshd_config"
+  # As root, sshd needs its privilege-separation directory (normally made by the init system).
+  [ "$(id -u)" != 0 ] || mkdir -p /run/sshd
+  /usr/sbin/sshd -t -f "$SSH_DIR/sshd_config" || die "sshd rejected $SSH_DIR/sshd_config"
+}
+
+if [ $# -eq 1 ] && [ "$1" = sshd ]; then
+  setup_ssh
+  echo "entrypoint: sshd listening on port $PORT as $(id -un)" >&2
+  exec /usr/sbin/sshd -D -e -f "$SSH_DIR/sshd_config"
+fi
+if [ "${HVD_SLOWMO_SSHD:-0}" = 1 ]; then
+  setup_ssh
+  /usr/sbin/sshd -f "$SSH_DIR/sshd_config"
+fi
+[ $# -gt 0 ] || die "no command given (the image's default is: python examples/compare.py)"
+exec "$@"
