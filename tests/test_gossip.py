@@ -114,6 +114,33 @@ def test_dpsgd_matches_matrix_reference(m, topology, p):
                    reference(m, 7, topology=topology, peers_per_step=p, undirected=True))
 
 
+def test_one_message_per_dtype_carries_every_parameter():
+    """float32 and float64 parameters travel as two flat messages (the weight in the float64
+    one); both follow the matrix reference, the float32 one to float32 accuracy."""
+    m, steps = 4, 5
+    ref = reference(m, steps, topology=star_then_ring)
+
+    def worker(comm):
+        p64 = torch.nn.Parameter(initial(comm.rank).clone())
+        p32 = torch.nn.Parameter(initial(comm.rank).float())
+        opt = DistributedOptimizer(torch.optim.SGD([p32, p64], lr=LR), named_parameters=[("a", p32), ("b", p64)],
+                                   base="sgp", tau=1000, slow_lr=1.0, slow_momentum=0.0, communicator=comm,
+                                   topology=star_then_ring)
+        before = comm.bytes_sent
+        for _ in range(steps):
+            opt.zero_grad()
+            for p in (p32, p64):
+                (0.5 * curvature(comm.rank) * ((p - centre(comm.rank).to(p.dtype)) ** 2).sum()).backward()
+            opt.step()
+        return p32.detach().clone(), p64.detach().clone(), comm.bytes_sent - before, opt.base.groups
+
+    for rank, (p32, p64, sent, groups) in enumerate(run_threads(m, worker)):
+        z = ref[-1][0][:, rank]
+        assert (p64 - z).abs().max() < 1e-12 and (p32.double() - z).abs().max() < 1e-5
+        assert [(g.params[0].dtype, g.carries_weight) for g in groups] == [(torch.float32, False), (torch.float64, True)]
+        assert sent == steps * (DIM * 4 + (DIM + 1) * 8)  # one peer per step: one message per dtype
+
+
 def test_reference_catches_a_wrong_mixing():
     # The comparison has teeth: SGP differs from D-PSGD's reference on the same graph.
     with pytest.raises(AssertionError, match="differs from the matrix reference"):
