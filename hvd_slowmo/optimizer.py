@@ -6,6 +6,7 @@ optimizer. Each :meth:`DistributedOptimizer.step` is one base-algorithm step; ev
 steps it runs the outer step: exact average, slow momentum update, base-buffer strategy.
 """
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -14,12 +15,17 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 from torch import Tensor
 
-from .bases import BASES
+from .bases import BASES, grads_or_zeros
 from .buffers import BUFFER_STRATEGIES, averageable_buffers, reset_buffers
 from .comm.base import Communicator
+from .sharded import ShardedSlowState, check_shard_option
+from .elastic import is_elastic_launch, register_state_handler
+from .hierarchy import Hierarchy, horovod_node_hierarchy
 from .slowmo import slow_momentum_step_
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "STATE_FORMAT"]
+
+log = logging.getLogger("hvd_slowmo")
 
 #: Version of the ``state_dict`` layout; :meth:`DistributedOptimizer.load_state_dict` refuses others.
 STATE_FORMAT = 1
@@ -76,7 +82,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             momentum=0.9, nesterov=True)`` (DiLoCo). A custom outer optimizer is applied to the
             *unscaled* pseudo-gradient ``x0 - x_avg`` with its own learning rate (so it does not
             follow the base LR schedule); ``slow_lr`` and ``slow_momentum`` are then unused.
-        communicator: the transport; default a Horovod communicator over all ranks.
+        shard_slow_state: keep only this rank's ~1/m shard of the anchor and slow state (ZeRO-1
+            style, :mod:`hvd_slowmo.sharded`): the exact average becomes a reduce-scatter, the slow
+            update runs on the shard and an all-gather returns the new anchor (same bytes on the
+            wire). Each rank saves and loads its own shard, in a job of the same size.
+        worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
+            gradients are averaged inside the node at every step, the base algorithm runs between
+            nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
+            a :class:`~hvd_slowmo.hierarchy.Hierarchy` of two communicators for other layouts.
+        communicator: the transport over all ranks; default a Horovod communicator.
         base_options: extra keyword options for the base algorithm (gossip topology, ...).
 
     Raises:
@@ -98,6 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression: Any = None,
         nonfinite: str = "raise",
         outer_optimizer: Union[str, Callable[[List[Tensor]], torch.optim.Optimizer]] = "heavyball",
+        shard_slow_state: bool = False,
+        worker: Union[str, Hierarchy] = "process",
         communicator: Optional[Communicator] = None,
         **base_options: Any,
     ) -> None:
@@ -129,6 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
         if not isinstance(average, bool):
             raise TypeError(f"average must be True or False, got {average!r}")
+        check_shard_option(shard_slow_state, callable(outer_optimizer) or (slow_lr, slow_momentum) != (1.0, 0.0), average)
         if compression is not None and not (callable(getattr(compression, "compress", None))
                                              and callable(getattr(compression, "decompress", None))):
             raise TypeError(f"compression must be a hvd.Compression (none or fp16), got {compression!r}")
@@ -148,6 +165,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "use average=False only with a gossip base (sgp, osgp, dpsgd)")
         model_buffers = [b for b in (model_buffers or []) if isinstance(b, Tensor) and b.is_floating_point()]
 
+        if not (worker in ("process", "node") or isinstance(worker, Hierarchy)):
+            raise ValueError(f"worker must be 'process', 'node' or a hvd_slowmo.hierarchy.Hierarchy, got {worker!r}")
+        if worker == "node" and communicator is not None:
+            raise ValueError("worker='node' builds Horovod process sets; with your own communicator pass "
+                             "worker=Hierarchy(node=..., cross=...) instead")
         if communicator is None:
             from .comm.horovod import HorovodCommunicator
 
@@ -155,9 +177,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif compression is not None:
             raise ValueError("compression is applied by the default Horovod communicator; "
                              "pass compression to your communicator instead")
+        hierarchy = horovod_node_hierarchy() if worker == "node" else (worker if isinstance(worker, Hierarchy) else None)
+        #: Averages gradients inside this rank's node every step (hierarchical mode only).
+        self.node_comm: Optional[Communicator] = hierarchy.node if hierarchy else None
         self.comm = communicator
-        self.base = base_cls(communicator, **base_options)
+        # The base algorithm runs between workers: between nodes in hierarchical mode.
+        self.base = base_cls(hierarchy.cross if hierarchy else communicator, **base_options)
         self.base_name = base
+        self._base_options = dict(base_options)  # to rebuild the base for other workers (elastic)
         self.optimizer = optimizer
         self.tau = tau
         self.slow_lr = slow_lr
@@ -171,7 +198,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.outer_optimizer_factory = outer_optimizer if callable(outer_optimizer) else None
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None  # built with the anchor
         self.nesterov = outer_optimizer == "nesterov"
-        self._check_same_everywhere()
+        #: This rank's shards of the slow state (shard_slow_state=True); self.anchor/slow_buffer then stay None.
+        self.sharded = (ShardedSlowState(communicator, slow_lr, slow_momentum, self.nesterov,
+                                         self.outer_optimizer_factory) if shard_slow_state else None)
+        if is_elastic_launch():
+            # A worker that joins an elastic job later builds its optimizer alone while the others
+            # wait in hvd.elastic's state sync: a collective here would deadlock. The same check
+            # runs in that sync instead (hvd_slowmo.elastic.sync_optimizer), with every worker there.
+            register_state_handler(DistributedOptimizer)
+        else:
+            self._check_same_everywhere()
         if base == "allreduce" and buffers == "average":
             warnings.warn("buffers='average' with base='allreduce' averages buffers that are already "
                           "identical on every worker; use buffers='maintain'", stacklevel=2)
@@ -181,6 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.slow_enabled = callable(outer_optimizer) or not (slow_lr == 1.0 and slow_momentum == 0.0)
         self.inner_step = 0  # base steps taken in the current outer step
         self.num_steps = 0  # base steps taken in total
+        self._world = (self.comm.rank, self.comm.size)  # the workers the base was built for
         self.outer_steps = 0
         self.anchor: Optional[List[Tensor]] = None  # captured lazily: after hvd.broadcast_parameters
         self.slow_buffer: Optional[List[Tensor]] = None
@@ -248,6 +285,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.slow_buffer is not None:
             self.slow_buffer.extend(torch.zeros_like(p) for p in new)
         self.base.attach(self._params)
+        if self.sharded is not None:
+            self.sharded.add_group_(self.param_groups)
 
     # --- Horovod's AMP protocol -----------------------------------------------------------
     def synchronize(self) -> None:
@@ -255,9 +294,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``synchronize()``, ``scaler.unscale_(opt)``, then ``with opt.skip_synchronize(): scaler.step(opt)``)."""
         if not self._synchronized:
             t0 = time.perf_counter()
+            if self.node_comm is not None and self.node_comm.size > 1:
+                self.node_comm.average_(grads_or_zeros(self._params), name="hvd_slowmo.node_grad_average")
             self.base.pre_step()
             self.timings["base_comm"] += time.perf_counter() - t0
             self._synchronized = True
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank handed to every transport it uses (exact average, base, node)."""
+        comms = {id(c): c for c in (self.comm, self.base.comm, self.node_comm) if c is not None}
+        return sum(c.bytes_sent for c in comms.values())
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -279,6 +326,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if (self.comm.rank, self.comm.size) != self._world:
+            # Horovod elastic re-initialized with other workers and skipped its state sync
+            # (workers removed at a commit): nothing may communicate with the old world's layout.
+            self._adopt_world("workers changed without an elastic state sync")
         if self.anchor is None and self._keeps_anchor:
             self._capture_anchor()
         if not self._skip_synchronize:
@@ -299,6 +350,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.slow_enabled or self.nonfinite == "skip"
 
     def _capture_anchor(self) -> None:
+        if self.sharded is not None:
+            self.sharded.capture_(self.param_groups)  # self.anchor stays None: returns at once once captured
+            return
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self._params]
             if self.outer_optimizer_factory is not None:
@@ -322,7 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.inner_step = 0
             self.outer_steps += 1
             return
-        if self.average and self.base.needs_exact_average:
+        if self.average and self.base.needs_exact_average and self.sharded is None:
             self.comm.average_(params + self.model_buffers, name="hvd_slowmo.exact_average")
         elif self.average and self.model_buffers:
             self.comm.average_(self.model_buffers, name="hvd_slowmo.exact_average")
@@ -331,7 +385,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.comm.average_(averageable_buffers(self.optimizer.state, self._params),
                                name="hvd_slowmo.buffer_average")
         t1 = time.perf_counter()
-        if self.slow_enabled:
+        if self.sharded is not None:
+            # Reduce-scatter, slow update of this rank's shard, all-gather; the collectives count as averaging.
+            t1 += self.sharded.outer_step_(params, self.param_groups, exact=self.base.needs_exact_average)
+        elif self.slow_enabled:
             self._slow_update()
         elif self.anchor is not None:
             torch._foreach_copy_(self.anchor, params)
@@ -349,7 +406,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         anchor on every rank, so one worker's NaN never reaches the others.
         """
         local_ok = bool(torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all()) if params else True
-        bad = [r for r, ok in enumerate(self.comm.allgather_object(local_ok)) if not ok]
+        bad = [r for r, p in enumerate(self._gather_progress("outer step", local_ok)) if not p["finite"]]
         if not bad:
             return True
         where = (f"non-finite parameters (NaN/inf) on rank(s) {bad} after step {self.num_steps} "
@@ -358,9 +415,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(
                 f"{where}; they were not averaged into the other workers. Lower the learning rate or clip "
                 "gradients, or pass nonfinite='skip' to restart the outer step from the last anchor")
-        assert self.anchor is not None  # nonfinite="skip" always keeps an anchor
         warnings.warn(f"{where}: outer step skipped, every worker restarts from the previous anchor", stacklevel=3)
-        torch._foreach_copy_(params, self.anchor)
+        if self.sharded is not None:
+            self.sharded.restore_(params)  # all-gathers the full anchor
+        else:
+            assert self.anchor is not None  # nonfinite="skip" always keeps an anchor
+            torch._foreach_copy_(params, self.anchor)
         reset_buffers(self.optimizer.state, self._params)
         return False
 
@@ -395,6 +455,74 @@ class DistributedOptimizer(torch.optim.Optimizer):
             slow_momentum_step_(params, anchor, [self.slow_buffer[i] for i in idx], lr,
                                 self.slow_lr, self.slow_momentum, nesterov=self.nesterov)
 
+    # --- reliability: uneven steps, membership changes (docs/reliability.md) ---------------
+    def finish(self) -> None:
+        """Check that every worker called :meth:`step` equally often; call it on every rank at the
+        end of each epoch (before any other collective). Collective.
+
+        Outer steps are count-based, so a worker with fewer batches (uneven data) does not fail
+        at an outer step: it stops early while the others wait for it. This check and the one at
+        every outer step go through the same named collective, so a worker here and a worker
+        still at an outer step meet, and both raise instead of hanging.
+
+        Raises:
+            RuntimeError: the workers took different numbers of steps.
+        """
+        everyone = self._gather_progress("finish", True)
+        if len({p["num_steps"] for p in everyone}) > 1:
+            raise RuntimeError(self._uneven_message(everyone))
+
+    def _gather_progress(self, at: str, finite: bool) -> List[Dict[str, Any]]:
+        # The same name and payload type (a dict) for every call: Horovod matches collectives by
+        # name, so finish() on one rank meets an outer step on another instead of stalling.
+        everyone = self.comm.allgather_object(
+            {"at": at, "finite": finite, "num_steps": self.num_steps, "outer_steps": self.outer_steps})
+        if any(p["at"] != at for p in everyone):
+            raise RuntimeError(self._uneven_message(everyone))
+        return everyone
+
+    @staticmethod
+    def _uneven_message(everyone: List[Dict[str, Any]]) -> str:
+        where = "; ".join(f"rank {r} at {p['at']} after {p['num_steps']} steps" for r, p in enumerate(everyone))
+        return (f"hvd_slowmo: workers called step() different numbers of times ({where}). SlowMo's outer "
+                "steps need the same number of steps on every worker: give every rank the same number of "
+                "batches (DistributedSampler(drop_last=True) with a DataLoader(drop_last=True), or "
+                "hvd.elastic.ElasticSampler); hvd.join() cannot even out outer steps, which are not allreduces")
+
+    def _rebuild_base(self) -> None:
+        """A fresh base algorithm for the current workers (gossip graph, transport, push-sum
+        weight); messages of the previous one still in flight are dropped."""
+        comm = self.base.comm
+        self.base = BASES[self.base_name](comm, **self._base_options)
+        self.base.attach(self._params)
+
+    @torch.no_grad()
+    def _adopt_world(self, why: str) -> None:
+        """Continue with the current workers: rebuild the base and restart the outer step from
+        the anchor, identical on every worker (the base steps since the anchor are dropped).
+
+        Without an anchor (``slow_lr=1, slow_momentum=0`` and ``nonfinite != "skip"``) there is no
+        common point: the outer step continues from the parameters as they are.
+        """
+        old, self._world = self._world, (self.comm.rank, self.comm.size)
+        self._rebuild_base()
+        dropped = 0
+        if self.anchor is not None and self.inner_step > 0:
+            dropped = self.inner_step
+            torch._foreach_copy_([p.detach() for p in self._params], self.anchor)
+            if self.buffers == "reset":
+                reset_buffers(self.optimizer.state, self._params)
+            self.num_steps -= dropped
+            self.inner_step = 0
+        if self.comm.rank == 0 and (old != self._world or dropped):
+            change = f"{old[1]} -> {self.comm.size} workers, " if old[1] != self.comm.size else ""
+            what = (f"outer step {self.outer_steps} restarts from its anchor ({dropped} base steps dropped, "
+                    f"num_steps back to {self.num_steps})" if dropped else
+                    f"continuing at step {self.num_steps} (inner step {self.inner_step})")
+            log.warning("hvd_slowmo: %s (%sbase %r rebuilt for %d workers): %s. The learning rate is yours: "
+                        "rescale it in a reset callback if it depends on the number of workers",
+                        why, change, self.base_name, self.comm.size, what)
+
     # --- checks ---------------------------------------------------------------------------
     @staticmethod
     def _check_names(params: List[Tensor], named_parameters: Optional[Iterable[Tuple[str, Tensor]]]) -> List[str]:
@@ -421,7 +549,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {
             "base": self.base_name, "tau": self.tau, "slow_lr": self.slow_lr, "slow_momentum": self.slow_momentum,
             "buffers": self.buffers, "average": self.average, "num_model_buffers": len(self.model_buffers),
-            "nonfinite": self.nonfinite,
+            "nonfinite": self.nonfinite, "shard_slow_state": self.sharded is not None,
+            "worker": "process" if self.node_comm is None else f"node({self.node_comm.size} ranks)",
             "outer_optimizer": "custom" if self.outer_optimizer_factory else ("nesterov" if self.nesterov else "heavyball"),
         }
 
@@ -461,11 +590,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "num_params": len(self._params),
                 "inner_step": self.inner_step,
                 "num_steps": self.num_steps,
+                "world_size": self.comm.size,  # a state from another world size restarts its outer step
                 "outer_steps": self.outer_steps,
                 "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
                 "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
                 "base_algorithm": self.base.state_dict(),
                 "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
+                "sharded": None if self.sharded is None else self.sharded.state_dict(),
             },
         }
 
@@ -495,6 +626,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for key in ("num_steps", "outer_steps"):
             if not isinstance(s.get(key), int) or s[key] < 0:
                 raise ValueError(f"load_state_dict: '{key}' is {s.get(key)!r}, not a step count: a damaged state")
+        if self.sharded is None and s.get("sharded") is not None:
+            raise ValueError("load_state_dict: the state holds one rank's shard (saved with shard_slow_state=True); "
+                             "load it into an optimizer built with shard_slow_state=True, in a job of the same size")
+        sharded = None if self.sharded is None else self.sharded.prepare_load(s.get("sharded"), self.param_groups, inner)
         new_tensors: Dict[str, Optional[List[Tensor]]] = {}
         for key in ("anchor", "slow_buffer"):
             saved = s.get(key)
@@ -508,7 +643,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"load_state_dict: '{key}' of parameter {self.param_names[i]!r} has shape "
                                      f"{tuple(saved[i].shape)}, the parameter {tuple(p.shape)}: another model")
             new_tensors[key] = [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self._params)]
-        if self._keeps_anchor and inner > 0 and new_tensors["anchor"] is None:
+        if self._keeps_anchor and inner > 0 and new_tensors["anchor"] is None and self.sharded is None:
             raise ValueError("load_state_dict: the state has no anchor but was saved inside an outer step; "
                              "it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
         if (self.slow_enabled and self.outer_optimizer_factory is None and new_tensors["anchor"] is not None
@@ -523,6 +658,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             outer = self._build_outer_optimizer(new_tensors["anchor"])
             outer.load_state_dict(s["outer_optimizer"])  # into a new object: raises before anything changes
         self.base.check_state_dict(s.get("base_algorithm", {}))
+        saved_size = s.get("world_size")  # absent in states written before it was recorded
+        if (saved_size is not None and saved_size != self.comm.size and inner > 0
+                and new_tensors["anchor"] is None):
+            raise ValueError(f"load_state_dict: the state was saved by {saved_size} workers inside an outer "
+                             f"step (inner_step {inner}) without an anchor, and this job has {self.comm.size}: "
+                             "only the anchor is common to all workers. Save at an outer-step boundary "
+                             "(when opt.inner_step == 0), or load with the same number of workers")
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.inner_step = inner
@@ -532,7 +674,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.anchor = new_tensors["anchor"]
             self.slow_buffer = new_tensors["slow_buffer"] if self.outer_optimizer_factory is None else None
             self.outer_optimizer = outer
+        if self.sharded is not None:
+            self.sharded.commit_load(sharded)
         self.base.load_state_dict(s.get("base_algorithm", {}))
+        if saved_size is not None and saved_size != self.comm.size:
+            # Inside an outer step each worker's parameters and base state are its own: with
+            # another number of workers only the anchor is common, so restart from it.
+            self._adopt_world(f"a state saved by {saved_size} workers was loaded by {self.comm.size}")
 
 
 def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
@@ -546,6 +694,9 @@ def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError("broadcast_optimizer_state expects a hvd_slowmo.DistributedOptimizer; "
                         "use hvd.broadcast_optimizer_state for plain optimizers")
+    if optimizer.sharded is not None:
+        raise ValueError("broadcast_optimizer_state: with shard_slow_state=True each rank holds its own shard of "
+                         "the slow state; have every rank load the state it saved instead")
     state = optimizer.comm.broadcast_object(optimizer.state_dict() if optimizer.comm.rank == root_rank else None,
                                             root_rank=root_rank)
     optimizer.load_state_dict(state)

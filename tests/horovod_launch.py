@@ -10,7 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None,
+               hosts: str = "") -> subprocess.CompletedProcess:
     """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
 
     Args:
@@ -19,11 +20,12 @@ def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, 
         args: the script and its arguments.
         timeout: seconds before the launch is killed (a deadlock then fails instead of hanging CI).
         env: extra environment variables.
+        hosts: horovodrun's ``-H`` (default ``localhost:NP``).
     """
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(exe):
         pytest.fail(f"horovodrun not found next to {sys.executable}: run scripts/setup_env.sh")
-    cmd = [exe, "-np", str(np), "-H", f"localhost:{np}"]
+    cmd = [exe, "-np", str(np), "-H", hosts or f"localhost:{np}"]
     if controller == "mpi":
         if shutil.which("mpirun") is None:
             pytest.fail("mpirun not found: install OpenMPI (scripts/setup_env.sh does)")

@@ -6,11 +6,12 @@ per-step communication.
 """
 from typing import Any, Dict, List, Tuple, Type
 
+import torch
 from torch import Tensor
 
 from ..comm.base import Communicator
 
-__all__ = ["BaseAlgorithm", "LocalSGD", "AllReduceSGD", "SGP", "OSGP", "DPSGD", "BASES"]
+__all__ = ["BaseAlgorithm", "LocalSGD", "AllReduceSGD", "SGP", "OSGP", "DPSGD", "BASES", "grads_or_zeros"]
 
 
 class BaseAlgorithm:
@@ -83,6 +84,21 @@ class BaseAlgorithm:
 LocalSGD = BaseAlgorithm
 
 
+def grads_or_zeros(params: List[Tensor]) -> List[Tensor]:
+    """The gradients of ``params``, giving zeros to those without one.
+
+    Like Horovod: a parameter without a gradient on this rank joins with zeros, so every rank
+    enters the same collective and unused parameters cannot deadlock the job.
+
+    Args:
+        params: the parameters, in the same order on every rank.
+    """
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
 class AllReduceSGD(BaseAlgorithm):
     """AR-SGD / AR-Adam: Horovod's per-step gradient average before every local step."""
 
@@ -91,14 +107,7 @@ class AllReduceSGD(BaseAlgorithm):
     needs_exact_average = False
 
     def pre_step(self) -> None:
-        grads = []
-        for p in self.params:
-            # Like Horovod: a parameter without a gradient on this rank joins with zeros, so every
-            # rank enters the same collective and unused parameters cannot deadlock the job.
-            if p.grad is None:
-                p.grad = p.detach().new_zeros(p.shape)
-            grads.append(p.grad)
-        self.comm.average_(grads, name="hvd_slowmo.grad_average")
+        self.comm.average_(grads_or_zeros(self.params), name="hvd_slowmo.grad_average")
 
 
 #: Registered base algorithms: name -> class, constructed as ``cls(comm, **options)``.

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor
 
+from ..sharded import shard_range
 from .base import Communicator, PendingExchange
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "run_threads"]
@@ -32,10 +33,34 @@ class ThreadWorld:
         self._slots: List[Any] = [None] * size
         self._mail: Dict[Tuple[int, int, int], Tensor] = {}
         self._mail_cv = threading.Condition()
+        self._splits: Dict[Tuple[Tuple[int, ...], ...], Dict[int, "ThreadCommunicator"]] = {}
 
     def communicator(self, rank: int) -> "ThreadCommunicator":
         """The communicator of worker ``rank``."""
         return ThreadCommunicator(self, rank)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Dict[int, "ThreadCommunicator"]:
+        """Sub-worlds, like process sets: ``groups`` partitions the ranks.
+
+        Args:
+            groups: lists of global ranks; each becomes a world whose ranks follow the list order.
+
+        Returns:
+            ``{global rank: its communicator inside its group}``; every worker thread that asks for
+            the same grouping gets the same sub-worlds.
+        """
+        key = tuple(tuple(g) for g in groups)
+        if sorted(r for g in key for r in g) != list(range(self.size)):
+            raise ValueError(f"split: groups {groups} must partition ranks 0..{self.size - 1}")
+        with self._mail_cv:
+            if key not in self._splits:
+                out: Dict[int, ThreadCommunicator] = {}
+                for g in key:
+                    sub = ThreadWorld(len(g), self.timeout)
+                    for local, rank in enumerate(g):
+                        out[rank] = sub.communicator(local)
+                self._splits[key] = out
+            return self._splits[key]
 
     def _gather(self, rank: int, value: Any) -> List[Any]:
         self._slots[rank] = value
@@ -95,6 +120,26 @@ class ThreadCommunicator(Communicator):
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self.world._gather(self.rank, obj)[root_rank]
+
+    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> List[Tensor]:
+        everyone = self.world._gather(self.rank, [f.detach().clone() for f in flats])
+        out = []
+        for i, f in enumerate(flats):
+            start, end = shard_range(f.numel(), self.rank, self.size)
+            # Summed in rank order and divided as in average_, so a shard is bitwise the same
+            # elements of average_'s result.
+            total = everyone[0][i][start:end].clone()
+            for r in range(1, self.size):
+                total += everyone[r][i][start:end]
+            out.append(total / self.size)
+            self.bytes_sent += int((self.size - 1) / self.size * f.numel() * f.element_size())
+        return out
+
+    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> List[Tensor]:
+        everyone = self.world._gather(self.rank, [s.detach().clone() for s in shards])
+        out = [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
+        self.bytes_sent += int(sum((self.size - 1) / self.size * o.numel() * o.element_size() for o in out))
+        return out
 
     def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
                        graph_key: Optional[Hashable] = None) -> PendingExchange:

@@ -1,0 +1,51 @@
+"""worker='node' for real: 4 processes as 2 emulated nodes under horovodrun --gloo.
+
+`-H localhost:2,127.0.0.1:2` makes Horovod's Gloo launcher treat the two names as two hosts
+(ranks 0,1 on cross_rank 0; ranks 2,3 on cross_rank 1), verified in the test itself. Under
+--mpi OpenMPI sees one host, so this layout is only emulated with Gloo.
+"""
+import os
+
+import pytest
+import torch
+
+from horovod_launch import horovodrun
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo import DistributedOptimizer
+from reference import batch
+from test_hierarchy import CASES, loss, mlp
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "hierarchy_worker.py")
+pytestmark = pytest.mark.horovod
+
+
+def flat_reference(case, nodes=((0, 1), (2, 3))):
+    models = [mlp() for _ in nodes]
+
+    def flat(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+                                   named_parameters=model.named_parameters(), communicator=comm, **CASES[case])
+        for k in range(7):
+            xs, ys = zip(*[batch(r, k) for r in nodes[comm.rank]])
+            opt.zero_grad()
+            loss(model, torch.cat(xs), torch.cat(ys)).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    return run_threads(len(nodes), flat)
+
+
+@pytest.mark.parametrize("case", ["localsgd-slowmo", "sgp-slowmo"])
+def test_two_emulated_nodes(tmp_path, case):
+    horovodrun(4, "gloo", [WORKER, str(tmp_path), case], hosts="localhost:2,127.0.0.1:2")
+    res = [torch.load(tmp_path / f"{case}.{r}.pt", weights_only=False) for r in range(4)]
+    assert [r["layout"] for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)], "the emulated layout is not 2 nodes x 2"
+    for node in ((0, 1), (2, 3)):
+        for k in range(7):
+            a, b = res[node[0]]["steps"][k], res[node[1]]["steps"][k]
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"node {node} differs at step {k}"
+    want = flat_reference(case)
+    for n, node in enumerate(((0, 1), (2, 3))):
+        for x, y in zip(res[node[0]]["steps"][-1], want[n]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
