@@ -24,7 +24,8 @@ Usage::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 from .bases import BASES
+from .hierarchy import Hierarchy
 from .optimizer import STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "BASES", "STATE_FORMAT"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "Hierarchy", "BASES", "STATE_FORMAT"]
 __version__ = "0.1.0"
