@@ -476,7 +476,8 @@ def render_markdown(run: Dict[str, Any]) -> str:
            f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
            f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
            "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
-           f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order.",
+           f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
+           f"{h.get('nice', 0)}.",
            "",
            "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
            "",
@@ -541,6 +542,7 @@ class Cluster:
     def __init__(self, plan: ClusterPlan) -> None:
         self.plan = plan
         self.workers: List[subprocess.Popen] = []
+        self._made_netns_dir = False
 
     def clean_stale(self) -> List[str]:
         """Remove what an earlier run with the same prefix left behind; returns what was found."""
@@ -566,6 +568,7 @@ class Cluster:
         for cmd in setup_commands(self.plan):
             self._checked(cmd)
         machine = socket.gethostname()
+        self._made_netns_dir = not os.path.isdir(NETNS_DIR)
         for h in self.plan.hosts:
             os.makedirs(os.path.join(NETNS_DIR, h.netns), exist_ok=True)
             with open(os.path.join(NETNS_DIR, h.netns, "hosts"), "w") as f:
@@ -614,8 +617,8 @@ class Cluster:
             _run(cmd, check=False)
         for h in self.plan.hosts:
             shutil.rmtree(os.path.join(NETNS_DIR, h.netns), ignore_errors=True)
-        if os.path.isdir(NETNS_DIR) and not os.listdir(NETNS_DIR):
-            os.rmdir(NETNS_DIR)  # we created it; leave the machine as it was
+        if self._made_netns_dir and os.path.isdir(NETNS_DIR) and not os.listdir(NETNS_DIR):
+            os.rmdir(NETNS_DIR)  # leave the machine as it was
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -624,7 +627,7 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float) -> None:
+def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float, nice: int) -> None:
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
 
@@ -636,7 +639,7 @@ def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float) -> None:
         server.init(get_host_assignments(parse_hosts(spec), len(plan.hosts)))
         for h in plan.hosts:
             env = {**os.environ, **worker_env(plan, h, port)}
-            cmd = ["ip", "netns", "exec", h.netns, sys.executable, WORKER, *worker_args]
+            cmd = ["ip", "netns", "exec", h.netns, "nice", "-n", str(nice), sys.executable, WORKER, *worker_args]
             # Own process group: teardown can end the worker and anything it started, and only that.
             cluster.workers.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.monotonic() + timeout_s
@@ -706,11 +709,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads")
     p.add_argument("--algorithms", default=",".join(a.key for a in ALGORITHMS),
                    help="comma-separated subset of: " + ", ".join(a.key for a in ALGORITHMS))
+    p.add_argument("--nice", type=int, default=0,
+                   help="scheduling priority of the workers (-20..19); negative keeps other load on a shared "
+                        "machine from queueing their short CPU bursts")
     p.add_argument("--prefix", default="hsmc", help="prefix of every namespace and link created")
     p.add_argument("--subnet", default="10.77.0", help="a free /24 for the emulated hosts")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
     p.add_argument("--out", default="runs/cluster", help="output folder: results.json, table.md, tensorboard/")
     args = p.parse_args(argv)
+    command = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
 
     rates = args.rate or ["1gbit"]
     for r in rates:
@@ -726,6 +733,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [a for a in algos if a not in ALGORITHM_BY_KEY]
     if unknown:
         p.error(f"--algorithms: unknown {unknown}; choose from {[a.key for a in ALGORITHMS]}")
+    if not -20 <= args.nice <= 19:
+        p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:
         p.error("--iters, --windows and --repeats must be >= 1")
     plan = plan_cluster(args.hosts, args.prefix, args.subnet)
@@ -755,12 +764,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "batch_size": args.batch_size, "output": os.path.abspath(raw)}
                 print(f"== {wl['workload']} {_human(wl['params']) if 'params' in wl else ''} at {rate}: "
                       f"{len(algos)} algorithms on {args.hosts} hosts", flush=True)
-                _launch(cluster, ["--spec", json.dumps(spec)], args.timeout)
+                _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
                 with open(raw) as f:
                     measured = json.load(f)
                 header = {**measured["header"], "hosts": args.hosts, "rate": rate,
                           "rate_bits_per_s": parse_rate(rate), "tbf": " ".join(tbf_args(rate)),
-                          "cpu_cores": os.cpu_count(), "command": " ".join([sys.executable, *sys.argv])}
+                          "cpu_cores": os.cpu_count(), "nice": args.nice, "command": " ".join(command)}
                 header["params_human"] = _human(header["params"])
                 run = {"header": header, "results": measured["results"]}
                 run["summary"] = summarize({k: v for k, v in run["results"].items() if v.get("available", True)})
