@@ -66,6 +66,30 @@ class Communicator(abc.ABC):
             root_rank: the worker whose object is sent.
         """
 
+    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> List[Tensor]:
+        """Average flat tensors over all workers and return this worker's shard of each average.
+
+        Each 1-D tensor of ``n`` elements is split as Horovod 0.28.1 splits a reducescatter:
+        worker ``r`` gets ``[start, end)`` of :func:`hvd_slowmo.sharded.shard_range` (``n // m``
+        elements, one more for ranks below ``n % m``). Used by ``shard_slow_state=True``.
+
+        Args:
+            flats: 1-D tensors, in the same order, dtypes and lengths on every worker.
+            name: a label for the operation (used by Horovod's timeline).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support reduce_scatter_mean")
+
+    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> List[Tensor]:
+        """Concatenate every worker's 1-D shards in rank order: the inverse of :meth:`reduce_scatter_mean`.
+
+        Every worker gets bitwise identical results.
+
+        Args:
+            shards: this worker's 1-D shard of each flat tensor (lengths may differ across workers).
+            name: a label for the operation.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
+
     def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
                        graph_key: Optional[Hashable] = None) -> PendingExchange:
         """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive from ``recv_from``.
