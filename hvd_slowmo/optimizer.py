@@ -342,7 +342,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.num_steps += 1
         self.inner_step += 1
         if self.inner_step == self.tau:
-            self._outer_step()
+            try:
+                self._outer_step()
+            except Exception as e:
+                # A collective that failed (a dead or frozen worker: Horovod's error) or a check
+                # that raised: say where, without changing the type (hvd.elastic catches
+                # HorovodInternalError by type).
+                e.add_note(f"hvd_slowmo: raised on rank {self.comm.rank} of {self.comm.size} at outer step "
+                           f"{self.outer_steps} (after step {self.num_steps}), base {self.base_name!r}")
+                raise
         return loss
 
     @property

@@ -57,9 +57,17 @@ class HorovodCommunicator(Communicator):
         hvd = _hvd()
         self.compression = compression if compression is not None else hvd.Compression.none
         self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
         self.bytes_sent = 0
+
+    # Read from Horovod on every use, not cached: hvd.elastic re-initializes Horovod with other
+    # workers, and a stale rank or size would make the optimizer talk to the old world's layout.
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.process_set.rank()
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        return self.process_set.size()
 
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:
         if self.size == 1 or not tensors:
