@@ -37,6 +37,8 @@ setup_ssh() {
   : > "$auth"
   for key in "$KEYS"/id_ed25519 "$KEYS"/id_ecdsa "$KEYS"/id_rsa; do
     [ -f "$key" ] || continue
+    [ -r "$key" ] || die "$key is not readable by $(id -un) (uid $(id -u)): build the image with" \
+      "--build-arg HVD_UID=\$(id -u) --build-arg HVD_GID=\$(id -g) of the key's owner, or run with --user root"
     name=$(basename "$key")
     install -m 600 "$key" "$SSH_DIR/$name"
     ssh-keygen -y -f "$SSH_DIR/$name" >> "$auth" || die "$key is not a private key without passphrase"

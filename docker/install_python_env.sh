@@ -26,10 +26,12 @@ export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=$VENV/bin/python
 
 python3 -m venv "$VENV"
+# Horovod's setup.py runs `pip` and `cmake` from PATH: the environment's own pip, Debian's cmake.
+export PATH="$VENV/bin:$PATH"
 TORCH_INDEX=()
 [ -z "${TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$TORCH_INDEX_URL")
 "$PY" -m pip install -q "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-"$PY" -m pip install -q "mpi4py==$MPI4PY_VERSION" tensorboard scikit-learn matplotlib tqdm cmake
+"$PY" -m pip install -q "mpi4py==$MPI4PY_VERSION" tensorboard scikit-learn matplotlib tqdm
 "$PY" -c 'import torch, torchvision, mpi4py, tensorboard; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
 WHEELHOUSE=$(mktemp -d)

