@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Entrypoint of the hvd_slowmo images: sets up sshd for multi-node launches when asked, then runs
-# the command (everything was installed at build time; nothing is installed here).
+# Entrypoint of the hvd_slowmo images: sets up ssh for multi-node launches, then runs the command
+# (everything was installed at build time; nothing is installed here).
 #
 #   (no arguments)  the image's CMD: the main job, python examples/compare.py
 #   sshd            sshd alone, in the foreground: a worker node that horovodrun/mpirun reach by ssh
-#   COMMAND...      runs COMMAND; with HVD_SLOWMO_SSHD=1, sshd is started in the background first
+#   COMMAND...      runs COMMAND (e.g. horovodrun on the launching node)
+#
+# When the cluster's key is mounted, ~/.ssh is set up first (key, authorized_keys, client config with
+# the port), so that horovodrun and mpirun in this container reach the other nodes without flags.
 #
 # Environment:
 #   HVD_SLOWMO_SSH_PORT  port sshd listens on and ssh connects to (default 2222). Every node uses the
@@ -13,8 +16,8 @@
 #                        /etc/hvd_slowmo/ssh): id_ed25519, id_ecdsa or id_rsa, and optionally
 #                        authorized_keys (default: the public halves of those keys, so every node that
 #                        holds the key may log in to every other).
-#   HVD_SLOWMO_SSHD      1: start sshd in the background before COMMAND (for the launching node when
-#                        it also runs ranks that other nodes' orted must reach; harmless otherwise).
+#   HVD_SLOWMO_SSHD      1: also start sshd in the background before COMMAND, for a container that
+#                        both launches and must be reachable (e.g. a job started from a third machine).
 set -euo pipefail
 
 PORT=${HVD_SLOWMO_SSH_PORT:-2222}
@@ -83,6 +86,14 @@ CONF
   /usr/sbin/sshd -t -f "$SSH_DIR/sshd_config" || die "sshd rejected $SSH_DIR/sshd_config"
 }
 
+has_key() {
+  local name
+  for name in id_ed25519 id_ecdsa id_rsa; do
+    [ ! -f "$KEYS/$name" ] || return 0
+  done
+  return 1
+}
+
 if [ $# -eq 1 ] && [ "$1" = sshd ]; then
   setup_ssh
   echo "entrypoint: sshd listening on port $PORT as $(id -un)" >&2
@@ -91,6 +102,8 @@ fi
 if [ "${HVD_SLOWMO_SSHD:-0}" = 1 ]; then
   setup_ssh
   /usr/sbin/sshd -f "$SSH_DIR/sshd_config"
+elif has_key; then
+  setup_ssh  # the client side: this container launches ranks on the other nodes
 fi
 [ $# -gt 0 ] || die "no command given (the image's default is: python examples/compare.py)"
 exec "$@"

@@ -644,6 +644,34 @@ def test_entrypoint_rejects_bad_ssh_settings(tmp_path, settings, message):
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
 
 
+def test_entrypoint_sets_up_the_launching_side_when_a_key_is_mounted(tmp_path):
+    if shutil.which("ssh-keygen") is None or not os.access("/usr/sbin/sshd", os.X_OK):
+        pytest.skip("needs OpenSSH (Debian: apt-get install openssh-server openssh-client)")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_ed25519")], timeout=60).returncode == 0
+    keys.joinpath("id_ed25519").chmod(0o644)  # as a bind mount may present it
+    home = tmp_path / "home"
+    env = entrypoint_env(home, HVD_SLOWMO_SSH_KEYS=str(keys), HVD_SLOWMO_SSH_PORT="2345")
+    proc = run([os.path.join(DOCKER, "entrypoint.sh"), "echo", "launched"], timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "launched", proc.stderr
+    ssh = home / ".ssh"
+    assert (ssh / "config").read_text().splitlines()[:2] == ["Host *", "  Port 2345"]
+    assert stat_mode(ssh / "id_ed25519") == 0o600 and stat_mode(ssh) == 0o700
+    public = keys.joinpath("id_ed25519.pub").read_text().split()[:2]
+    assert (ssh / "authorized_keys").read_text().split()[:2] == public
+    assert not (ssh / "sshd.pid").exists()  # no sshd without HVD_SLOWMO_SSHD=1 or the sshd command
+
+
+def stat_mode(path) -> int:
+    """The permission bits of a file.
+
+    Args:
+        path: the file.
+    """
+    return os.stat(path).st_mode & 0o777
+
+
 def test_entrypoint_needs_a_command(tmp_path):
     proc = run([os.path.join(DOCKER, "entrypoint.sh")], timeout=60, env=entrypoint_env(tmp_path))
     assert proc.returncode == 1 and "no command given" in proc.stderr
@@ -695,14 +723,19 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
             except OSError:
                 assert sshd_proc.poll() is None and time.time() < deadline, open(log.name).read()
                 time.sleep(0.2)
-        # In a container ssh reads ~/.ssh/config, which the entrypoint wrote; here ssh reads root's
-        # real home, so a wrapper hands it the same file (port, no host-key pinning).
-        wrap = os.path.join(home, "bin")
-        os.mkdir(wrap)
-        with open(os.path.join(wrap, "ssh"), "w") as f:
-            f.write(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {home}/.ssh/config -i {home}/.ssh/id_ed25519 "$@"\n')
-        os.chmod(os.path.join(wrap, "ssh"), 0o755)
-        launch_env = {**env, "PATH": wrap + os.pathsep + env["PATH"], "OMP_NUM_THREADS": "1"}
+        # The launching container: the same key mounted, its own home. In a container ssh reads
+        # ~/.ssh/config, which the entrypoint writes; here ssh reads root's real home, so a wrapper
+        # hands it the launcher's file (port, no host-key pinning) and key.
+        launcher = tmp_path / "launcher"
+        made = run([os.path.join(DOCKER, "entrypoint.sh"), "true"], timeout=60,
+                   env={**env, "HOME": str(launcher)})
+        assert made.returncode == 0, made.stderr
+        wrap = tmp_path / "bin"
+        wrap.mkdir()
+        (wrap / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {launcher}/.ssh/config '
+                                  f'-i {launcher}/.ssh/id_ed25519 "$@"\n')
+        (wrap / "ssh").chmod(0o755)
+        launch_env = {**env, "HOME": str(launcher), "PATH": f"{wrap}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1"}
         # sshd's sessions get the image PATH (SetEnv), so the venv's python is found remotely.
         probe = run(["ssh", "127.0.0.2", "echo $PATH"], timeout=60, env=launch_env)
         assert probe.returncode == 0, probe.stderr + open(log.name).read()
