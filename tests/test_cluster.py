@@ -177,7 +177,7 @@ def _results(**ms):
 def test_summarize_ratios():
     # compute 100, AR-SGD 150 -> AR_comm 50 (a third of AR's time).
     res = _results(compute=100.0, horovod_ar=150.0, localsgd=105.0, localsgd_slowmo=106.0, double_avg=110.0,
-                   sgp=140.0, sgp_slowmo=140.0, osgp=110.0, osgp_slowmo=120.0)
+                   localsgd_slowmo_nocheck=100 + 50 / 12, sgp=140.0, sgp_slowmo=140.0, osgp=110.0, osgp_slowmo=120.0)
     s = cluster.summarize(res)
     rows, tg = s["rows"], s["targets"]
     assert rows["horovod_ar"]["speedup_vs_ar"] == 1.0
@@ -188,6 +188,8 @@ def test_summarize_ratios():
     assert rows["sgp"]["ideal_ms"] is None and rows["horovod_ar"]["over_ideal"] is None
     assert tg["ar_comm_ms"] == 50.0 and tg["ar_comm_fraction"] == pytest.approx(1 / 3)
     assert tg["localsgd_slowmo_over_localsgd"] == pytest.approx(106 / 105)
+    assert tg["localsgd_slowmo_over_ideal"] == pytest.approx(106 / (100 + 50 / 12))
+    assert tg["localsgd_slowmo_nocheck_over_ideal"] == pytest.approx(1.0)
     assert tg["osgp_hidden_fraction"] == pytest.approx((140 - 110) / 40)
     assert tg["osgp_slowmo_hidden_fraction"] == pytest.approx((140 - 120) / 40)
 
@@ -203,13 +205,14 @@ def test_render_markdown_table():
     res["horovod_ar"].update(bytes_per_iter=6e6, bytes_computed=True)
     res["sgp"] = {"available": False, "reason": "base 'sgp' not in hvd_slowmo.BASES"}
     header = {"workload": "synthetic", "params_human": "1M", "param_bytes": 4_000_000, "hosts": 4,
-              "rate": "1gbit", "compute_ms": 100.0, "cpu_cores": 2, "horovod": "0.28.1"}
+              "rate": "1gbit", "compute_ms": 100.0, "cpu_cores": 2, "horovod": "0.28.1", "load_avg_1min": [1.5, 2.25]}
     md = cluster.render_markdown({"header": header, "results": res})
     assert "4 hosts, 1gbit links" in md and "1M parameters" in md
     assert "| Local SGD | 12 | 105 ms (1.43x) | 106 ms (1.42x) | +1.0% |" in md
     assert "| SGP | 48 | not available | not available | n/a |" in md
     assert "6.00 MB (computed)" in md
     assert "33.3% of its time" in md
+    assert "load average 1.5 before, 2.2 after" in md
 
 
 def _cluster_skip_reason():
