@@ -190,8 +190,15 @@ def test_summarize_ratios():
     assert tg["localsgd_slowmo_over_localsgd"] == pytest.approx(106 / 105)
     assert tg["localsgd_slowmo_over_ideal"] == pytest.approx(106 / (100 + 50 / 12))
     assert tg["localsgd_slowmo_nocheck_over_ideal"] == pytest.approx(1.0)
+    assert tg["localsgd_slowmo_slow_update_fraction"] is None  # no phase timings given
     assert tg["osgp_hidden_fraction"] == pytest.approx((140 - 110) / 40)
     assert tg["osgp_slowmo_hidden_fraction"] == pytest.approx((140 - 120) / 40)
+
+
+def test_summarize_slow_update_fraction():
+    res = _results(localsgd=100.0, localsgd_slowmo=104.0)
+    res["localsgd_slowmo"]["phase_ms_per_iter"] = {"base_comm": 0.0, "average": 3.0, "slow_update": 1.04}
+    assert cluster.summarize(res)["targets"]["localsgd_slowmo_slow_update_fraction"] == pytest.approx(0.01)
 
 
 def test_summarize_missing_entries():
