@@ -1,0 +1,62 @@
+"""Worker for tests/test_sharded_horovod.py, run under horovodrun.
+
+Usage: sharded_worker.py OUT_DIR
+Trains the reference model with shard_slow_state=True and False (heavy-ball and a custom outer
+optimizer, two param groups) and writes, per rank, OUT_DIR/sharded.RANK.pt with the parameters
+after every outer step, the final model state and the slow-state bytes this rank keeps.
+"""
+import os
+import sys
+
+import horovod.torch as hvd
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hvd_slowmo  # noqa: E402
+from reference import loss_at, lr_at, make_model, params_of  # noqa: E402
+
+CONFIGS = {
+    "heavyball": dict(slow_lr=0.7, slow_momentum=0.6),
+    "custom-sgd": dict(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+}
+STEPS, TAU = 9, 3
+
+
+def run(cfg, shard):
+    model = make_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    base = torch.optim.SGD([{"params": first}, {"params": rest}], lr=0.05, momentum=0.9, nesterov=True)
+    opt = hvd_slowmo.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                          model_buffers=model.buffers(), tau=TAU, buffers="maintain",
+                                          shard_slow_state=shard, **cfg)
+    snaps = []
+    for k in range(STEPS):
+        opt.param_groups[0]["lr"] = lr_at(k)
+        opt.param_groups[1]["lr"] = lr_at(k) / 2  # each group's own 1/lr scaling
+        opt.zero_grad()
+        loss_at(model, hvd.rank(), k).backward()
+        opt.step()
+        if opt.inner_step == 0:
+            snaps.append(params_of(model))
+    if shard:
+        kept = opt.sharded.state_tensors()
+    elif opt.outer_optimizer is not None:
+        kept = opt.anchor + [v for e in opt.outer_optimizer.state.values() for v in e.values() if torch.is_tensor(v)]
+    else:
+        kept = opt.anchor + opt.slow_buffer
+    return {"snaps": snaps, "final": model.state_dict(), "state_bytes": sum(t.numel() * t.element_size() for t in kept),
+            "bytes_sent": opt.comm.bytes_sent}
+
+
+def main():
+    out = sys.argv[1]
+    hvd.init()
+    torch.set_num_threads(1)
+    result = {name: {"sharded": run(cfg, True), "plain": run(cfg, False)} for name, cfg in CONFIGS.items()}
+    torch.save(result, os.path.join(out, f"sharded.{hvd.rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main()
