@@ -161,6 +161,9 @@ class MPICommunicator(Communicator):
             staged = torch.empty(send.numel(), dtype=send.dtype, pin_memory=True)
             staged.copy_(send)  # synchronous: the device buffer may be reused after this returns
             send = staged
+        elif send.is_cuda:
+            # MPI reads device memory directly, outside torch's stream order: finish the packing kernels.
+            torch.cuda.current_stream(send.device).synchronize()
         recv = torch.empty(len(sources) * chunk, dtype=send.dtype, device=send.device,
                            pin_memory=device is not None)
         etype = self._elem_type(send.element_size())
