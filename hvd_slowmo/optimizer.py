@@ -512,6 +512,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Without an anchor (``slow_lr=1, slow_momentum=0`` and ``nonfinite != "skip"``) there is no
         common point: the outer step continues from the parameters as they are.
         """
+        if self.sharded is not None and self._world[1] != self.comm.size:
+            raise RuntimeError(f"hvd_slowmo: {why}: the workers changed from {self._world[1]} to {self.comm.size}, "
+                               "but shard_slow_state=True splits the anchor and slow buffer by the number of "
+                               "workers and cannot reshard them; use shard_slow_state=False for elastic training")
         old, self._world = self._world, (self.comm.rank, self.comm.size)
         self._rebuild_base()
         dropped = 0
