@@ -1,10 +1,13 @@
-"""Fault injection under horovodrun: each fault ends in the documented outcome, within a bounded time.
+"""Faults end in the documented outcome, within a bounded time (docs/reliability.md).
 
-Every launch is small (-np 2, the tiny reference model) and runs in its own process group,
-killed (SIGCONT then SIGKILL) when the test ends, so a frozen worker never outlives its test.
-What each fault does and why: docs/reliability.md. The worker: tests/workers/fault_worker.py.
+In-process tier (thread workers, fast): checkpoint files, a state from another world size,
+uneven step counts, the elastic re-sync after workers leave or join.
+Horovod tier (marked ``horovod``): each fault injected under horovodrun -np 2 with the tiny
+reference model, each launch in its own process group, killed (SIGCONT then SIGKILL) when the
+test ends, so a frozen worker never outlives its test. The worker: tests/workers/fault_worker.py.
 """
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,15 +17,241 @@ import time
 from typing import Dict, List, Tuple
 
 import pytest
+import torch
+
+from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hvd_slowmo.comm.base import Communicator
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.elastic import sync_optimizer
 
 from horovod_launch import ROOT
+from reference import loss_at, make_model, params_of
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "fault_worker.py")
-pytestmark = pytest.mark.horovod
 GOSSIP_TIMEOUT = 10  # seconds; HVD_SLOWMO_GOSSIP_TIMEOUT for the launches
 GLOO_TIMEOUT = 20  # seconds; HOROVOD_GLOO_TIMEOUT_SECONDS: how long a Gloo collective waits for a peer
 
 
+# --- in-process tier ------------------------------------------------------------------------
+def _opt(model, comm, **kwargs) -> DistributedOptimizer:
+    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                named_parameters=model.named_parameters(), communicator=comm,
+                                **{"tau": 3, "slow_lr": 1.0, "slow_momentum": 0.5, **kwargs})
+
+
+def _train(model, opt, rank, steps, start=0):
+    for k in range(start, start + steps):
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+
+
+def test_checkpoint_round_trip_and_clear_errors(tmp_path):
+    model = make_model()
+    opt = _opt(model, _solo())
+    _train(model, opt, 0, 4)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.anchor[0])
+    assert loaded["opt"]["slowmo"]["world_size"] == 1
+    good = path.read_bytes()
+
+    cases = {"truncated": good[: len(good) // 2], "empty": b"", "garbage": b"not a checkpoint at all" * 10,
+             "flipped": good[:64] + bytes(b ^ 0xFF for b in good[64:600]) + good[600:]}
+    for name, data in cases.items():
+        bad = tmp_path / f"{name}.pt"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointError, match=str(bad)) as err:
+            load_checkpoint(bad)
+        assert "earlier checkpoint" in str(err.value), name
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
+        load_checkpoint(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        save_checkpoint({}, tmp_path / "no-such-dir" / "c.pt")
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")  # a save that dies half-way
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint({"model": model.state_dict(), "x": Unpicklable()}, path)
+    assert path.read_bytes() == good  # the previous checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]  # no temp left
+
+
+class MovableComm(Communicator):
+    """A communicator whose world can be replaced, as Horovod's is when hvd.elastic re-initializes."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.bytes_sent = 0
+
+    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
+    size = property(lambda self: self.inner.size)  # type: ignore[assignment]
+
+    def average_(self, tensors, name):
+        self.inner.average_(tensors, name)
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+    def broadcast_object(self, obj, root_rank=0):
+        return self.inner.broadcast_object(obj, root_rank)
+
+
+def _solo() -> Communicator:
+    return run_threads(1, lambda c: c)[0]
+
+
+def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypatch):
+    """3 workers stop inside an outer step; 2 survive (renumbered), then a new one joins: after
+    each hvd.elastic-style sync every worker sits bitwise on the anchor of the interrupted outer
+    step, with rank 0's counters and slow buffer, and training goes on with exact averages."""
+    models = [make_model() for _ in range(4)]
+    opts: Dict[int, DistributedOptimizer] = {}
+
+    def start(comm):
+        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm))
+        _train(models[comm.rank], opts[comm.rank], comm.rank, 4)  # outer step at 3, then 1 inner step
+        return [a.clone() for a in opts[comm.rank].anchor], opts[comm.rank].slow_buffer[0].clone()
+
+    (anchor, slow0), *_ = run_threads(3, start)
+    survivors = {0: 0, 1: 2}  # new rank -> old rank (old rank 1 died)
+
+    def shrink(comm):
+        model, opt = models[survivors[comm.rank]], opts[survivors[comm.rank]]
+        opt.comm.inner = comm
+        sync_optimizer(opt)
+        got = (params_of(model), opt.num_steps, opt.inner_step, opt.outer_steps, opt.base.comm.size)
+        _train(model, opt, comm.rank, 3, start=opt.num_steps)  # completes the restarted outer step
+        return got, params_of(model)
+
+    with caplog.at_level(logging.WARNING, logger="hvd_slowmo"):
+        out = run_threads(2, shrink)
+    for (params, num_steps, inner, outer, base_size), _ in out:
+        assert all(torch.equal(p, a) for p, a in zip(params, anchor))
+        assert (num_steps, inner, outer, base_size) == (3, 0, 1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))  # bitwise equal after the average
+    assert "3 -> 2 workers" in caplog.text and "1 base steps dropped" in caplog.text
+
+    # Grow: a new process builds its optimizer alone (elastic: no construction collective), then syncs.
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    pytest.importorskip("horovod.torch", reason="the elastic handler registers with Horovod")
+    opts[3] = _opt(models[3], MovableComm(_solo()))
+    members = {0: 0, 1: 2, 2: 3}
+    # Survivors one step into outer step 2, so the sync restarts that outer step again.
+    run_threads(2, lambda comm: _train(models[members[comm.rank]], opts[members[comm.rank]], comm.rank, 1, start=6))
+
+    def grow(comm):
+        model, opt = models[members[comm.rank]], opts[members[comm.rank]]
+        opt.comm.inner = comm
+        model.load_state_dict(comm.broadcast_object(model.state_dict()))  # TorchState's model handler
+        sync_optimizer(opt)
+        return params_of(model), opt.num_steps, opt.outer_steps, opt.slow_buffer[0].clone(), opt.base.comm.size
+
+    res = run_threads(3, grow)
+    for params, num_steps, outer, slow, base_size in res:
+        assert all(torch.equal(p, q) for p, q in zip(params, res[0][0]))
+        assert (num_steps, outer, base_size) == (6, 2, 3)
+        assert torch.equal(slow, res[0][3]) and not torch.equal(slow, slow0)  # rank 0's slow buffer, updated
+
+    from horovod.torch.elastic.state import _get_handler  # TorchState's own lookup
+    assert type(_get_handler(opts[3])).__name__ == "SlowMoStateHandler"
+
+
+def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
+    """Workers removed at a commit (Horovod skips the sync): the next step() sees the new size,
+    rebuilds the base and restarts the outer step from the anchor, locally."""
+    models = [make_model() for _ in range(3)]
+    opts = {}
+
+    def start(comm):
+        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), buffers="maintain")
+        _train(models[comm.rank], opts[comm.rank], comm.rank, 5)  # outer step at 3, then 2 inner steps
+        return [a.clone() for a in opts[comm.rank].anchor]
+
+    anchor = run_threads(3, start)[0]
+
+    def after(comm):
+        model, opt = models[comm.rank], opts[comm.rank]
+        opt.comm.inner = comm
+        opt.zero_grad()
+        model(torch.zeros(8, 4)).sum().backward()
+        opt.step()  # restarts from the anchor, then one SGD step with momentum from the maintained buffers
+        return opt.num_steps, opt.inner_step, opt.base.comm.size, params_of(model)
+
+    with caplog.at_level(logging.WARNING, logger="hvd_slowmo"):
+        res = run_threads(2, after)
+    for num_steps, inner, size, params in res:
+        assert (num_steps, inner, size) == (4, 1, 2)
+        assert not all(torch.equal(p, a) for p, a in zip(params, anchor))  # it stepped from the anchor
+    assert "without an elastic state sync" in caplog.text and "2 base steps dropped" in caplog.text
+
+
+def test_state_from_another_world_size(tmp_path):
+    """A state saved inside an outer step by 2 workers, loaded by 3: every worker restarts from
+    the anchor; without an anchor it is refused and the optimizer is left unchanged."""
+    models = [make_model() for _ in range(5)]
+
+    def save(comm):
+        opt = _opt(models[comm.rank], comm)
+        plain = _opt(models[comm.rank], comm, slow_momentum=0.0)  # no slow update: no anchor
+        _train(models[comm.rank], opt, comm.rank, 4)
+        for _ in range(4):
+            plain.step()
+        return opt.state_dict(), plain.state_dict()
+
+    (state, plain_state), _ = run_threads(2, save)
+    assert state["slowmo"]["world_size"] == 2 and state["slowmo"]["inner_step"] == 1
+
+    def load(comm):
+        model = models[2 + comm.rank]
+        opt = _opt(model, comm)
+        opt.load_state_dict(state)
+        plain = _opt(model, comm, slow_momentum=0.0)
+        before = params_of(model)
+        with pytest.raises(ValueError, match="saved by 2 workers inside an outer step"):
+            plain.load_state_dict(plain_state)
+        assert plain.num_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, params_of(model)))
+        return params_of(model), opt.inner_step, opt.num_steps
+
+    for params, inner, num_steps in run_threads(3, load):
+        assert (inner, num_steps) == (0, 3)
+        assert all(torch.equal(p, a) for p, a in zip(params, state["slowmo"]["anchor"].values()))
+
+
+def test_uneven_steps_fail_on_every_rank_in_finish():
+    """A worker with one batch fewer: finish() against finish(), and finish() against the other
+    worker's outer step, both raise on every rank instead of waiting forever."""
+    models = [make_model() for _ in range(4)]
+
+    def worker(comm, steps_by_rank):
+        model = models[comm.rank + (2 if steps_by_rank[0] == 9 else 0)]
+        opt = _opt(model, comm)
+        _train(model, opt, comm.rank, steps_by_rank[comm.rank])
+        try:
+            opt.finish()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in run_threads(2, lambda c: worker(c, {0: 8, 1: 7})):
+        assert "rank 0 at finish after 8 steps; rank 1 at finish after 7 steps" in msg and "drop_last" in msg, msg
+
+    def at_outer(comm):
+        try:
+            return worker(comm, {0: 9, 1: 8})
+        except RuntimeError as e:  # rank 0 raises inside its outer step (step 9)
+            return str(e)
+
+    for msg in run_threads(2, at_outer):
+        assert "rank 0 at outer step after 9 steps; rank 1 at finish after 8 steps" in msg, msg
+    assert run_threads(2, lambda c: worker(c, {0: 6, 1: 6})) == ["no error", "no error"]
+
+
+# --- Horovod tier -----------------------------------------------------------------------------
 def launch(tmp_path, mode: str, controller: str = "gloo", timeout: float = 300) -> Tuple[int, str, float]:
     """Run fault_worker.py MODE under horovodrun -np 2; returns (exit code, output, seconds).
 
@@ -73,6 +302,7 @@ def results(tmp_path, mode: str, ranks: List[int]) -> Dict[int, dict]:
     return out
 
 
+@pytest.mark.horovod
 def test_errors_raise_on_every_rank(tmp_path):
     """Skewed configuration, NaN in one rank's parameters (raise / skip), one rank skipping a
     step, a truncated checkpoint: each is an exception with a clear message, never a hang."""
@@ -106,6 +336,7 @@ def test_errors_raise_on_every_rank(tmp_path):
     assert str(tmp_path / "ckpt.1.pt") in bad["message"] and "truncated" in bad["message"], bad
 
 
+@pytest.mark.horovod
 @pytest.mark.parametrize("controller", ["gloo", "mpi"], ids=["horovod-alltoall", "mpi-neighbor"])
 def test_frozen_gossip_peer_is_a_timeout_naming_it(tmp_path, controller):
     """SGP with one worker SIGSTOPped inside the inner loop: the other raises TimeoutError naming
@@ -120,6 +351,7 @@ def test_frozen_gossip_peer_is_a_timeout_naming_it(tmp_path, controller):
     assert GOSSIP_TIMEOUT <= waited < GOSSIP_TIMEOUT + 60, waited
 
 
+@pytest.mark.horovod
 @pytest.mark.parametrize("mode", ["average-stall", "kill"])
 def test_lost_worker_at_the_exact_average_ends_the_job(tmp_path, mode):
     """Local SGD with one worker frozen (SIGSTOP) or killed (SIGKILL) inside the inner loop: the
