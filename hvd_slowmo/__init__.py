@@ -24,8 +24,10 @@ Usage::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 from .bases import BASES
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .hierarchy import Hierarchy
 from .optimizer import STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "Hierarchy", "BASES", "STATE_FORMAT"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "Hierarchy", "BASES", "STATE_FORMAT",
+           "save_checkpoint", "load_checkpoint", "CheckpointError"]
 __version__ = "0.1.0"
