@@ -495,7 +495,9 @@ def render_markdown(run: Dict[str, Any]) -> str:
 
     def cell(key: str) -> str:
         r = results.get(key)
-        if r is None or not r.get("available", True):
+        if r is None:
+            return "not run"
+        if not r.get("available", True):
             return "not available"
         return f"{r['median_ms']:.0f} ms ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
 
@@ -694,8 +696,8 @@ def _write_tensorboard(logdir: str, runs: List[Dict[str, Any]]) -> None:
 
 def _human(n: int) -> str:
     for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale and n % (scale // 10) == 0:
-            return f"{n / scale:g}{suffix}"
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
     return str(n)
 
 
@@ -774,7 +776,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raw = os.path.join(args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json")
                 spec = {**wl, "algorithms": algos, "iters": args.iters, "windows": args.windows, "repeats": args.repeats,
                         "batch_size": args.batch_size, "output": os.path.abspath(raw)}
-                print(f"== {wl['workload']} {_human(wl['params']) if 'params' in wl else ''} at {rate}: "
+                size = f" {_human(wl['params'])}" if "params" in wl else ""
+                print(f"== {wl['workload']}{size} at {rate}: "
                       f"{len(algos)} algorithms on {args.hosts} hosts", flush=True)
                 load_before = os.getloadavg()[0]
                 _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)

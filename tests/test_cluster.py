@@ -216,7 +216,7 @@ def test_render_markdown_table():
     md = cluster.render_markdown({"header": header, "results": res})
     assert "4 hosts, 1gbit links" in md and "1M parameters" in md
     assert "| Local SGD | 12 | 105 ms (1.43x) | 106 ms (1.42x) | +1.0% |" in md
-    assert "| SGP | 48 | not available | not available | n/a |" in md
+    assert "| SGP | 48 | not available | not run | n/a |" in md
     assert "6.00 MB (computed)" in md
     assert "33.3% of its time" in md
     assert "load average 1.5 before, 2.2 after" in md
