@@ -14,7 +14,17 @@ Matrix form (plain SGD, parameters stacked as columns, ``P_k`` from
 The model's parameters always hold the de-biased ``z``, so forward/backward never see
 push-sum. Before the optimizer step they are re-biased (``x = z * w``) so the step acts on the
 numerator, as in the paper; after it they are mixed and de-biased again. When ``w == 1``
-exactly (SGP with one peer on the exponential graph: every in-degree is 1) both are skipped.
+exactly both are skipped: that is SGP on the built-in graphs, for any ``peers_per_step``
+(they are circulant, every in-degree equals every out-degree, so weights stay 1); weights
+move with OSGP (shares in flight) and with custom graphs of uneven in-degree.
+
+With SlowMo, the exact average is taken over the numerators ``x`` (their mean is the
+push-sum consensus value, since the weights sum to ``m``), after every message in flight has
+been mixed; the weight is then reset to 1. ``average=False`` (SGP-SlowMo-noaverage) keeps
+each worker's own ``z`` and weight.
+
+One worker is refused (``ValueError``): there is nobody to gossip with, and silently running
+Local SGD instead would hide a launch mistake.
 
 One message per step and dtype: all parameters (and the weight) packed in one flat buffer.
 """
