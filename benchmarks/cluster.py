@@ -6,10 +6,12 @@ worker per host, and measures in the same processes: compute only (the limit), H
 ``hvd.DistributedOptimizer`` (AR-SGD), and hvd_slowmo's algorithms. Prints a table shaped like the
 paper's Table 2 (original vs with SlowMo), writes the raw numbers as JSON and TensorBoard scalars.
 
-Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 10M-parameter model)::
+Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 1M-parameter model)::
 
     sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --workload synthetic \\
-        --params 10M --compute-ms 1000 --iters 48 --out runs/cluster
+        --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 --out runs/cluster
+
+(``--compute-ms`` sets the regime: there AR-SGD spends about a third of its time communicating.)
 
 The namespaces, links and ``/etc/netns`` files are removed afterwards, also on Ctrl-C / SIGTERM,
 and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
@@ -17,7 +19,6 @@ Only ratios measured within one run mean anything: all hosts share this machine'
 """
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -27,8 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
