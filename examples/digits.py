@@ -64,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         argv: command-line arguments (default: sys.argv[1:]).
     """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, tau=12, slow_momentum=0.7, buffers="reset", epochs=30, batch_size=16, lr=0.05,
+    add_common_args(parser, tau=12, slow_momentum=0.7, buffers="reset", epochs=10, batch_size=16, lr=0.025,
                     data_flags=False)
     args = parser.parse_args(argv)
     hvd, device = setup(args)
