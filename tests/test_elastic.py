@@ -83,23 +83,19 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
         assert len(by_proc) == size, (outer, size, by_proc)
         assert len(set(by_proc.values())) == 1, (outer, size, by_proc)
 
-    # Continuity: after each change every worker starts exactly at the anchor of the interrupted
-    # outer step (the loss on a fixed batch equals the one measured at that anchor before the
-    # change), not at the initial model; the joiner too.
-    initial = {recs[0]["eval_loss"] for name, recs in steps.items() if recs[0]["batch"] == 0}
+    # Continuity: after each change every worker, the joiner too, starts exactly from the anchor
+    # of the interrupted outer step (the parameters the old world had after that exact average),
+    # never from the initial model, and num_steps goes back to that anchor's step.
+    initial = {recs[0]["start"] for recs in steps.values() if recs[0]["batch"] == 0}
     assert len(initial) == 1
     changes = 0
     for name, recs in steps.items():
         for prev, cur in zip([None] + recs[:-1], recs):
-            if prev is not None and prev["hvd_size"] == cur["hvd_size"]:
+            if (prev is not None and prev["hvd_size"] == cur["hvd_size"]) or cur["batch"] == 0:
                 continue
-            if cur["batch"] == 0:
-                continue  # the start
-            # The old world's first step from that anchor (its loss was measured before the step).
-            first_at_anchor = next(r for rs in steps.values() for r in rs if r["outer_steps"] == cur["outer_steps"]
-                                   and r["inner_step"] == 1 and r["hvd_size"] != cur["hvd_size"])
-            assert cur["eval_loss"] == first_at_anchor["eval_loss"], (name, cur, first_at_anchor)
-            assert cur["eval_loss"] not in initial, (name, cur)
-            assert cur["num_steps"] == first_at_anchor["num_steps"], (name, cur, first_at_anchor)
+            anchor_rec = next(r for rs in steps.values() for r in rs if r["outer_steps"] == cur["outer_steps"]
+                              and r["inner_step"] == 0 and r["hvd_size"] != cur["hvd_size"])
+            assert cur["start"] == anchor_rec["anchor"] and cur["start"] not in initial, (name, cur, anchor_rec)
+            assert cur["num_steps"] == anchor_rec["num_steps"] + 1, (name, cur, anchor_rec)
             changes += 1
     assert changes == 2 + 3, changes  # 2 survivors after the shrink, 3 workers after the growth

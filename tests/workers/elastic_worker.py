@@ -7,7 +7,8 @@ middle of an inner loop, after committing; its host is blacklisted, the job shri
 Two outer steps later rank 0 adds host ``127.1`` (another name of this machine) to the hosts
 file; the job grows back to three and trains three more outer steps. Every process appends one
 JSON line per step to OUT_DIR/log.<pid>.jsonl: world sizes seen by Horovod and by the
-optimizer, the loss, the counters, and a hash of the parameters after each exact average.
+optimizer, the loss, the counters, a hash of the parameters each step starts from, and hashes
+of the model after each exact average.
 """
 import hashlib
 import json
@@ -28,9 +29,10 @@ KILL_AFTER_BATCH = 7  # the victim commits batch 7 (inner step 2 of 3) and dies
 MAX_BATCHES = 400  # a guard: the test fails if the 3 -> 2 -> 3 sequence has not finished by then
 
 
-def params_hash(model: torch.nn.Module) -> str:
+def params_hash(model: torch.nn.Module, buffers: bool = True) -> str:
+    """SHA-256 of the model's tensors: its parameters and (if ``buffers``) BatchNorm statistics."""
     h = hashlib.sha256()
-    for t in model.state_dict().values():
+    for t in (model.state_dict().values() if buffers else model.parameters()):
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -73,19 +75,17 @@ def main() -> None:
             rec = {"pid": os.getpid(), "host": host, "batch": state.batch, "rank": hvd.rank(), "hvd_size": size,
                    "comm_size": opt.comm.size, "comm_rank": opt.comm.rank, "base_size": opt.base.comm.size,
                    "resets": list(resets)}
-            # The loss on one fixed batch, before this step: a smooth curve to check for resets.
-            model.eval()
-            with torch.no_grad():
-                rec["eval_loss"] = loss_at(model, 0, 10_000).item()
-            model.train()
+            # The parameters this step starts from (after a membership change: the anchor).
+            rec["start"] = params_hash(model, buffers=False)
             opt.zero_grad()
             loss = loss_at(model, hvd.rank(), state.batch)
             loss.backward()
             opt.step()
             rec.update(loss=loss.item(), num_steps=opt.num_steps, inner_step=opt.inner_step,
                        outer_steps=opt.outer_steps, time=time.time())
-            if opt.inner_step == 0:
+            if opt.inner_step == 0:  # after an exact average: the new anchor
                 rec["params"] = params_hash(model)
+                rec["anchor"] = params_hash(model, buffers=False)
             logf.write(json.dumps(rec) + "\n")
             state.batch += 1
             if (hvd.rank() == 0 and sizes[-2:] == [3, 2] and state.batch == state.history[-1][0] + 2 * TAU

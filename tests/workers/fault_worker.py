@@ -50,7 +50,7 @@ def run_phase(results, name, fn):
         out = fn()
         results[name] = {"error": None, "message": "", "t": time.time(), **(out or {})}
     except Exception as e:  # the faults under test surface as several exception types
-        results[name] = {"error": type(e).__name__, "message": str(e) + "".join(getattr(e, "__notes__", [])),
+        results[name] = {"error": type(e).__name__, "message": "\n".join([str(e)] + getattr(e, "__notes__", [])),
                          "t": time.time()}
 
 
@@ -136,8 +136,13 @@ def main():
     else:
         raise SystemExit(f"unknown mode {mode}")
     save(out, mode, results)
-    # A rank whose job has failed exits non-zero, as a training script would after the error.
-    sys.exit(1 if any(isinstance(v, dict) and v.get("error") for v in results.values()) and mode != "errors" else 0)
+    if mode != "errors" and any(isinstance(v, dict) and v.get("error") for v in results.values()):
+        # The job has failed: end this process now, as docs/reliability.md advises. A plain exit
+        # would run Horovod's shutdown at interpreter exit, which under MPI waits for the frozen
+        # peer forever; a non-zero exit without it makes horovodrun/mpirun end the other ranks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
