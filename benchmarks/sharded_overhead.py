@@ -6,15 +6,16 @@ Prints, measured in one run (rank 0 prints):
   - the SlowMo state each rank keeps (anchor + slow buffer, or their shards), in MiB and as a
     multiple of the parameter bytes;
   - the outer step's time (exact average or reduce-scatter/all-gather, plus the slow update),
-    median over ``--repeats`` outer steps of the slowest rank, the two variants alternating so
+    median over ``--repeats`` outer steps of the slowest rank, the variants taking turns so
     that machine load hits both alike;
   - the bytes each rank hands to the transport per outer step;
   - with ``--micro``: Horovod's bare allreduce, reducescatter and allgather on one flat vector of
     the parameters' size, and one local copy of it, to show where the time goes.
 The base step is plain SGD on fixed random gradients (no forward/backward) with ``tau=1``, so
 every ``step()`` is one outer step; ``opt.timings`` splits out the outer step's time.
-Not measured: the sharded step's transient buffers (a flat copy of the parameters and the
-gathered anchor, about 2x the parameters, freed when the step ends).
+Not measured: the sharded step's transient buffers (a flat copy of the parameters, the
+transport's receive buffer and the gathered anchor, freed when the step ends; see
+hvd_slowmo/sharded.py).
 """
 import argparse
 import statistics
@@ -27,9 +28,10 @@ import torch
 import torchvision
 
 from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.horovod import HorovodCommunicator
 
 
-def build(shard: bool) -> DistributedOptimizer:
+def build(shard: bool, reduce_scatter: str = "auto") -> DistributedOptimizer:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -37,7 +39,8 @@ def build(shard: bool) -> DistributedOptimizer:
     for p in model.parameters():  # rank-dependent gradients: the average has real work to do
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                               tau=1, slow_lr=1.0, slow_momentum=0.7, nonfinite="ignore", shard_slow_state=shard)
+                               tau=1, slow_lr=1.0, slow_momentum=0.7, nonfinite="ignore", shard_slow_state=shard,
+                               communicator=HorovodCommunicator(reduce_scatter=reduce_scatter))
     opt.step()  # captures the anchor
     return opt
 
@@ -88,7 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    opts = {"unsharded": build(False), "sharded": build(True)}
+    opts = {"unsharded": build(False), "sharded (alltoall, the CPU default)": build(True, "alltoall"),
+            "sharded (hvd reducescatter)": build(True, "reducescatter")}
     params = opts["unsharded"]._params
     numel = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -97,19 +101,19 @@ def main() -> None:
     for name, opt in opts.items():
         outer_step_s(opt)  # warm-up (Horovod negotiates a new collective once)
     for i in range(args.repeats):
-        order = list(opts) if i % 2 == 0 else list(reversed(opts))
+        order = list(opts)[i % len(opts):] + list(opts)[:i % len(opts)]  # rotate: load hits all alike
         for name in order:
             b0 = opts[name].comm.bytes_sent
             times[name].append(outer_step_s(opts[name]))
             sent[name] = opts[name].comm.bytes_sent - b0
     micro = collectives_ms(sum(p.numel() for p in opts["unsharded"]._params), args.repeats) if args.micro else {}
-    states = {name: hvd.allgather_object(state_bytes(opt), name=f"bench.state.{name}") for name, opt in opts.items()}
+    states = {name: hvd.allgather_object(state_bytes(opt), name=f"bench.state.{i}") for i, (name, opt) in enumerate(opts.items())}
     if hvd.rank() != 0:
         return
     m = hvd.size()
     print(f"ResNet-18 (10 classes): {numel / 1e6:.2f}M parameters, {param_bytes / 2**20:.1f} MiB; m={m} ranks "
           f"(Horovod {horovod.__version__}, {'Gloo' if hvd.gloo_enabled() else 'MPI'}); torch {torch.__version__}, "
-          f"1 thread per rank; {args.repeats} outer steps each, alternating; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"1 thread per rank; {args.repeats} outer steps each, taking turns; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| variant | SlowMo state per rank (MiB, max over ranks) | x parameter bytes | outer step (ms, median) "
           "| min..max (ms) | of which communication (ms, median) | slow update (ms, median) | sent per outer step (MiB) |")
     print("|---|---|---|---|---|---|---|---|")

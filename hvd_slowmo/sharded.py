@@ -12,8 +12,10 @@ shard ``r`` of the anchor and of the slow buffer: ``2/m`` times the parameters. 
    every worker (each element was computed once, by its owner).
 
 Reduce-scatter plus all-gather move the same volume as one ring allreduce, ``2 (m-1)/m`` times
-the payload. A transient flat copy of the parameters (one bucket list) and the gathered result
-exist during the outer step only.
+the payload. Transient memory during the outer step only: a flat copy of the parameters, the
+transport's buffers (Horovod's alltoall receive buffer, or its reducescatter fusion buffer: about
+the parameters' size) and the gathered anchor (the parameters' size), so the peak is about 2x the
+parameters above the persistent state for a moment; the persistent state is ``2/m`` x.
 
 Shards follow Horovod 0.28.1's reducescatter split (``ReducescatterOp::ComputeOutputShapeForRank``
 in ``horovod/common/ops/collective_operations.cc``): ``n // m`` elements each, and one more for

@@ -1,5 +1,6 @@
 """shard_slow_state=True (hvd_slowmo/sharded.py) on in-process thread workers: bitwise equal to the
 unsharded optimizer on the same inputs, ~2/m of the slow-state memory per rank, exact resume, bad input."""
+import importlib.util
 import io
 import os
 import warnings
@@ -408,23 +409,43 @@ def test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded(tmp_path, np
 
     worker = os.path.join(os.path.dirname(__file__), "workers", "sharded_worker.py")
     horovodrun(np_, "gloo", [worker, str(tmp_path)], timeout=300)
+    spec = importlib.util.spec_from_file_location("sharded_worker", worker)
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
     results = [torch.load(tmp_path / f"sharded.{r}.pt", weights_only=False) for r in range(np_)]
     for name in results[0]:
-        sharded = [res[name]["sharded"] for res in results]
         plain = [res[name]["plain"] for res in results]
-        assert len(sharded[0]["snaps"]) == 3
-        for per_rank in zip(*[s["snaps"] for s in sharded]):  # after every outer step
-            for tensors in zip(*per_rank):
-                assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), f"{name}: ranks differ"
-        # Not bitwise: Horovod's reducescatter and allreduce may add the workers' values in
-        # different orders (Gloo's ring vs its reduce-scatter), so the averages can differ in the
-        # last bit, and three outer steps of training carry that on.
-        bitwise = all(torch.equal(a, b) for sa, sb in zip(sharded[0]["snaps"], plain[0]["snaps"]) for a, b in zip(sa, sb))
-        print(f"np={np_} {name}: sharded vs unsharded bitwise equal: {bitwise}")
-        for s, p in zip(sharded, plain):
-            for a, b in zip(s["final"].values(), p["final"].values()):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name}: sharded vs unsharded")
-        assert sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]  # shards tile the state
-        assert max(s["state_bytes"] for s in sharded) < plain[0]["state_bytes"] / np_ + 64
-        # Reduce-scatter + all-gather move what one allreduce does (up to int rounding per call).
-        assert sharded[0]["bytes_sent"] == pytest.approx(plain[0]["bytes_sent"], abs=16)
+        for variant in ("sharded-reducescatter", "sharded-alltoall"):
+            sharded = [res[name][variant] for res in results]
+            what = f"np={np_} {name} {variant}"
+            assert len(sharded[0]["snaps"]) == 3
+            for per_rank in zip(*[s["snaps"] for s in sharded]):  # after every outer step
+                for tensors in zip(*per_rank):
+                    assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), f"{what}: ranks differ"
+            # Not bitwise in general: Horovod's allreduce (unsharded) and the reduce-scatter add the
+            # workers' values in different orders (Gloo's ring or halving-doubling vs rank order), so
+            # the averages can differ in the last bit, and three outer steps carry that on.
+            bitwise = all(torch.equal(a, b) for sa, sb in zip(sharded[0]["snaps"], plain[0]["snaps"])
+                          for a, b in zip(sa, sb))
+            print(f"{what}: sharded vs unsharded bitwise equal: {bitwise}")
+            for s, p in zip(sharded, plain):
+                for a, b in zip(s["final"], p["final"]):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: sharded vs unsharded")
+            assert sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]  # shards tile the state
+            assert max(s["state_bytes"] for s in sharded) < plain[0]["state_bytes"] / np_ + 64
+            # Reduce-scatter + all-gather move what one allreduce does (up to int rounding per call).
+            assert sharded[0]["bytes_sent"] == pytest.approx(plain[0]["bytes_sent"], abs=32)
+        # The alltoall transport sums in rank order, as the thread communicator does: the same run on
+        # in-process threads must give the same parameters bit for bit.
+        models = [make_model() for _ in range(np_)]
+        threads = run_threads(np_, lambda comm: replay.run(replay.CONFIGS[name], comm, True, models[comm.rank]))
+        for rank, want in enumerate(threads):
+            for a, b in zip(results[rank][name]["sharded-alltoall"]["snaps"], want["snaps"]):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"np={np_} {name}: alltoall vs threads"
+
+
+def test_horovod_communicator_rejects_unknown_reduce_scatter():
+    from hvd_slowmo.comm.horovod import HorovodCommunicator
+
+    with pytest.raises(ValueError, match="reduce_scatter must be 'auto', 'reducescatter' or 'alltoall', got 'ring'"):
+        HorovodCommunicator(reduce_scatter="ring")
