@@ -331,6 +331,12 @@ def test_errors_raise_on_every_rank(tmp_path):
     # nonfinite="skip": both workers restarted from the same anchor, NaN never reached rank 0.
     assert res[0]["nan-skip"]["params"] == res[1]["nan-skip"]["params"]
     assert res[0]["corrupt-checkpoint"]["error"] is None
+    # hvd.join() does not cover an outer step: Horovod's background loop fails on the joined rank
+    # and both ranks get HorovodInternalError (no hang); rank 0's says where and points at finish().
+    for rank in (0, 1):
+        assert res[rank]["join"]["error"] == "HorovodInternalError", res[rank]["join"]
+    assert "at outer step 2 (after step 9)" in res[0]["join"]["message"], res[0]["join"]
+    assert "DistributedOptimizer.finish" in res[0]["join"]["message"], res[0]["join"]
     bad = res[1]["corrupt-checkpoint"]
     assert bad["error"] == "CheckpointError", bad
     assert str(tmp_path / "ckpt.1.pt") in bad["message"] and "truncated" in bad["message"], bad

@@ -94,11 +94,20 @@ def mode_errors(out, results):
                 f.truncate(os.path.getsize(path) // 2)  # a job that died while writing with torch.save
         load_checkpoint(path)
 
+    def join():
+        # Uneven data "handled" with hvd.join(): rank 1 runs out after 8 steps and joins while
+        # rank 0 reaches the outer step at step 9. Last phase: Horovod is shut down afterwards.
+        model, opt = build()
+        for k in range(9 if rank != FAULTY else 8):
+            one_step(model, opt, k)
+        hvd.join()
+
     run_phase(results, "skew", skew)
     run_phase(results, "nan-raise", nan("raise"))
     run_phase(results, "nan-skip", nan("skip"))
     run_phase(results, "uneven", uneven)
     run_phase(results, "corrupt-checkpoint", corrupt_checkpoint)
+    run_phase(results, "join", join)
 
 
 def mode_fault(out, results, mode):
