@@ -384,6 +384,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         params = [p.detach() for p in self._params]
         if self.nonfinite != "ignore" and not self._all_finite_everywhere(params):
+            # Every worker restarts from the anchor, a consensus point: push-sum weights reset too.
+            self.base.after_average(True)
             self.inner_step = 0
             self.outer_steps += 1
             return
