@@ -281,7 +281,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params.extend(new)
         self.param_names.extend(f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new)))
         if self.anchor is not None:
-            self.anchor.extend(p.detach().clone() for p in new)
+            new_anchor = [p.detach().clone() for p in new]
+            self.anchor.extend(new_anchor)
+            if self.outer_optimizer is not None:  # else the new parameters would never leave their anchor
+                self.outer_optimizer.add_param_group({"params": new_anchor})
         if self.slow_buffer is not None:
             self.slow_buffer.extend(torch.zeros_like(p) for p in new)
         self.base.attach(self._params)

@@ -394,3 +394,19 @@ def test_custom_outer_optimizer_state_survives_resume():
         opt2.step()
     for a, b in zip(fresh.state_dict().values(), full[0][0].state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_add_param_group_joins_custom_outer_optimizer():
+    world = ThreadWorld(1)
+    model = make_model()
+    opt = DistributedOptimizer(PLAIN_SGD(model.parameters()), named_parameters=model.named_parameters(),
+                               communicator=world.communicator(0), tau=1,
+                               outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    opt.zero_grad()
+    loss_at(model, 0, 0).backward()
+    opt.step()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    extra.grad = torch.ones(3)
+    opt.step()  # outer SGD(lr=1) on x0 - x = 0.1: the new parameter must move to -0.1, not back to 0
+    assert torch.allclose(extra.detach(), torch.full((3,), -0.1))
