@@ -39,7 +39,12 @@ case "$GPU" in auto|yes|no) ;; *) die "--gpu must be auto, yes or no, not '$GPU'
 
 "$PY" -c 'import torch' 2>/dev/null || die "torch is not importable with $PY; install torch first"
 command -v mpicc >/dev/null || die "mpicc not found: install OpenMPI first (Debian: apt-get install libopenmpi-dev openmpi-bin)"
-command -v cmake >/dev/null || "$PY" -m pip install -q cmake || die "cmake not found and could not be pip-installed"
+# Debian's CMake 3.x: CMake 4 (PyPI's current wheel) rejects the cmake_minimum_required of Horovod's bundled Gloo.
+command -v cmake >/dev/null || die "cmake not found: install it first (Debian: apt-get install cmake)"
+case "$(cmake --version | head -n 1)" in
+  *" version 3."*) ;;
+  *) die "$(cmake --version | head -n 1) is not CMake 3.x, which Horovod 0.28.1's bundled Gloo needs (Debian 12: apt-get install cmake; remove a PyPI cmake from PATH)" ;;
+esac
 
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
 TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
