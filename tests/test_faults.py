@@ -100,6 +100,9 @@ class MovableComm(Communicator):
     def broadcast_object(self, obj, root_rank=0):
         return self.inner.broadcast_object(obj, root_rank)
 
+    def exchange_start(self, sends, recv_from, tag, graph_key=None):
+        return self.inner.exchange_start(sends, recv_from, tag, graph_key)
+
 
 def _solo() -> Communicator:
     return run_threads(1, lambda c: c)[0]
@@ -159,6 +162,38 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
 
     from horovod.torch.elastic.state import _get_handler  # TorchState's own lookup
     assert type(_get_handler(opts[3])).__name__ == "SlowMoStateHandler"
+
+
+@pytest.mark.parametrize("base", ["sgp", "osgp"])
+def test_elastic_sync_rebuilds_the_gossip_graph(base):
+    """Gossip over 3 workers, 2 survive inside an outer step: after the sync the base gossips
+    over a 2-worker graph with push-sum weight 1 from the anchor, and the next exact average is
+    bitwise equal on both."""
+    models = [make_model() for _ in range(3)]
+    opts = {}
+
+    def start(comm):
+        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), base=base)
+        _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
+        return [a.clone() for a in opts[comm.rank].anchor]
+
+    anchor = run_threads(3, start)[0]
+    survivors = {0: 0, 1: 2}
+
+    def shrink(comm):
+        model, opt = models[survivors[comm.rank]], opts[survivors[comm.rank]]
+        opt.comm.inner = comm
+        sync_optimizer(opt)
+        at_anchor = all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
+        graph = (opt.base.graph.size, opt.base.ps_weight, opt.base.graph.out_peers(comm.rank, opt.num_steps))
+        _train(model, opt, comm.rank, 3, start=opt.num_steps)
+        return at_anchor, graph, opt.inner_step, params_of(model)
+
+    res = run_threads(2, shrink)
+    for rank, (at_anchor, graph, inner, _) in enumerate(res):
+        assert at_anchor and inner == 0
+        assert graph == (2, 1.0, (1 - rank,)), graph
+    assert all(torch.equal(a, b) for a, b in zip(res[0][3], res[1][3]))
 
 
 def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
