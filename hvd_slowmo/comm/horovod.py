@@ -50,7 +50,8 @@ class HorovodCommunicator(Communicator):
 
     Args:
         compression: a ``hvd.Compression`` (``none`` or ``fp16``) applied to the exact average's
-            payload; the averaged result is cast back to each tensor's dtype.
+            payload; the averaged result is cast back to each tensor's dtype. float64 tensors are
+            never compressed (they carry exact counts).
         process_set: the Horovod process set to run over (default: all ranks).
         reduce_scatter: how :meth:`reduce_scatter_mean` runs: ``"reducescatter"`` (Horovod's
             ``grouped_reducescatter``), ``"alltoall"`` (each rank sends every other rank its shard,
@@ -87,10 +88,11 @@ class HorovodCommunicator(Communicator):
             hvd.grouped_allreduce_(tensors, op=hvd.Average, name=name, process_set=self.process_set)
             wire = sum(t.numel() * t.element_size() for t in tensors)
         else:
-            packed = [self.compression.compress(t) for t in tensors]
+            # float64 payloads (the optimizer's step-count probe) must stay exact: never compressed.
+            packed = [(t, None) if t.dtype == torch.float64 else self.compression.compress(t) for t in tensors]
             outs = hvd.grouped_allreduce([c for c, _ in packed], op=hvd.Average, name=name, process_set=self.process_set)
             for t, out, (_, ctx) in zip(tensors, outs, packed):
-                t.copy_(self.compression.decompress(out, ctx))
+                t.copy_(out if t.dtype == torch.float64 else self.compression.decompress(out, ctx))
             wire = sum(c.numel() * c.element_size() for c, _ in packed)
         self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
 
