@@ -17,11 +17,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(2, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import horovod  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_slowmo  # noqa: E402
+from cifar10_resnet18 import ResNet18  # noqa: E402  (the example's model: one definition)
 from cluster import ALGORITHM_BY_KEY, Algorithm, cluster_stamps, pool_repeats, ring_bytes, window_stats  # noqa: E402
 
 Step = Callable[[nn.Module], None]
@@ -54,47 +56,6 @@ def synthetic_step(compute_ms: float) -> Step:
         loss = sum(p.sum() * (1e-3 * (i + 1)) for i, p in enumerate(model.parameters()))
         loss.backward()
     return step
-
-
-class BasicBlock(nn.Module):
-    """ResNet basic block (two 3x3 convolutions and a shortcut).
-
-    Args:
-        cin: input channels.
-        cout: output channels.
-        stride: stride of the first convolution and the shortcut.
-    """
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
-
-
-class ResNet18(nn.Module):
-    """ResNet-18 for 32x32 CIFAR images (11.2M parameters), as in the paper's CIFAR-10 runs."""
-
-    def __init__(self, num_classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
-        layers, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
-            cin = cout
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(512, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
 
 
 class TinyLM(nn.Module):

@@ -1,5 +1,4 @@
 """Gossip topologies and mixing matrices: pure functions, checked exhaustively for small worlds."""
-import itertools
 
 import pytest
 import torch
