@@ -69,15 +69,22 @@ class HorovodCommunicator(Communicator):
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.bytes_sent = 0
 
-    # Read from Horovod on every use, not cached: hvd.elastic re-initializes Horovod with other
-    # workers, and a stale rank or size would make the optimizer talk to the old world's layout.
+    # The global set is read from Horovod on every use, not cached: hvd.elastic re-initializes
+    # Horovod with other workers, and a stale rank or size would make the optimizer talk to the
+    # old world's layout. A process set built from a rank list (worker="node") answers from that
+    # list: Horovod 0.28.1's size query for a dynamic set intermittently reported it unknown right
+    # after a collective on it had succeeded (seen once in CI), and its ranks cannot change.
     @property
     def rank(self) -> int:  # type: ignore[override]
-        return self.process_set.rank()
+        if self.process_set.process_set_id == 0 or not self.process_set.ranks:
+            return self.process_set.rank()
+        return self.process_set.ranks.index(_hvd().rank())
 
     @property
     def size(self) -> int:  # type: ignore[override]
-        return self.process_set.size()
+        if self.process_set.process_set_id == 0 or not self.process_set.ranks:
+            return self.process_set.size()
+        return len(self.process_set.ranks)
 
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:
         if self.size == 1 or not tensors:
