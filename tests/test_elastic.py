@@ -78,7 +78,10 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
         for r in recs:
             if "params" in r:
                 at_average[(r["outer_steps"], r["hvd_size"])][name] = r["params"]
-    assert len(at_average) >= 8, sorted(at_average)
+    # At least: outer steps 1-2 on 3 workers before the kill (inside outer step 3), 3-4 on 2 workers
+    # before the growth is triggered, and 3 more on 3 workers; Horovod's discovery may add more.
+    assert len(at_average) >= 7, sorted(at_average)
+    assert {size for _, size in at_average} == {2, 3}, sorted(at_average)
     for (outer, size), by_proc in at_average.items():
         assert len(by_proc) == size, (outer, size, by_proc)
         assert len(set(by_proc.values())) == 1, (outer, size, by_proc)
