@@ -10,16 +10,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None,
-               hosts: str = "") -> subprocess.CompletedProcess:
-    """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
+def horovodrun_command(np: int, controller: str, args: List[str], hosts: str = "") -> List[str]:
+    """``horovodrun -np NP -H HOSTS --gloo|--mpi python ARGS`` (fails the test if a launcher is missing).
 
     Args:
         np: number of processes.
         controller: "gloo" or "mpi".
         args: the script and its arguments.
-        timeout: seconds before the launch is killed (a deadlock then fails instead of hanging CI).
-        env: extra environment variables.
         hosts: horovodrun's ``-H`` (default ``localhost:NP``).
     """
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -32,9 +29,29 @@ def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, 
         cmd += ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root --bind-to none"]
     else:
         cmd += ["--gloo"]
-    cmd += [sys.executable] + args
-    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", **(env or {})}
+    return cmd + [sys.executable] + args
+
+
+def launch_env(extra=None) -> dict:
+    """The workers' environment: the repo on PYTHONPATH, one thread per process, plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None,
+               hosts: str = "") -> subprocess.CompletedProcess:
+    """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
+
+    Args:
+        np: number of processes.
+        controller: "gloo" or "mpi".
+        args: the script and its arguments.
+        timeout: seconds before the launch is killed (a deadlock then fails instead of hanging CI).
+        env: extra environment variables.
+        hosts: horovodrun's ``-H`` (default ``localhost:NP``).
+    """
+    cmd = horovodrun_command(np, controller, args, hosts)
+    full_env = launch_env(env)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"

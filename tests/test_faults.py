@@ -9,10 +9,8 @@ test ends, so a frozen worker never outlives its test. The worker: tests/workers
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from typing import Dict, List, Tuple
 
@@ -25,7 +23,7 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
-from horovod_launch import ROOT
+from horovod_launch import ROOT, horovodrun_command, launch_env
 from reference import loss_at, make_model, params_of
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "fault_worker.py")
@@ -292,19 +290,9 @@ def launch(tmp_path, mode: str, controller: str = "gloo", timeout: float = 240) 
 
     Unlike horovod_launch.horovodrun, a non-zero exit is an expected outcome here.
     """
-    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    if not os.path.exists(exe):
-        pytest.fail(f"horovodrun not found next to {sys.executable}: run scripts/setup_env.sh")
-    cmd = [exe, "-np", "2", "-H", "localhost:2"]
-    if controller == "mpi":
-        if shutil.which("mpirun") is None:
-            pytest.fail("mpirun not found: install OpenMPI (scripts/setup_env.sh does)")
-        cmd += ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root --bind-to none"]
-    else:
-        cmd += ["--gloo"]
-    cmd += [sys.executable, WORKER, str(tmp_path), mode]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)}
+    cmd = horovodrun_command(2, controller, [WORKER, str(tmp_path), mode])
+    env = launch_env({"HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT),
+                      "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)})
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
