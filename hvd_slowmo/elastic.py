@@ -23,7 +23,7 @@ What happens on a membership change (workers lost or added), in Horovod's order:
 2. Horovod shuts down and re-initializes with the new workers; your reset callbacks run.
 3. ``sync`` (every worker, joiners included): the cross-rank configuration check (skipped at
    construction under elastic, because a joiner constructs its optimizer alone), rank 0's full
-   optimizer state is broadcast, then :meth:`DistributedOptimizer._adopt_world` rebuilds the
+   optimizer state is broadcast, then :meth:`DistributedOptimizer.adopt_world` rebuilds the
    base algorithm for the new rank/size (gossip graph and transport) and restarts the current
    outer step from the anchor ``x_{t,0}``, identical on every worker; the base steps taken
    since the anchor are dropped (``opt.num_steps`` goes back with them). One log line on rank 0
@@ -57,12 +57,10 @@ def sync_optimizer(opt: Any) -> None:
     Args:
         opt: a :class:`hvd_slowmo.DistributedOptimizer`.
     """
-    from .optimizer import broadcast_optimizer_state  # here: optimizer.py imports this module
-
-    opt._rebuild_base()  # drop anything of the old world before the first collective
-    opt._check_same_everywhere()
-    broadcast_optimizer_state(opt, root_rank=0)
-    opt._adopt_world("elastic state sync")
+    opt.reset_base()  # drop anything of the old world before the first collective
+    opt.check_consistent()
+    opt.broadcast_state(root_rank=0)
+    opt.adopt_world("elastic state sync")
 
 
 _handler_cls: Any = None
@@ -73,7 +71,8 @@ def register_state_handler(optimizer_cls: type) -> None:
     their full SlowMo state (idempotent).
 
     Args:
-        optimizer_cls: :class:`hvd_slowmo.DistributedOptimizer` (passed in to avoid an import cycle).
+        optimizer_cls: :class:`hvd_slowmo.DistributedOptimizer` (passed in: this module does not
+            import the optimizer, which imports it).
     """
     global _handler_cls
     from horovod.torch.elastic import state as hvd_state  # only reached under Horovod
@@ -93,7 +92,7 @@ def register_state_handler(optimizer_cls: type) -> None:
             def restore(self) -> None:
                 # After a failed collective, messages in flight can never complete: drop them
                 # (rebuild the base) before loading, or the load would wait for a dead peer.
-                self.value._rebuild_base()
+                self.value.reset_base()
                 self.value.load_state_dict(copy.deepcopy(self._saved))
 
             def sync(self) -> None:

@@ -19,11 +19,13 @@ def build(model=None, **kwargs):
 
 BAD = {
     "tau-zero": (dict(tau=0), ValueError, "tau"),
-    "tau-float": (dict(tau=2.5), ValueError, "tau"),
-    "tau-bool": (dict(tau=True), ValueError, "tau"),
+    "tau-float": (dict(tau=2.5), TypeError, "tau"),
+    "tau-bool": (dict(tau=True), TypeError, "tau"),
+    "tau-string": (dict(tau="3"), TypeError, "tau"),
     "slow_lr-negative": (dict(slow_lr=-1.0), ValueError, "slow_lr"),
     "slow_lr-zero": (dict(slow_lr=0.0), ValueError, "slow_lr"),
-    "slow_lr-nan": (dict(slow_lr=float("nan")), TypeError, "slow_lr"),
+    "slow_lr-nan": (dict(slow_lr=float("nan")), ValueError, "slow_lr"),
+    "slow_lr-inf": (dict(slow_lr=float("inf")), ValueError, "slow_lr"),
     "slow_lr-string": (dict(slow_lr="1"), TypeError, "slow_lr"),
     "slow_momentum-one": (dict(slow_momentum=1.0), ValueError, "slow_momentum"),
     "slow_momentum-negative": (dict(slow_momentum=-0.1), ValueError, "slow_momentum"),
@@ -126,7 +128,7 @@ def _trained(tau=3, steps=2):
 
 
 def _snapshot(opt):
-    return copy.deepcopy((opt.inner_step, opt.num_steps, opt.anchor, opt.slow_buffer, opt.optimizer.state_dict()))
+    return copy.deepcopy((opt.inner_step, opt.num_steps, opt.slow_state.anchor, opt.slow_state.slow_buffer, opt.optimizer.state_dict()))
 
 
 def _same(a, b):

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import hvd_slowmo
-from hvd_slowmo import report, sweep
+from hvd_slowmo.tools import report, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -23,6 +23,7 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
+from conftest import ForwardingCommunicator
 from horovod_launch import ROOT, horovodrun_command, launch_env
 from reference import loss_at, make_model, params_of
 
@@ -52,7 +53,7 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     loaded = load_checkpoint(path)
-    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.anchor[0])
+    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.slow_state.anchor[0])
     assert loaded["opt"]["slowmo"]["world_size"] == 1
     good = path.read_bytes()
 
@@ -79,29 +80,6 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]  # no temp left
 
 
-class MovableComm(Communicator):
-    """A communicator whose world can be replaced, as Horovod's is when hvd.elastic re-initializes."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.bytes_sent = 0
-
-    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
-    size = property(lambda self: self.inner.size)  # type: ignore[assignment]
-
-    def average_(self, tensors, name):
-        self.inner.average_(tensors, name)
-
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
-
-    def broadcast_object(self, obj, root_rank=0):
-        return self.inner.broadcast_object(obj, root_rank)
-
-    def exchange_start(self, sends, recv_from, tag, graph_key=None):
-        return self.inner.exchange_start(sends, recv_from, tag, graph_key)
-
-
 def _solo() -> Communicator:
     return run_threads(1, lambda c: c)[0]
 
@@ -114,9 +92,9 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     opts: Dict[int, DistributedOptimizer] = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm))
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm))
         _train(models[comm.rank], opts[comm.rank], comm.rank, 4)  # outer step at 3, then 1 inner step
-        return [a.clone() for a in opts[comm.rank].anchor], opts[comm.rank].slow_buffer[0].clone()
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor], opts[comm.rank].slow_state.slow_buffer[0].clone()
 
     (anchor, slow0), *_ = run_threads(3, start)
     survivors = {0: 0, 1: 2}  # new rank -> old rank (old rank 1 died)
@@ -140,7 +118,7 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     # Grow: a new process builds its optimizer alone (elastic: no construction collective), then syncs.
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     pytest.importorskip("horovod.torch", reason="the elastic handler registers with Horovod")
-    opts[3] = _opt(models[3], MovableComm(_solo()))
+    opts[3] = _opt(models[3], ForwardingCommunicator(_solo()))
     members = {0: 0, 1: 2, 2: 3}
     # Survivors one step into outer step 2, so the sync restarts that outer step again.
     run_threads(2, lambda comm: _train(models[members[comm.rank]], opts[members[comm.rank]], comm.rank, 1, start=6))
@@ -150,7 +128,7 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
         opt.comm.inner = comm
         model.load_state_dict(comm.broadcast_object(model.state_dict()))  # TorchState's model handler
         sync_optimizer(opt)
-        return params_of(model), opt.num_steps, opt.outer_steps, opt.slow_buffer[0].clone(), opt.base.comm.size
+        return params_of(model), opt.num_steps, opt.outer_steps, opt.slow_state.slow_buffer[0].clone(), opt.base.comm.size
 
     res = run_threads(3, grow)
     for params, num_steps, outer, slow, base_size in res:
@@ -171,9 +149,9 @@ def test_elastic_sync_rebuilds_the_gossip_graph(base):
     opts = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), base=base)
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), base=base)
         _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
-        return [a.clone() for a in opts[comm.rank].anchor]
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
 
     anchor = run_threads(3, start)[0]
     survivors = {0: 0, 1: 2}
@@ -201,9 +179,9 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
     opts = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), buffers="maintain")
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), buffers="maintain")
         _train(models[comm.rank], opts[comm.rank], comm.rank, 5)  # outer step at 3, then 2 inner steps
-        return [a.clone() for a in opts[comm.rank].anchor]
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
 
     anchor = run_threads(3, start)[0]
 

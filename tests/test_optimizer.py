@@ -8,6 +8,7 @@ import torch
 from hvd_slowmo import DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
+from conftest import assert_same_models, resume_in_fresh_workers
 from reference import lr_at, loss_at, make_model, params_of, reference_slowmo
 
 SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
@@ -103,7 +104,7 @@ def test_local_sgd_special_case():
     assert_bitwise_equal_across_ranks(results)
     for (model, _, opt), want in zip(results, ref):
         assert_close_models(model, want)
-        assert opt.anchor is None and opt.slow_buffer is None
+        assert opt.slow_state.anchor is None and opt.slow_state.slow_buffer is None
 
 
 def test_tau_one_is_large_batch_momentum_sgd():
@@ -162,49 +163,29 @@ def test_allreduce_base_is_momentum_sgd_on_averaged_gradient():
     assert torch.equal(params_of(results[0][0])[0], params_of(results[1][0])[0])
 
 
+def _train_to(opt, model, rank, start, stop):
+    for k in range(start, stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+
+
 def test_resume_mid_inner_loop_equals_uninterrupted():
     m, steps, stop, tau = 2, 11, 5, 3
     kwargs = dict(tau=tau, slow_lr=0.8, slow_momentum=0.6, buffers="maintain")
     full = run_slowmo(m, steps, SGD_NESTEROV, **kwargs)
-    models = [make_model() for _ in range(m)]
 
-    def first_half(comm):
-        model = models[comm.rank]
-        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
-                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
-        for k in range(stop):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(k)
-            opt.zero_grad()
-            loss_at(model, comm.rank, k).backward()
-            opt.step()
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-        return buf.getvalue()
+    def build(comm, model):
+        return DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                    model_buffers=model.buffers(), communicator=comm, **kwargs)
 
-    saved = run_threads(m, first_half)
-    fresh = [make_model(seed=123) for _ in range(m)]  # different init: everything must come from the file
-
-    def second_half(comm):
-        model = fresh[comm.rank]
-        ckpt = torch.load(io.BytesIO(saved[comm.rank]), weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt = DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
-                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
-        opt.load_state_dict(ckpt["opt"])
+    def check(opt):
         assert opt.inner_step == stop % tau
-        for k in range(stop, steps):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(k)
-            opt.zero_grad()
-            loss_at(model, comm.rank, k).backward()
-            opt.step()
-        return model
 
-    resumed = run_threads(m, second_half)
-    for a, (b, _, _) in zip(resumed, full):
-        for x, y in zip(a.state_dict().values(), b.state_dict().values()):
-            assert torch.equal(x, y)
+    resumed = resume_in_fresh_workers(m, build, _train_to, stop, steps, check)
+    assert_same_models(resumed, [model for model, _, _ in full])
 
 
 def test_broadcast_optimizer_state_copies_rank0():
@@ -252,7 +233,7 @@ def test_torch_optimizer_surface():
     opt.add_param_group({"params": [extra], "lr": 0.01})
     extra.grad = torch.ones(3)
     opt.step()  # the new parameter joins the outer step (anchor extended)
-    assert len(opt.anchor) == len(opt._params) == len(list(model.parameters())) + 1
+    assert len(opt.slow_state.anchor) == len(opt._params) == len(list(model.parameters())) + 1
 
 
 def test_model_buffers_are_averaged():
@@ -373,27 +354,17 @@ def test_custom_outer_optimizer_on_unscaled_pseudo_gradient():
 def test_custom_outer_optimizer_state_survives_resume():
     outer = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)  # noqa: E731
     full = run_slowmo(1, 8, SGD_NESTEROV, tau=2, outer_optimizer=outer)
-    first = run_slowmo(1, 5, SGD_NESTEROV, tau=2, outer_optimizer=outer)
-    model, _, opt = first[0]
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
-    saved.seek(0)
-    ckpt = torch.load(saved, weights_only=False)
-    fresh = make_model(seed=5)
-    fresh.load_state_dict(ckpt["model"])
-    world = ThreadWorld(1)
-    opt2 = DistributedOptimizer(SGD_NESTEROV(fresh.parameters()), named_parameters=fresh.named_parameters(),
-                                model_buffers=fresh.buffers(), communicator=world.communicator(0), tau=2,
-                                outer_optimizer=outer)
-    opt2.load_state_dict(ckpt["opt"])
-    for k in range(5, 8):
-        for g in opt2.param_groups:
-            g["lr"] = lr_at(k)
-        opt2.zero_grad()
-        loss_at(fresh, 0, k).backward()
-        opt2.step()
-    for a, b in zip(fresh.state_dict().values(), full[0][0].state_dict().values()):
-        assert torch.equal(a, b)
+
+    def build(comm, model):
+        return DistributedOptimizer(SGD_NESTEROV(model.parameters()), named_parameters=model.named_parameters(),
+                                    model_buffers=model.buffers(), communicator=comm, tau=2,
+                                    outer_optimizer=outer)
+
+    def check(opt):
+        assert opt.slow_state.outer_optimizer.state  # the outer momentum came from the file
+
+    resumed = resume_in_fresh_workers(1, build, _train_to, 5, 8, check)
+    assert_same_models(resumed, [full[0][0]])
 
 
 def test_add_param_group_joins_custom_outer_optimizer():

@@ -1,4 +1,4 @@
-"""shard_slow_state=True (hvd_slowmo/sharded.py) on in-process thread workers: bitwise equal to the
+"""shard_slow_state=True (hvd_slowmo/slow_state/sharded.py) on in-process thread workers: bitwise equal to the
 unsharded optimizer on the same inputs, ~2/m of the slow-state memory per rank, exact resume, bad input."""
 import importlib.util
 import io
@@ -11,8 +11,10 @@ import torch
 from hvd_slowmo import DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
-from hvd_slowmo.sharded import Bucket, make_buckets, shard_range, shard_sizes
+from hvd_slowmo.comm.base import shard_range, shard_sizes
+from hvd_slowmo.slow_state.sharded import Bucket, ShardedSlowState, make_buckets
 
+from conftest import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,7 +160,8 @@ def test_sharded_equals_unsharded_bitwise(m, outer):
     assert len(sharded[0][1]) == 3
     assert not torch.equal(sharded[0][1][-1][0], make_model().state_dict()["0.weight"])  # it trained
     for _, _, opt in sharded:
-        assert opt.anchor is None and opt.slow_buffer is None and opt.sharded.captured
+        assert isinstance(opt.slow_state, ShardedSlowState) and opt.slow_state.captured
+        assert all(a.dim() == 1 for a in opt.slow_state.anchor)  # shards of flat buckets
 
 
 def test_sharded_sends_the_bytes_of_one_allreduce():
@@ -175,8 +178,8 @@ def test_slow_state_memory_is_two_over_m(m):
     plain = run(m, 3, tau=3, slow_lr=1.0, slow_momentum=0.5)
     model, _, opt = sharded[0]
     param_bytes = tensor_bytes(list(model.parameters()))
-    assert tensor_bytes(plain[0][2].anchor + plain[0][2].slow_buffer) == 2 * param_bytes
-    per_rank = [tensor_bytes(o.sharded.state_tensors()) for _, _, o in sharded]
+    assert tensor_bytes(plain[0][2].slow_state.anchor + plain[0][2].slow_state.slow_buffer) == 2 * param_bytes
+    per_rank = [tensor_bytes(o.slow_state.state_tensors()) for _, _, o in sharded]
     assert sum(per_rank) == 2 * param_bytes  # the shards tile the state: nothing kept twice
     numels = [sum(p.numel() for p in g["params"]) for g in opt.param_groups]
     ceil_bytes = 2 * 4 * sum(-(-n // m) for n in numels)  # float32; rounding up per bucket
@@ -190,32 +193,12 @@ def test_resume_sharded_mid_inner_loop_equals_uninterrupted(outer):
     m, steps, stop = 3, 11, 5
     kwargs = dict(tau=3, buffers="maintain", shard_slow_state=True, **OUTER[outer])
     full = run(m, steps, **kwargs)
-    models = [make_model() for _ in range(m)]
 
-    def first_half(comm):
-        model = models[comm.rank]
-        opt = build(comm, model, **kwargs)
-        train(opt, model, comm.rank, 0, stop)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-        return buf.getvalue()
+    def check(opt):
+        assert opt.inner_step == stop % 3 and opt.slow_state.captured
 
-    saved = run_threads(m, first_half)
-    fresh = [make_model(seed=123) for _ in range(m)]  # different init: everything must come from the file
-
-    def second_half(comm):
-        model = fresh[comm.rank]
-        ckpt = torch.load(io.BytesIO(saved[comm.rank]), weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt = build(comm, model, **kwargs)
-        opt.load_state_dict(ckpt["opt"])
-        assert opt.inner_step == stop % 3 and opt.sharded.captured
-        train(opt, model, comm.rank, stop, steps)
-        return model
-
-    for model, (want, _, _) in zip(run_threads(m, second_half), full):
-        for a, b in zip(model.state_dict().values(), want.state_dict().values()):
-            assert torch.equal(a, b)
+    resumed = resume_in_fresh_workers(m, lambda comm, model: build(comm, model, **kwargs), train, stop, steps, check)
+    assert_same_models(resumed, [model for model, _, _ in full])
 
 
 def _saved_states(m, shard):
@@ -241,13 +224,13 @@ def _try_load(m, shard, state_for_rank):
         model = models[comm.rank]
         opt = build(comm, model, tau=3, shard_slow_state=shard)
         train(opt, model, comm.rank, 0, 1)
-        snapshot = (opt.inner_step, opt.num_steps, [t.clone() for t in (opt.sharded.state_tensors() if shard else opt.anchor)])
+        snapshot = (opt.inner_step, opt.num_steps, [t.clone() for t in opt.slow_state.state_tensors()])
         try:
             opt.load_state_dict(state_for_rank(comm.rank))
             msg = ""
         except ValueError as e:
             msg = str(e)
-        after = (opt.inner_step, opt.num_steps, opt.sharded.state_tensors() if shard else opt.anchor)
+        after = (opt.inner_step, opt.num_steps, opt.slow_state.state_tensors())
         unchanged = snapshot[:2] == after[:2] and all(torch.equal(a, b) for a, b in zip(snapshot[2], after[2]))
         return msg, unchanged
 
@@ -374,8 +357,8 @@ def test_shard_slow_state_needs_a_capable_communicator():
     class AverageOnly(Communicator):
         rank, size = 0, 1
 
-        def average_(self, tensors, name):
-            pass
+        def _average_(self, tensors, name):
+            return 0
 
         def allgather_object(self, obj):
             return [obj]
@@ -447,5 +430,5 @@ def test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded(tmp_path, np
 def test_horovod_communicator_rejects_unknown_reduce_scatter():
     from hvd_slowmo.comm.horovod import HorovodCommunicator
 
-    with pytest.raises(ValueError, match="reduce_scatter must be 'auto', 'reducescatter' or 'alltoall', got 'ring'"):
+    with pytest.raises(ValueError, match="reduce_scatter must be one of 'auto', 'reducescatter', 'alltoall', got 'ring'"):
         HorovodCommunicator(reduce_scatter="ring")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hvd_slowmo.topology import (GossipGraph, exponential_out_peers, metropolis_weights, num_exponential_phases,
+from hvd_slowmo.bases.topology import (GossipGraph, exponential_out_peers, metropolis_weights, num_exponential_phases,
                                  push_sum_weights)
 
 SIZES = range(2, 9)
@@ -125,9 +125,10 @@ def test_invalid_custom_peers_are_refused(peers):
         GossipGraph(lambda rank, size, step: peers if rank == 0 else [0], 4)
 
 
-@pytest.mark.parametrize("p", [0, 3, True], ids=["zero", "too-many", "bool"])
-def test_bad_peers_per_step(p):
-    with pytest.raises(ValueError, match="peers_per_step"):
+@pytest.mark.parametrize("p,err", [(0, ValueError), (3, ValueError), (True, TypeError), (1.0, TypeError)],
+                         ids=["zero", "too-many", "bool", "float"])
+def test_bad_peers_per_step(p, err):
+    with pytest.raises(err, match="peers_per_step"):
         GossipGraph("exponential", 4, peers_per_step=p)  # 4 workers: hops 1, 2 only
 
 

@@ -1,7 +1,7 @@
 """Gossip base algorithms: SGP, OSGP (push-sum) and D-PSGD (arXiv 1910.00643, Appendix C).
 
 Matrix form (plain SGD, parameters stacked as columns, ``P_k`` from
-:meth:`hvd_slowmo.topology.GossipGraph.mixing_matrix`)::
+:meth:`hvd_slowmo.bases.topology.GossipGraph.mixing_matrix`)::
 
     X_{k+1} = (X_k - lr * G_k) P_k^T,    G_k = gradients at the de-biased Z_k = X_k / w_k
 
@@ -38,9 +38,11 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingExchange
-from ..comm.horovod import HorovodCommunicator
-from ..topology import GossipGraph, TopologyFn, metropolis_weights, push_sum_weights
-from . import BaseAlgorithm
+from ..comm.factory import GOSSIP_TRANSPORTS, gossip_transport
+from ..validation import check_choice, check_int, check_number
+from .base import BaseAlgorithm
+from .localsgd import LocalSGD
+from .topology import GossipGraph, TopologyFn, metropolis_weights, push_sum_weights
 
 __all__ = ["GossipBase", "SGP", "OSGP", "DPSGD", "DEFAULT_GOSSIP_TIMEOUT"]
 
@@ -49,8 +51,6 @@ log = logging.getLogger("hvd_slowmo")
 #: Seconds a blocking gossip wait lasts before failing (override: ``gossip_timeout`` or the
 #: ``HVD_SLOWMO_GOSSIP_TIMEOUT`` environment variable).
 DEFAULT_GOSSIP_TIMEOUT = 300.0
-_TRANSPORTS = ("auto", "mpi", "horovod")
-_logged_choice = False
 
 
 class _FlatGroup:
@@ -94,12 +94,6 @@ class _InFlight:
         self.step, self.group, self.pending, self.buf, self.senders = step, group, pending, buf, tuple(senders)
 
 
-def _horovod_mpi_enabled() -> bool:
-    import horovod.torch as hvd  # only reached with a Horovod communicator, so Horovod is there
-
-    return bool(hvd.mpi_enabled())
-
-
 def _default_timeout() -> float:
     env = os.environ.get("HVD_SLOWMO_GOSSIP_TIMEOUT")
     if env is None:
@@ -140,16 +134,14 @@ class GossipBase(BaseAlgorithm):
                  gossip_timeout: Optional[float] = None) -> None:
         super().__init__(comm)
         if comm.size < 2:
-            raise ValueError(f"base={self.name!r} needs at least 2 workers, got {comm.size}: with one worker "
-                             "there is nobody to gossip with; use base='localsgd' (Lookahead with one worker)")
-        if gossip_transport not in _TRANSPORTS:
-            raise ValueError(f"gossip_transport must be one of {list(_TRANSPORTS)}, got {gossip_transport!r}")
-        timeout = _default_timeout() if gossip_timeout is None else gossip_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"gossip_timeout must be a positive number of seconds, got {gossip_timeout!r}")
+            raise ValueError(f"base={self.name!r} needs at least 2 workers, got {comm.size}: with one "
+                             f"worker there is nobody to gossip with; use base={LocalSGD.name!r} "
+                             "(Lookahead with one worker)")
+        self.gossip_transport = check_choice("gossip_transport", gossip_transport, GOSSIP_TRANSPORTS)
+        self.timeout = check_number(
+            "gossip_timeout", _default_timeout() if gossip_timeout is None else gossip_timeout,
+            low=0.0, low_open=True, finite=False, fix="the seconds a gossip wait may last, e.g. 300")
         self.graph = GossipGraph(topology, comm.size, peers_per_step, undirected=self.undirected)
-        self.gossip_transport = gossip_transport
-        self.timeout = float(timeout)
         self.transport: Optional[Communicator] = None
         self.groups: List[_FlatGroup] = []
         self._inflight: Deque[_InFlight] = deque()
@@ -168,35 +160,8 @@ class GossipBase(BaseAlgorithm):
         self.groups = [_FlatGroup(by_kind[k], carries_weight=(i == widest and not self.undirected))
                        for i, k in enumerate(kinds)]
         if self.transport is None:
-            self.transport = self._choose_transport(any(p.is_cuda for p in params))
-
-    def _choose_transport(self, cuda: bool) -> Communicator:
-        from ..comm.mpi import MPICommunicator
-
-        choice = self.gossip_transport
-        if isinstance(self.comm, MPICommunicator):
-            if choice == "horovod":
-                raise ValueError("gossip_transport='horovod' needs the Horovod communicator, but an "
-                                 "MPICommunicator was passed; use gossip_transport='mpi' or 'auto'")
-            return self.comm
-        is_hvd = isinstance(self.comm, HorovodCommunicator)
-        mpi_launch = is_hvd and _horovod_mpi_enabled()
-        if choice == "horovod" and not is_hvd:
-            raise ValueError(f"gossip_transport='horovod' needs the Horovod communicator, got "
-                             f"{type(self.comm).__name__}; use gossip_transport='auto'")
-        if choice == "mpi" and not mpi_launch:
-            raise ValueError("gossip_transport='mpi' needs an MPI launch (horovodrun --mpi or mpirun): under "
-                             "Gloo mpi4py sees a world of one process; use gossip_transport='auto' or 'horovod'")
-        use_mpi = choice == "mpi" or (choice == "auto" and mpi_launch and not cuda)
-        transport: Communicator = MPICommunicator.for_horovod(self.comm) if use_mpi else self.comm
-        global _logged_choice
-        if choice == "auto" and not _logged_choice and self.comm.rank == 0:
-            why = ("an MPI launch with CPU tensors" if use_mpi else
-                   "CUDA tensors" if mpi_launch else "no MPI launch" if is_hvd else "the given communicator")
-            log.info("hvd_slowmo: gossip for base=%r goes over %s (%s)", self.name,
-                     "MPI neighbour collectives" if use_mpi else type(transport).__name__, why)
-            _logged_choice = True
-        return transport
+            self.transport = gossip_transport(self.comm, self.gossip_transport,
+                                              any(p.is_cuda for p in params), self.name)
 
     # --- exchanges ------------------------------------------------------------------------
     def _start(self, step: int, sends_to: Sequence[int], recv_from: Sequence[int], scale: float) -> None:
@@ -266,14 +231,13 @@ class OSGP(GossipBase):
     """
 
     name = "osgp"
+    label = "OSGP"
     OPTIONS = GossipBase.OPTIONS + ("staleness",)
 
     def __init__(self, comm: Communicator, staleness: int = 1, **options: Any) -> None:
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an integer >= 0 (steps a gossip message may stay in flight; "
-                             f"0 is SGP), got {staleness!r}")
         super().__init__(comm, **options)
-        self.staleness = staleness
+        self.staleness = check_int("staleness", staleness, 0,
+                                   "the steps a gossip message may stay in flight (0 is SGP)")
         self.ps_weight = 1.0
 
     def flush(self) -> None:
@@ -353,6 +317,7 @@ class SGP(OSGP):
     """
 
     name = "sgp"
+    label = "SGP"
     OPTIONS = GossipBase.OPTIONS
 
     def __init__(self, comm: Communicator, **options: Any) -> None:
@@ -370,6 +335,7 @@ class DPSGD(GossipBase):
     """
 
     name = "dpsgd"
+    label = "D-PSGD"
     undirected = True
 
     @torch.no_grad()

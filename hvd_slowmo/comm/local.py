@@ -4,13 +4,13 @@ Averages are summed in rank order by every worker, so all workers get bitwise id
 results, as with a real allreduce.
 """
 import threading
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..sharded import shard_range
-from .base import Communicator, PendingExchange
+from .base import Communicator, PendingExchange, shard_range
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "run_threads"]
 
@@ -98,30 +98,31 @@ class ThreadCommunicator(Communicator):
         rank: this worker's rank.
     """
 
+    supports_sharding = True
+    supports_exchange = True
+
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
         self.size = world.size
         self.bytes_sent = 0
 
-    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
-        if self.size == 1 or not tensors:
-            return
+    def _average_(self, tensors: list[Tensor], name: str) -> int:
         everyone = self.world._gather(self.rank, [t.detach().clone() for t in tensors])
         for i, t in enumerate(tensors):
             total = everyone[0][i].clone()
             for r in range(1, self.size):
                 total += everyone[r][i]
             t.copy_(total / self.size)
-            self.bytes_sent += int(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def allgather_object(self, obj: Any) -> List[Any]:
+    def allgather_object(self, obj: Any) -> list[Any]:
         return self.world._gather(self.rank, obj)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         return self.world._gather(self.rank, obj)[root_rank]
 
-    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> List[Tensor]:
+    def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
         everyone = self.world._gather(self.rank, [f.detach().clone() for f in flats])
         out = []
         for i, f in enumerate(flats):
@@ -132,22 +133,23 @@ class ThreadCommunicator(Communicator):
             for r in range(1, self.size):
                 total += everyone[r][i][start:end]
             out.append(total / self.size)
-            self.bytes_sent += int((self.size - 1) / self.size * f.numel() * f.element_size())
-        return out
+        return out, sum(f.numel() * f.element_size() for f in flats)
 
-    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> List[Tensor]:
+    def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         everyone = self.world._gather(self.rank, [s.detach().clone() for s in shards])
-        out = [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
-        self.bytes_sent += int(sum((self.size - 1) / self.size * o.numel() * o.element_size() for o in out))
-        return out
+        return [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                       graph_key: Optional[Hashable] = None) -> PendingExchange:
+    def _exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None,
+    ) -> PendingExchange:
         w = self.world
         with w._mail_cv:
             for dst, t in sends.items():
                 w._mail[(self.rank, dst, tag)] = t.detach().clone()
-                self.bytes_sent += t.numel() * t.element_size()
             w._mail_cv.notify_all()
         return _ThreadExchange(w, self.rank, recv_from, tag)
 

@@ -68,6 +68,8 @@ class MPICommunicator(Communicator):
         RuntimeError: MPI was initialized without ``MPI_THREAD_MULTIPLE``.
     """
 
+    supports_exchange = True
+
     def __init__(self, comm: Any = None, cuda_aware: bool = False) -> None:
         MPI = _mpi()
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -99,9 +101,7 @@ class MPICommunicator(Communicator):
         return mpi
 
     # --- collectives (for completeness of the interface; the gossip bases only exchange) ------
-    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
-        if self.size == 1 or not tensors:
-            return
+    def _average_(self, tensors: list[Tensor], name: str) -> int:
         MPI = _mpi()
         for t in tensors:
             # Reduce at one root then broadcast: every rank gets the root's bits exactly (an
@@ -112,7 +112,7 @@ class MPICommunicator(Communicator):
                               op=MPI.SUM, root=0)
             self._comm.Bcast(buf, root=0)
             t.copy_(host.div_(self.size))
-            self.bytes_sent += int(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def allgather_object(self, obj: Any) -> List[Any]:
         return self._comm.allgather(obj)
@@ -142,17 +142,11 @@ class MPICommunicator(Communicator):
             self._types[itemsize] = _mpi().BYTE.Create_contiguous(itemsize).Commit()
         return self._types[itemsize]
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                       graph_key: Optional[Hashable] = None) -> PendingExchange:
+    def _exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
+                        graph_key: Optional[Hashable]) -> PendingExchange:
         dests = tuple(sorted(sends))
         sources = tuple(sorted(recv_from))
-        lengths = {t.numel() for t in sends.values()}
-        if len(lengths) > 1:
-            raise ValueError(f"exchange_start: all messages of one exchange must have one length, got {sorted(lengths)}")
-        first = next(iter(sends.values()), None)
-        if first is None:
-            raise ValueError("MPICommunicator.exchange_start: sends is empty; send at least one message")
-        chunk = first.numel()
+        chunk = next(iter(sends.values())).numel()
         parts = [sends[d].detach().reshape(-1) for d in dests]
         send = parts[0] if len(parts) == 1 else torch.cat(parts)
         device = None
@@ -171,7 +165,6 @@ class MPICommunicator(Communicator):
         request = graph.Ineighbor_alltoallv(
             [self._buffer(send), ([chunk] * len(dests), [i * chunk for i in range(len(dests))]), etype],
             [self._buffer(recv), ([chunk] * len(sources), [i * chunk for i in range(len(sources))]), etype])
-        self.bytes_sent += send.numel() * send.element_size()
         return _NeighborExchange(request, list(sources), recv, chunk, send, device)
 
     @staticmethod

@@ -48,12 +48,7 @@ def run(cfg, comm, shard, model):
         opt.step()
         if opt.inner_step == 0:
             snaps.append(params_of(model) + [extra.detach().clone()])
-    if shard:
-        kept = opt.sharded.state_tensors()
-    elif opt.outer_optimizer is not None:
-        kept = opt.anchor + [v for e in opt.outer_optimizer.state.values() for v in e.values() if torch.is_tensor(v)]
-    else:
-        kept = opt.anchor + opt.slow_buffer
+    kept = opt.slow_state.state_tensors()
     return {"snaps": snaps, "final": snaps[-1], "state_bytes": sum(t.numel() * t.element_size() for t in kept),
             "bytes_sent": opt.comm.bytes_sent}
 

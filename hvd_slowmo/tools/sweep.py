@@ -1,9 +1,9 @@
 """The paper's ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendix C): runs one after
 another under ``horovodrun``, then prints the report's tables for them.
 
-    python -m hvd_slowmo.sweep examples/digits.py --ablation tau --np 4            # tau in {12, 24, 48, 96}
-    python -m hvd_slowmo.sweep examples/digits.py --ablation alpha-beta --dry-run  # print the commands only
-    python -m hvd_slowmo.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 --slow-momentums 0.5,0.7 \\
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau --np 4            # tau in {12, 24, 48, 96}
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta --dry-run  # print the commands only
+    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 --slow-momentums 0.5,0.7 \\
         --baseline -- --data data --epochs 50       # arguments after "--" go to every run
 
 The training script must accept the examples' flags (--algo, --slowmo/--no-slowmo, --tau,
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
+
+from ..bases import BASES
 
 __all__ = ["ABLATIONS", "horovodrun_command", "sweep_commands", "main"]
 
@@ -107,11 +109,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.sweep", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.tools.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("script", help="training script accepting the examples' flags, e.g. examples/digits.py")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="tau", help="the paper's grid to start from")
-    parser.add_argument("--algo", default="localsgd", help="base algorithm")
+    parser.add_argument("--algo", default="localsgd", choices=list(BASES), help="base algorithm")
     parser.add_argument("--taus", default=None, help="comma-separated, overrides the ablation's")
     parser.add_argument("--slow-lrs", default=None, help="alpha values, comma-separated")
     parser.add_argument("--slow-momentums", default=None, help="beta values, comma-separated")

@@ -13,6 +13,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from ..validation import check_int
+
 __all__ = [
     "TopologyFn", "exponential_out_peers", "ring_out_peers", "TOPOLOGIES", "GossipGraph",
     "push_sum_weights", "metropolis_weights",
@@ -139,13 +141,13 @@ class GossipGraph:
     Raises:
         ValueError: a bad ``peers_per_step``, a custom topology that returns invalid peers, or
             one that is not strongly connected over its first ``size`` steps (union of edges).
-        TypeError: a topology that is neither a known name nor callable.
+        TypeError: a topology that is neither a known name nor callable, a ``peers_per_step``
+            that is not an integer.
     """
 
     def __init__(self, topology: Union[str, TopologyFn], size: int, peers_per_step: int = 1,
                  undirected: bool = False) -> None:
-        if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, int) or peers_per_step < 1:
-            raise ValueError(f"peers_per_step must be an integer >= 1, got {peers_per_step!r}")
+        check_int("peers_per_step", peers_per_step, 1, "the out-peers each worker sends to per step")
         self.size = size
         self.peers_per_step = peers_per_step
         self.undirected = undirected

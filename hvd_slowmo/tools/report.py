@@ -1,6 +1,6 @@
 """The paper's tables from TensorBoard runs (arXiv 1910.00643, Tables 1 and 2).
 
-    python -m hvd_slowmo.report runs/ [--png report.png]
+    python -m hvd_slowmo.tools.report runs/ [--png report.png]
 
 Reads every run folder under the given paths with TensorBoard's own reader and prints:
 
@@ -24,12 +24,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..bases import BASES
 from .metrics import CONFIG_FILE, TAGS
 
 __all__ = ["Run", "load_runs", "summarize", "text_table", "table1", "table2", "runs_table", "plot", "main"]
 
-_ORDER = ("localsgd", "osgp", "sgp", "dpsgd", "allreduce")
-_LABELS = {"localsgd": "Local {opt}", "osgp": "OSGP", "sgp": "SGP", "dpsgd": "D-PSGD", "allreduce": "AR-{opt}"}
+_ORDER = tuple(BASES)  # the registry's order is the paper's
+_LABELS = {name: cls.label or name for name, cls in BASES.items()}
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Run:
         return bool(self.config.get("slowmo", False))
 
     def values(self, key: str) -> List[float]:
-        """The values of one of :data:`hvd_slowmo.metrics.TAGS`' keys, in step order."""
+        """The values of one of :data:`hvd_slowmo.tools.metrics.TAGS`' keys, in step order."""
         return [v for _, v in self.scalars.get(TAGS[key], [])]
 
 
