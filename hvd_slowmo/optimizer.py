@@ -10,11 +10,14 @@ import logging
 import math
 import time
 import warnings
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .amp import any_nonfinite, unscale_grads_
 from .bases import BASES, grads_or_zeros
 from .buffers import BUFFER_STRATEGIES, averageable_buffers, reset_buffers
 from .comm.base import Communicator
@@ -97,6 +100,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
             ranks (checked with one allgather at construction, so it fails instead of hanging).
     """
+
+    #: ``torch.amp.GradScaler.step`` always calls :meth:`step` and passes its verdict, so the
+    #: decision to skip an overflowed step is made the same on every worker (see :meth:`step`).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -221,11 +228,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.outer_steps = 0
         self.anchor: Optional[List[Tensor]] = None  # captured lazily: after hvd.broadcast_parameters
         self.slow_buffer: Optional[List[Tensor]] = None
-        self._synchronized = False
+        self._synchronized = False  # this backward's gradients are communicated
         self._skip_synchronize = False
         self._zero_lr_warned = False
+        #: Steps skipped on every worker because a GradScaler found inf/NaN gradients on any worker.
+        self.skipped_steps = 0
         #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
         self.timings: Dict[str, float] = {"base_comm": 0.0, "average": 0.0, "slow_update": 0.0}
+        self._grad_hooks: List[Any] = []
+        self._watch_backward(params)
+        # torch.optim.Optimizer.__init__ is not run (it would copy the param groups that this
+        # wrapper shares), so create the hook registries it would, and wrap step() the same way:
+        # register_step_pre_hook & co. then behave as on any torch optimizer.
+        self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+
+    def _watch_backward(self, params: List[Tensor]) -> None:
+        """Mark the gradients as not yet communicated whenever a backward pass accumulates into
+        any parameter: a step skipped after :meth:`synchronize` (an AMP overflow) must not make
+        the next step reuse that synchronization with fresh, uncommunicated gradients."""
+        me = weakref.ref(self)  # the parameters must not keep the optimizer alive
+
+        def fresh_gradient(_: Tensor) -> None:
+            opt = me()
+            if opt is not None:
+                opt._synchronized = False
+
+        self._grad_hooks += [p.register_post_accumulate_grad_hook(fresh_gradient) for p in params]
 
     # --- the torch.optim.Optimizer surface, shared with the wrapped optimizer ---------------
     @property
@@ -264,6 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             set_to_none: drop the gradient tensors instead of zeroing them.
         """
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._synchronized = False
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer (collective: call it on every rank).
@@ -279,6 +314,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"add_param_group: parameter {i} has dtype {p.dtype}; only floating-point "
                                 "parameters can be averaged")
         self._params.extend(new)
+        self._watch_backward(new)
         self.param_names.extend(f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new)))
         if self.anchor is not None:
             new_anchor = [p.detach().clone() for p in new]
@@ -294,12 +330,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- Horovod's AMP protocol -----------------------------------------------------------
     def synchronize(self) -> None:
         """Run this step's gradient communication now (Horovod's recipe for ``GradScaler``:
-        ``synchronize()``, ``scaler.unscale_(opt)``, then ``with opt.skip_synchronize(): scaler.step(opt)``)."""
+        ``synchronize()``, ``scaler.unscale_(opt)``, then ``with opt.skip_synchronize(): scaler.step(opt)``).
+
+        It touches gradients only, so a step skipped after it changes nothing; it runs once per
+        backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
+        """
         if not self._synchronized:
             t0 = time.perf_counter()
             if self.node_comm is not None and self.node_comm.size > 1:
                 self.node_comm.average_(grads_or_zeros(self._params), name="hvd_slowmo.node_grad_average")
-            self.base.pre_step()
+            self.base.communicate_gradients()
             self.timings["base_comm"] += time.perf_counter() - t0
             self._synchronized = True
 
@@ -322,6 +362,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One base-algorithm step; every ``tau``-th call also runs the outer step.
 
+        Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with or without Horovod's
+        ``synchronize``/``unscale_``/``skip_synchronize`` recipe) the scaler's inf/NaN verdict is
+        made common to all workers: if any worker's gradients overflowed, every worker skips this
+        step as if it never happened (no update, no communication of parameters, the step
+        counters and the outer-step schedule unchanged; ``skipped_steps`` counts them). Bases
+        that average gradients (``base="allreduce"``) decide from the averaged gradients at no
+        communication cost; the others add one scalar allreduce per step, only under a scaler.
+
         Args:
             closure: optional, re-evaluates the model and returns the loss (called once).
         """
@@ -335,9 +383,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._adopt_world("workers changed without an elastic state sync")
         if self.anchor is None and self._keeps_anchor:
             self._capture_anchor()
+        # Set by GradScaler.step around this call (see _step_supports_amp_scaling).
+        found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
+        grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
+        overflow = found_inf is not None and bool(found_inf.sum().item())
+        if grad_scale is not None and not self._synchronized:
+            # scaler.step(opt) without scaler.unscale_(opt): unscale before communicating, since
+            # the workers' loss scales differ once one of them has backed off from an overflow.
+            overflow = unscale_grads_(self._grads(), grad_scale) or overflow
+            grad_scale = None
         if not self._skip_synchronize:
             self.synchronize()
         self._synchronized = False
+        if found_inf is not None:
+            if grad_scale is not None:  # communicated by an explicit synchronize(), still scaled
+                overflow = unscale_grads_(self._grads(), grad_scale) or overflow
+            if self._overflow_anywhere(overflow):
+                self.skipped_steps += 1
+                return loss
+        self.base.pre_step()
         self.optimizer.step()
         t0 = time.perf_counter()
         self.base.post_step(self.num_steps)
@@ -359,6 +423,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                f"{self.outer_steps} (after step {self.num_steps}), base {self.base_name!r}{hint}")
                 raise
         return loss
+
+    def _grads(self) -> List[Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def _overflow_anywhere(self, overflow: bool) -> bool:
+        """Whether any worker's gradients overflowed this step: the same answer on every worker.
+
+        Args:
+            overflow: whether this worker's gradients held inf/NaN, as the scaler saw them.
+        """
+        if self.base.averages_gradients:
+            # Every worker holds the same averaged gradients, and an inf/NaN on any worker is
+            # non-finite in the average: a local check of them agrees everywhere with no
+            # collective (the scaler may have checked this worker's gradients before averaging).
+            return any_nonfinite(self._grads())
+        flag = torch.tensor([1.0 if overflow else 0.0], dtype=torch.float64)
+        self.comm.average_([flag], name="hvd_slowmo.amp_overflow")
+        return flag.item() > 0
 
     @property
     def _keeps_anchor(self) -> bool:
@@ -611,8 +693,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Contains the base optimizer's ``state_dict``, the anchor and slow buffer, the step
         counters (position inside the outer step), and the base algorithm's own state.
         Tensors are references, as in torch's own ``state_dict``; ``torch.save`` copies them.
+        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as in torch.
         """
-        return {
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = {
             "format": STATE_FORMAT,
             "base_optimizer": self.optimizer.state_dict(),
             "slowmo": {
@@ -629,9 +714,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "sharded": None if self.sharded is None else self.sharded.state_dict(),
             },
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state)
+            state = state if returned is None else returned
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         """Restore :meth:`state_dict` output; on any error the optimizer is left unchanged.
+
+        Hooks registered with ``register_load_state_dict_pre_hook``/``_post_hook`` run as in torch.
 
         Args:
             state_dict: from :meth:`state_dict` (any rank's, or rank 0's broadcast).
@@ -639,6 +730,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: a state from another format version, model, or configuration.
         """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict  # shallow, as torch
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "slowmo" not in state_dict or "base_optimizer" not in state_dict:
             raise ValueError("load_state_dict: not a hvd_slowmo.DistributedOptimizer state (no 'slowmo' and "
                              "'base_optimizer' keys); a plain optimizer state belongs in opt.optimizer.load_state_dict")

@@ -29,6 +29,9 @@ class BaseAlgorithm:
     #: False where the parameters are already identical on every worker after each step, so
     #: the exact average at an outer step would only repeat them.
     needs_exact_average = True
+    #: True where :meth:`communicate_gradients` leaves every worker with the same (averaged)
+    #: gradients, so a non-finite check on them gives the same answer everywhere.
+    averages_gradients = False
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -42,8 +45,15 @@ class BaseAlgorithm:
         """
         self.params = params
 
+    def communicate_gradients(self) -> None:
+        """This step's gradient communication (gradients are ready); run by
+        :meth:`DistributedOptimizer.synchronize`. It must only read and write gradients: the
+        step it belongs to may still be skipped (an AMP overflow), and then runs it again on
+        the next gradients."""
+
     def pre_step(self) -> None:
-        """Before the local optimizer step (gradients are ready)."""
+        """Right before the local optimizer step, once the step is certain to happen (local
+        work only, no communication)."""
 
     def post_step(self, step: int) -> None:
         """After the local optimizer step.
@@ -105,8 +115,9 @@ class AllReduceSGD(BaseAlgorithm):
     name = "allreduce"
     communicates_every_step = True
     needs_exact_average = False
+    averages_gradients = True
 
-    def pre_step(self) -> None:
+    def communicate_gradients(self) -> None:
         self.comm.average_(grads_or_zeros(self.params), name="hvd_slowmo.grad_average")
 
 
