@@ -14,7 +14,6 @@ communicators from Horovod process sets (arXiv 1910.00643, Section 5 and Appendi
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
 from .comm.base import Communicator
 
@@ -35,7 +34,7 @@ class Hierarchy:
     cross: Communicator
 
 
-def node_groups(layout: Sequence[Tuple[int, int]]) -> Tuple[List[List[int]], List[List[int]]]:
+def node_groups(layout: Sequence[tuple[int, int]]) -> tuple[list[list[int]], list[list[int]]]:
     """Group global ranks into nodes and into same-local-rank peer groups.
 
     Args:
@@ -50,20 +49,26 @@ def node_groups(layout: Sequence[Tuple[int, int]]) -> Tuple[List[List[int]], Lis
         ValueError: nodes with different numbers of processes (every node must be one worker of
             the same shape) or a duplicated (node, local rank) pair.
     """
-    by_node: Dict[int, Dict[int, int]] = {}
+    by_node: dict[int, dict[int, int]] = {}
     for rank, (node, local) in enumerate(layout):
         slots = by_node.setdefault(node, {})
         if local in slots:
-            raise ValueError(f"ranks {slots[local]} and {rank} both claim node {node}, local rank {local}")
+            raise ValueError(
+                f"ranks {slots[local]} and {rank} both claim node {node}, local rank {local}"
+            )
         slots[local] = rank
     sizes = {n: len(s) for n, s in by_node.items()}
     if len(set(sizes.values())) != 1:
-        raise ValueError(f"worker='node' needs the same number of processes on every node, got {sizes} "
-                         "(node: processes); launch the same -np per host")
+        raise ValueError(
+            f"worker='node' needs the same number of processes on every node, got {sizes} "
+            "(node: processes); launch the same -np per host"
+        )
     local_size = next(iter(sizes.values()))
     for n, slots in by_node.items():
         if sorted(slots) != list(range(local_size)):
-            raise ValueError(f"node {n} has local ranks {sorted(slots)}, expected 0..{local_size - 1}")
-    nodes = [[by_node[n][l] for l in range(local_size)] for n in sorted(by_node)]
-    peers = [[by_node[n][l] for n in sorted(by_node)] for l in range(local_size)]
+            raise ValueError(
+                f"node {n} has local ranks {sorted(slots)}, expected 0..{local_size - 1}"
+            )
+    nodes = [[by_node[n][local] for local in range(local_size)] for n in sorted(by_node)]
+    peers = [[by_node[n][local] for n in sorted(by_node)] for local in range(local_size)]
     return nodes, peers

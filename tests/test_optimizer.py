@@ -88,11 +88,11 @@ def test_buffers_strategies_really_differ():
 def test_average_touches_floating_per_element_state_only():
     results = run_slowmo(2, 3, ADAM, tau=3, buffers="average", slow_lr=1.0, slow_momentum=0.5)
     for _, _, opt in results:
-        for p in opt._params:
+        for p in opt.params:
             st = opt.state[p]
             assert float(st["step"]) == 3.0  # a count, never averaged
-    s0 = results[0][2].state[results[0][2]._params[0]]["exp_avg"]
-    s1 = results[1][2].state[results[1][2]._params[0]]["exp_avg"]
+    s0 = results[0][2].state[results[0][2].params[0]]["exp_avg"]
+    s1 = results[1][2].state[results[1][2].params[0]]["exp_avg"]
     assert torch.equal(s0, s1)
 
 
@@ -233,7 +233,7 @@ def test_torch_optimizer_surface():
     opt.add_param_group({"params": [extra], "lr": 0.01})
     extra.grad = torch.ones(3)
     opt.step()  # the new parameter joins the outer step (anchor extended)
-    assert len(opt.slow_state.anchor) == len(opt._params) == len(list(model.parameters())) + 1
+    assert len(opt.slow_state.anchor) == len(opt.params) == len(list(model.parameters())) + 1
 
 
 def test_model_buffers_are_averaged():

@@ -41,9 +41,13 @@ def resolve_base(base: object) -> type[BaseAlgorithm]:
         return base
     names = ", ".join(repr(n) for n in BASES)
     if not isinstance(base, str):
-        raise TypeError(f"base must be one of {names} or a hvd_slowmo.bases.BaseAlgorithm "
-                        f"subclass, got {base!r}")
+        raise TypeError(
+            f"base must be one of {names} or a hvd_slowmo.bases.BaseAlgorithm "
+            f"subclass, got {base!r}"
+        )
     if base not in BASES:
-        raise ValueError(f"base must be one of {names} or a hvd_slowmo.bases.BaseAlgorithm "
-                         f"subclass, got {base!r}")
+        raise ValueError(
+            f"base must be one of {names} or a hvd_slowmo.bases.BaseAlgorithm "
+            f"subclass, got {base!r}"
+        )
     return BASES[base]

@@ -20,6 +20,7 @@ class AllReduceSGD(BaseAlgorithm):
     label = "AR-{opt}"
     communicates_every_step = True
     needs_exact_average = False
+    averages_gradients = True
 
-    def pre_step(self) -> None:
+    def communicate_gradients(self) -> None:
         self.comm.average_(grads_or_zeros(self.params), name="hvd_slowmo.grad_average")

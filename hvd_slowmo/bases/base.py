@@ -9,7 +9,9 @@ its name). The optimizer drives it in this order::
 
     __init__(comm, **options)       once, and again after a change of workers (elastic)
     attach(params)                  once, then after every add_param_group
-    every step:   pre_step()        gradients are ready (average them: AR-SGD; re-bias: push-sum)
+    every step:   communicate_gradients()   gradients are ready (average them: AR-SGD); it
+                                    touches gradients only: the step may still be skipped (AMP)
+                  pre_step()        the step will happen: local work only (re-bias: push-sum)
                   <the wrapped optimizer's step>
                   post_step(step)   parameters were stepped (gossip them: SGP, D-PSGD)
     every tau:    before_average()  finish anything in flight: no mass may be lost
@@ -27,6 +29,9 @@ Class attributes tell the optimizer what the base needs, so it never asks which 
   skipping the exact average (``average=False``) still mixes their models.
 * :attr:`~BaseAlgorithm.needs_exact_average`: False when the parameters are already identical
   on every worker after each step (AR-SGD), so the exact average would only repeat them.
+* :attr:`~BaseAlgorithm.averages_gradients`: every worker holds the same averaged gradients
+  after :meth:`~BaseAlgorithm.communicate_gradients`, so a non-finite check of them agrees
+  everywhere without a collective (AMP's overflow decision).
 
 A base talks to its workers through the :class:`~hvd_slowmo.comm.base.Communicator` it is given
 (``self.comm``), and never to Horovod or MPI directly.
@@ -51,13 +56,16 @@ class BaseAlgorithm:
     name: str = ""
     #: The report's row label; ``{opt}`` is replaced by the base optimizer's name ("SGD", "Adam").
     label: str = ""
-    #: Keyword options the constructor accepts beyond ``comm`` (passed through DistributedOptimizer).
+    #: Keyword options the constructor accepts beyond ``comm`` (given to DistributedOptimizer).
     OPTIONS: tuple[str, ...] = ()
     #: True where workers communicate inside the inner loop (so skipping the exact average is safe).
     communicates_every_step = False
     #: False where the parameters are already identical on every worker after each step, so
     #: the exact average at an outer step would only repeat them.
     needs_exact_average = True
+    #: True where :meth:`communicate_gradients` leaves every worker with the same (averaged)
+    #: gradients, so a non-finite check on them gives the same answer everywhere.
+    averages_gradients = False
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -76,8 +84,15 @@ class BaseAlgorithm:
         """
         self.params = params
 
+    def communicate_gradients(self) -> None:
+        """This step's gradient communication (gradients are ready); run by
+        :meth:`hvd_slowmo.DistributedOptimizer.synchronize`. It must only read and write
+        gradients: the step it belongs to may still be skipped (an AMP overflow), and then runs
+        it again on the next gradients."""
+
     def pre_step(self) -> None:
-        """Before the local optimizer step (gradients are ready)."""
+        """Right before the local optimizer step, once the step is certain to happen (local
+        work only, no communication)."""
 
     def post_step(self, step: int) -> None:
         """After the local optimizer step.

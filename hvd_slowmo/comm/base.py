@@ -31,13 +31,16 @@ def shard_sizes(numel: int, size: int) -> list[int]:
         size: the number of ranks (>= 1).
     """
     if numel < 0 or size < 1:
-        raise ValueError(f"shard_sizes: need numel >= 0 and size >= 1, got numel={numel}, size={size}")
+        raise ValueError(
+            f"shard_sizes: need numel >= 0 and size >= 1, got numel={numel}, size={size}"
+        )
     base, extra = divmod(numel, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
 def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
-    """The half-open element range ``[start, end)`` of rank ``rank``'s shard (see :func:`shard_sizes`).
+    """The half-open element range ``[start, end)`` of rank ``rank``'s shard (as
+    :func:`shard_sizes` splits).
 
     Args:
         numel: the flat vector's length.
@@ -153,7 +156,8 @@ class Communicator(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support reduce_scatter_mean")
 
     def allgather_flat(self, shards: Sequence[Tensor], name: str) -> list[Tensor]:
-        """Concatenate every worker's 1-D shards in rank order: the inverse of :meth:`reduce_scatter_mean`.
+        """Concatenate every worker's 1-D shards in rank order (the inverse of
+        :meth:`reduce_scatter_mean`).
 
         Every worker gets bitwise identical results.
 
@@ -183,7 +187,8 @@ class Communicator(abc.ABC):
         tag: int,
         graph_key: Hashable | None = None,
     ) -> PendingExchange:
-        """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive from ``recv_from``.
+        """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive one message
+        from each rank of ``recv_from``.
 
         All messages of one exchange are flat 1-D tensors of the same dtype and length.
 
@@ -200,12 +205,16 @@ class Communicator(abc.ABC):
         if not sends:
             # Horovod's alltoall and MPI's neighbour collectives are entered by every rank with
             # a buffer of the message dtype; with nothing to send this rank would not know it.
-            raise ValueError(f"{type(self).__name__}.exchange_start: sends is empty; every rank must "
-                             "send at least one message per exchange")
+            raise ValueError(
+                f"{type(self).__name__}.exchange_start: sends is empty; every rank must "
+                "send at least one message per exchange"
+            )
         lengths = {t.numel() for t in sends.values()}
         if len(lengths) != 1:
-            raise ValueError("exchange_start: all messages of one exchange must have one length, "
-                             f"got {sorted(lengths)}")
+            raise ValueError(
+                "exchange_start: all messages of one exchange must have one length, "
+                f"got {sorted(lengths)}"
+            )
         pending = self._exchange_start(sends, recv_from, tag, graph_key)
         self.bytes_sent += _nbytes(list(sends.values()))
         return pending

@@ -46,11 +46,15 @@ def default_communicator(communicator: Communicator | None, compression: Any) ->
     if communicator is None:
         return HorovodCommunicator(compression=compression)
     if not isinstance(communicator, Communicator):
-        raise TypeError(f"communicator must be a hvd_slowmo.comm.Communicator, got "
-                        f"{type(communicator).__name__}; leave it out to use Horovod's")
+        raise TypeError(
+            f"communicator must be a hvd_slowmo.comm.Communicator, got "
+            f"{type(communicator).__name__}; leave it out to use Horovod's"
+        )
     if compression is not None:
-        raise ValueError("compression is applied by the default Horovod communicator; "
-                         "pass compression to your communicator instead")
+        raise ValueError(
+            "compression is applied by the default Horovod communicator; "
+            "pass compression to your communicator instead"
+        )
     return communicator
 
 
@@ -68,8 +72,10 @@ def worker_hierarchy(worker: Any, communicator: Communicator | None) -> Hierarch
     if worker == "process":
         return None
     if communicator is not None:
-        raise ValueError("worker='node' builds Horovod process sets; with your own communicator pass "
-                         "worker=Hierarchy(node=..., cross=...) instead")
+        raise ValueError(
+            "worker='node' builds Horovod process sets; with your own communicator pass "
+            "worker=Hierarchy(node=..., cross=...) instead"
+        )
     return horovod_node_hierarchy()
 
 
@@ -96,9 +102,11 @@ def horovod_node_hierarchy() -> Hierarchy:
     import horovod.torch as hvd
 
     if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", ""):
-        raise ValueError("worker='node' creates Horovod process sets after hvd.init(): call "
-                         "hvd.init(process_sets='dynamic') (or set HOROVOD_DYNAMIC_PROCESS_SETS=1), or "
-                         "pass worker=Hierarchy(node=..., cross=...) built from your own process sets")
+        raise ValueError(
+            "worker='node' creates Horovod process sets after hvd.init(): call "
+            "hvd.init(process_sets='dynamic') (or set HOROVOD_DYNAMIC_PROCESS_SETS=1), or "
+            "pass worker=Hierarchy(node=..., cross=...) built from your own process sets"
+        )
     layout = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank()), name="hvd_slowmo.layout")
     nodes, peers = node_groups(layout)
     # Every rank adds every set in the same order: process-set creation is a collective.
@@ -107,8 +115,10 @@ def horovod_node_hierarchy() -> Hierarchy:
     mine = hvd.rank()
     node_set = next(ps for ps, ranks in zip(node_sets, nodes) if mine in ranks)
     peer_set = next(ps for ps, ranks in zip(peer_sets, peers) if mine in ranks)
-    return Hierarchy(node=HorovodCommunicator(process_set=node_set),
-                     cross=HorovodCommunicator(process_set=peer_set))
+    return Hierarchy(
+        node=HorovodCommunicator(process_set=node_set),
+        cross=HorovodCommunicator(process_set=peer_set),
+    )
 
 
 def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) -> Communicator:
@@ -130,29 +140,48 @@ def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) ->
 
     if isinstance(comm, MPICommunicator):
         if choice == "horovod":
-            raise ValueError("gossip_transport='horovod' needs the Horovod communicator, but an "
-                             "MPICommunicator was passed; use gossip_transport='mpi' or 'auto'")
+            raise ValueError(
+                "gossip_transport='horovod' needs the Horovod communicator, but an "
+                "MPICommunicator was passed; use gossip_transport='mpi' or 'auto'"
+            )
         return comm
     is_hvd = isinstance(comm, HorovodCommunicator)
     mpi_launch = is_hvd and comm.mpi_launch
     if choice == "horovod" and not is_hvd:
-        raise ValueError(f"gossip_transport='horovod' needs the Horovod communicator, got "
-                         f"{type(comm).__name__}; use gossip_transport='auto'")
+        raise ValueError(
+            f"gossip_transport='horovod' needs the Horovod communicator, got "
+            f"{type(comm).__name__}; use gossip_transport='auto'"
+        )
     if choice == "mpi" and not mpi_launch:
-        raise ValueError("gossip_transport='mpi' needs an MPI launch (horovodrun --mpi or mpirun): "
-                         "under Gloo mpi4py sees a world of one process; use gossip_transport='auto' "
-                         "or 'horovod'")
+        raise ValueError(
+            "gossip_transport='mpi' needs an MPI launch (horovodrun --mpi or mpirun): "
+            "under Gloo mpi4py sees a world of one process; use gossip_transport='auto' "
+            "or 'horovod'"
+        )
     use_mpi = choice == "mpi" or (choice == "auto" and mpi_launch and not cuda)
     transport = MPICommunicator.for_horovod(comm) if use_mpi else comm
     if not transport.supports_exchange:
-        raise ValueError(f"base={label!r} exchanges messages with its neighbours, which "
-                         f"{type(transport).__name__} cannot (supports_exchange is False); use the "
-                         "Horovod, MPI or thread communicator")
+        raise ValueError(
+            f"base={label!r} exchanges messages with its neighbours, which "
+            f"{type(transport).__name__} cannot (supports_exchange is False); use the "
+            "Horovod, MPI or thread communicator"
+        )
     global _logged_choice
     if choice == "auto" and not _logged_choice and comm.rank == 0:
-        why = ("an MPI launch with CPU tensors" if use_mpi else
-               "CUDA tensors" if mpi_launch else "no MPI launch" if is_hvd else "the given communicator")
-        log.info("hvd_slowmo: gossip for base=%r goes over %s (%s)", label,
-                 "MPI neighbour collectives" if use_mpi else type(transport).__name__, why)
+        why = (
+            "an MPI launch with CPU tensors"
+            if use_mpi
+            else "CUDA tensors"
+            if mpi_launch
+            else "no MPI launch"
+            if is_hvd
+            else "the given communicator"
+        )
+        log.info(
+            "hvd_slowmo: gossip for base=%r goes over %s (%s)",
+            label,
+            "MPI neighbour collectives" if use_mpi else type(transport).__name__,
+            why,
+        )
         _logged_choice = True
     return transport

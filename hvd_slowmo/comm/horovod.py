@@ -61,7 +61,8 @@ class _AlltoallExchange(PendingExchange):
             for src in self._recv_from:
                 if counts[src] != self._chunk:
                     raise RuntimeError(
-                        f"gossip: expected {self._chunk} elements from rank {src}, got {counts[src]}"
+                        f"gossip: expected {self._chunk} elements from rank {src}, "
+                        f"got {counts[src]}"
                     )
                 self._result[src] = out[offsets[src] : offsets[src + 1]]
         return self._result
@@ -147,7 +148,10 @@ class HorovodCommunicator(Communicator):
         if self.size == 1:
             return obj
         return _hvd().broadcast_object(
-            obj, root_rank=root_rank, name="hvd_slowmo.broadcast_object", process_set=self.process_set
+            obj,
+            root_rank=root_rank,
+            name="hvd_slowmo.broadcast_object",
+            process_set=self.process_set,
         )
 
     def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
@@ -185,7 +189,9 @@ class HorovodCommunicator(Communicator):
             send = (
                 flats[idx[0]]
                 if len(idx) == 1
-                else torch.cat([flats[i][ranges[i][r][0] : ranges[i][r][1]] for r in range(m) for i in idx])
+                else torch.cat(
+                    [flats[i][ranges[i][r][0] : ranges[i][r][1]] for r in range(m) for i in idx]
+                )
             )
             splits = torch.tensor(
                 [sum(ranges[i][r][1] - ranges[i][r][0] for i in idx) for r in range(m)],

@@ -3,9 +3,10 @@
 Averages are summed in rank order by every worker, so all workers get bitwise identical
 results, as with a real allreduce.
 """
+
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,16 +31,16 @@ class ThreadWorld:
         self.size = size
         self.timeout = timeout
         self._barrier = threading.Barrier(size, timeout=timeout)
-        self._slots: List[Any] = [None] * size
-        self._mail: Dict[Tuple[int, int, int], Tensor] = {}
+        self._slots: list[Any] = [None] * size
+        self._mail: dict[tuple[int, int, int], Tensor] = {}
         self._mail_cv = threading.Condition()
-        self._splits: Dict[Tuple[Tuple[int, ...], ...], Dict[int, "ThreadCommunicator"]] = {}
+        self._splits: dict[tuple[tuple[int, ...], ...], dict[int, ThreadCommunicator]] = {}
 
     def communicator(self, rank: int) -> "ThreadCommunicator":
         """The communicator of worker ``rank``."""
         return ThreadCommunicator(self, rank)
 
-    def split(self, groups: Sequence[Sequence[int]]) -> Dict[int, "ThreadCommunicator"]:
+    def split(self, groups: Sequence[Sequence[int]]) -> dict[int, "ThreadCommunicator"]:
         """Sub-worlds, like process sets: ``groups`` partitions the ranks.
 
         Args:
@@ -54,7 +55,7 @@ class ThreadWorld:
             raise ValueError(f"split: groups {groups} must partition ranks 0..{self.size - 1}")
         with self._mail_cv:
             if key not in self._splits:
-                out: Dict[int, ThreadCommunicator] = {}
+                out: dict[int, ThreadCommunicator] = {}
                 for g in key:
                     sub = ThreadWorld(len(g), self.timeout)
                     for local, rank in enumerate(g):
@@ -62,7 +63,7 @@ class ThreadWorld:
                 self._splits[key] = out
             return self._splits[key]
 
-    def _gather(self, rank: int, value: Any) -> List[Any]:
+    def _gather(self, rank: int, value: Any) -> list[Any]:
         self._slots[rank] = value
         self._barrier.wait()
         out = list(self._slots)
@@ -78,12 +79,15 @@ class _ThreadExchange(PendingExchange):
         with self._world._mail_cv:
             return self._arrived()
 
-    def wait(self) -> Dict[int, Tensor]:
+    def wait(self) -> dict[int, Tensor]:
         w = self._world
         with w._mail_cv:
             if not w._mail_cv.wait_for(self._arrived, timeout=w.timeout):
                 missing = [s for s in self._recv_from if (s, self._rank, self._tag) not in w._mail]
-                raise TimeoutError(f"rank {self._rank}: no gossip message from rank(s) {missing} for step {self._tag}")
+                raise TimeoutError(
+                    f"rank {self._rank}: no gossip message from rank(s) {missing} "
+                    f"for step {self._tag}"
+                )
             return {src: w._mail.pop((src, self._rank, self._tag)) for src in self._recv_from}
 
     def _arrived(self) -> bool:  # caller holds the lock
@@ -154,7 +158,9 @@ class ThreadCommunicator(Communicator):
         return _ThreadExchange(w, self.rank, recv_from, tag)
 
 
-def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: float = 60.0) -> List[Any]:
+def run_threads(
+    size: int, fn: Callable[[ThreadCommunicator], Any], timeout: float = 60.0
+) -> list[Any]:
     """Run ``fn(communicator)`` on ``size`` thread workers and return their results in rank order.
 
     The first exception raised by any worker is re-raised here.
@@ -165,8 +171,8 @@ def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: flo
         timeout: seconds before a stuck collective fails.
     """
     world = ThreadWorld(size, timeout)
-    results: List[Any] = [None] * size
-    errors: List[Optional[BaseException]] = [None] * size
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
 
     def target(rank: int) -> None:
         torch.set_num_threads(1)
@@ -181,7 +187,10 @@ def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: flo
         t.start()
     for t in threads:
         t.join(timeout * 4)
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = next(
+        (e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+        None,
+    )
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first

@@ -157,9 +157,9 @@ class SlowState(abc.ABC):
             ValueError: a state from another layout, world, model or configuration.
         """
 
+    @abc.abstractmethod
     def check_world(self, old_world: tuple[int, int], why: str) -> None:
-        """Raise if the state cannot follow a change of workers (the whole state is the same on
-        every worker: it can).
+        """Raise if the state cannot follow a change of workers.
 
         Args:
             old_world: ``(rank, size)`` of this worker when the state was built or loaded.
@@ -208,8 +208,10 @@ class SlowState(abc.ABC):
     def _build_outer(self, anchor: list[Tensor]) -> torch.optim.Optimizer:
         opt = self.config.outer_optimizer(anchor)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"outer_optimizer must return a torch.optim.Optimizer, got "
-                            f"{type(opt).__name__}; e.g. lambda ps: torch.optim.SGD(ps, lr=0.7)")
+            raise TypeError(
+                f"outer_optimizer must return a torch.optim.Optimizer, got "
+                f"{type(opt).__name__}; e.g. lambda ps: torch.optim.SGD(ps, lr=0.7)"
+            )
         return opt
 
     @torch.no_grad()
@@ -224,7 +226,9 @@ class SlowState(abc.ABC):
             self.outer_optimizer.zero_grad(set_to_none=True)
             torch._foreach_copy_(averages, self.anchor)
             return
-        if self.slow_buffer is None:  # no slow update (slow_lr=1, slow_momentum=0): keep the average
+        if (
+            self.slow_buffer is None
+        ):  # no slow update (slow_lr=1, slow_momentum=0): keep the average
             torch._foreach_copy_(self.anchor, averages)
             return
         cfg = self.config
@@ -239,16 +243,27 @@ class SlowState(abc.ABC):
                 # The pseudo-gradient is scaled by 1/lr: undefined at lr=0 (a warm-up that starts
                 # at zero). Keep the slow buffer, restart from the average.
                 if not self._zero_lr_warned:
-                    warnings.warn("a param group has lr=0 at an outer step: its slow update is "
-                                  "skipped and its anchor set to the average", stacklevel=5)
+                    warnings.warn(
+                        "a param group has lr=0 at an outer step: its slow update is "
+                        "skipped and its anchor set to the average",
+                        stacklevel=5,
+                    )
                     self._zero_lr_warned = True
                 torch._foreach_copy_(anchor, avg)
                 continue
-            slow_momentum_step_(avg, anchor, [self.slow_buffer[i] for i in idx], lr, cfg.slow_lr,
-                                cfg.slow_momentum, nesterov=cfg.nesterov)
+            slow_momentum_step_(
+                avg,
+                anchor,
+                [self.slow_buffer[i] for i in idx],
+                lr,
+                cfg.slow_lr,
+                cfg.slow_momentum,
+                nesterov=cfg.nesterov,
+            )
 
-    def _load_slow(self, saved_buffer: list[Tensor] | None, saved_outer: Any,
-                   anchor: list[Tensor]) -> tuple[list[Tensor] | None, torch.optim.Optimizer | None]:
+    def _load_slow(
+        self, saved_buffer: list[Tensor] | None, saved_outer: Any, anchor: list[Tensor]
+    ) -> tuple[list[Tensor] | None, torch.optim.Optimizer | None]:
         """Check and build the slow buffer or outer optimizer of a loaded anchor.
 
         Args:
@@ -258,13 +273,17 @@ class SlowState(abc.ABC):
         """
         if self.config.custom_outer:
             if saved_outer is None:
-                raise ValueError("load_state_dict: this optimizer has a custom outer_optimizer but "
-                                 "the state has no outer optimizer state; it was saved with "
-                                 "outer_optimizer='heavyball' or 'nesterov'")
+                raise ValueError(
+                    "load_state_dict: this optimizer has a custom outer_optimizer but "
+                    "the state has no outer optimizer state; it was saved with "
+                    "outer_optimizer='heavyball' or 'nesterov'"
+                )
             outer = self._build_outer(anchor)
             outer.load_state_dict(saved_outer)  # into a new object: raises before anything changes
             return None, outer
         if self.config.slow_enabled and saved_buffer is None:
-            raise ValueError("load_state_dict: the state has an anchor but no slow buffer; it was "
-                             "saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
+            raise ValueError(
+                "load_state_dict: the state has an anchor but no slow buffer; it was "
+                "saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
+            )
         return (saved_buffer if self.config.slow_enabled else None), None

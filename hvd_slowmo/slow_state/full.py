@@ -43,7 +43,9 @@ class FullSlowState(SlowState):
     @torch.no_grad()
     def add_group_(self, param_groups: ParamGroups) -> None:
         if self.captured:
-            self._extend([p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1)
+            self._extend(
+                [p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1
+            )
 
     def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
         # One collective for the parameters and the model buffers together.
@@ -61,11 +63,16 @@ class FullSlowState(SlowState):
         assert self.anchor is not None, "restore_ needs a captured anchor"
         torch._foreach_copy_(params, self.anchor)
 
+    def check_world(self, old_world: tuple[int, int], why: str) -> None:
+        pass  # the whole state is the same on every worker: any of them can go on with it
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
             "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
-            "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
+            "outer_optimizer": None
+            if self.outer_optimizer is None
+            else self.outer_optimizer.state_dict(),
             "sharded": None,
         }
 
@@ -75,25 +82,43 @@ class FullSlowState(SlowState):
         params, groups = _flat_params(param_groups)
         anchor = self._load_tensors(saved, "anchor", params, names)
         buffer = self._load_tensors(saved, "slow_buffer", params, names)
+        saved_size = saved.get("world_size", self.comm.size)  # absent in the oldest states
+        if saved_size != self.comm.size and inner_step > 0 and anchor is None:
+            raise ValueError(
+                f"load_state_dict: the state was saved by {saved_size} workers inside an outer "
+                f"step (inner_step {inner_step}) without an anchor, and this job has "
+                f"{self.comm.size}: only the anchor is common to all workers. Save at an "
+                "outer-step boundary (when opt.inner_step == 0), or load with the same number of "
+                "workers"
+            )
         if self.config.keeps_anchor and inner_step > 0 and anchor is None:
-            raise ValueError("load_state_dict: the state has no anchor but was saved inside an outer "
-                             "step; it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)")
+            raise ValueError(
+                "load_state_dict: the state has no anchor but was saved inside an outer "
+                "step; it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
+            )
         if anchor is None or not self.config.keeps_anchor:
             return LoadedSlowState(anchor=None)
         slow, outer = self._load_slow(buffer, saved.get("outer_optimizer"), anchor)
-        return LoadedSlowState(anchor=anchor, slow_buffer=slow, outer_optimizer=outer, groups=groups)
+        return LoadedSlowState(
+            anchor=anchor, slow_buffer=slow, outer_optimizer=outer, groups=groups
+        )
 
     @staticmethod
-    def _load_tensors(saved: dict[str, Any], key: str, params: list[Tensor],
-                      names: list[str]) -> list[Tensor] | None:
+    def _load_tensors(
+        saved: dict[str, Any], key: str, params: list[Tensor], names: list[str]
+    ) -> list[Tensor] | None:
         tensors = saved.get(key)
         if tensors is None:
             return None
         if not isinstance(tensors, dict) or set(tensors) != set(range(len(params))):
-            raise ValueError(f"load_state_dict: '{key}' does not cover parameters 0..{len(params) - 1}")
+            raise ValueError(
+                f"load_state_dict: '{key}' does not cover parameters 0..{len(params) - 1}"
+            )
         for i, p in enumerate(params):
             if not isinstance(tensors[i], Tensor) or tuple(tensors[i].shape) != tuple(p.shape):
-                raise ValueError(f"load_state_dict: '{key}' of parameter {names[i]!r} has shape "
-                                 f"{tuple(getattr(tensors[i], 'shape', ()))}, the parameter "
-                                 f"{tuple(p.shape)}: another model")
+                raise ValueError(
+                    f"load_state_dict: '{key}' of parameter {names[i]!r} has shape "
+                    f"{tuple(getattr(tensors[i], 'shape', ()))}, the parameter "
+                    f"{tuple(p.shape)}: another model"
+                )
         return [tensors[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(params)]

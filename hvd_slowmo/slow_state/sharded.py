@@ -21,6 +21,7 @@ parameters above the persistent state for a moment; the persistent state is ``2/
 Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.shard_range`):
 ``n // m`` elements each, and one more for ranks ``0 .. n % m - 1``.
 """
+
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -115,9 +116,11 @@ class ShardedSlowState(SlowState):
 
     def __init__(self, comm: Communicator, config: SlowMoConfig) -> None:
         if not comm.supports_sharding:
-            raise TypeError("shard_slow_state=True needs a communicator with reduce_scatter_mean() "
-                            f"and allgather_flat(); {type(comm).__name__} has none (supports_sharding "
-                            "is False): use the Horovod or thread communicator")
+            raise TypeError(
+                "shard_slow_state=True needs a communicator with reduce_scatter_mean() "
+                f"and allgather_flat(); {type(comm).__name__} has none (supports_sharding "
+                "is False): use the Horovod or thread communicator"
+            )
         super().__init__(comm, config)
         self.buckets: list[Bucket] | None = None  # set at capture (the first step)
         self._averages: list[Tensor] | None = None  # this rank's shards of the exact average
@@ -132,7 +135,10 @@ class ShardedSlowState(SlowState):
         buckets = self._layout(param_groups)
         params = _params(param_groups)
         self.buckets = buckets
-        self._start([_flatten(params, b)[b.start:b.end].clone() for b in buckets], [b.group for b in buckets])
+        self._start(
+            [_flatten(params, b)[b.start : b.end].clone() for b in buckets],
+            [b.group for b in buckets],
+        )
 
     @torch.no_grad()
     def add_group_(self, param_groups: ParamGroups) -> None:
@@ -140,10 +146,12 @@ class ShardedSlowState(SlowState):
             return  # captured with every group at the first step
         assert self.buckets is not None
         buckets = self._layout(param_groups)
-        new = buckets[len(self.buckets):]
+        new = buckets[len(self.buckets) :]
         params = _params(param_groups)
         self.buckets = buckets
-        self._extend([_flatten(params, b)[b.start:b.end].clone() for b in new], len(param_groups) - 1)
+        self._extend(
+            [_flatten(params, b)[b.start : b.end].clone() for b in new], len(param_groups) - 1
+        )
 
     @torch.no_grad()
     def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
@@ -154,7 +162,7 @@ class ShardedSlowState(SlowState):
         if exact:
             self._averages = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
         else:  # the parameters are identical on every rank (AR-SGD): slice, no reduce-scatter
-            self._averages = [f[b.start:b.end].clone() for f, b in zip(flats, self.buckets)]
+            self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, self.buckets)]
 
     @torch.no_grad()
     def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
@@ -171,19 +179,25 @@ class ShardedSlowState(SlowState):
         self._gather_anchor_into_(params)  # all-gathers the full anchor
 
     def _gather_anchor_into_(self, params: list[Tensor]) -> None:
-        assert self.buckets is not None and self.anchor is not None, "the anchor is captured at the first step"
+        assert self.buckets is not None and self.anchor is not None, (
+            "the anchor is captured at the first step"
+        )
         full = self.comm.allgather_flat(self.anchor, name="hvd_slowmo.sharded_anchor")
         for b, flat in zip(self.buckets, full):
             if flat.numel() != b.numel:
-                raise RuntimeError(f"sharded anchor: gathered {flat.numel()} elements for a bucket of {b.numel}")
+                raise RuntimeError(
+                    f"sharded anchor: gathered {flat.numel()} elements for a bucket of {b.numel}"
+                )
             _unflatten_into_(params, b, flat)
 
     def check_world(self, old_world: tuple[int, int], why: str) -> None:
         if old_world != (self.comm.rank, self.comm.size):
-            raise RuntimeError(f"hvd_slowmo: {why}: this worker changed from rank {old_world[0]} of "
-                               f"{old_world[1]} to rank {self.comm.rank} of {self.comm.size}, but "
-                               "shard_slow_state=True splits the anchor and slow buffer by rank and "
-                               "cannot reshard them; use shard_slow_state=False for elastic training")
+            raise RuntimeError(
+                f"hvd_slowmo: {why}: this worker changed from rank {old_world[0]} of "
+                f"{old_world[1]} to rank {self.comm.rank} of {self.comm.size}, but "
+                "shard_slow_state=True splits the anchor and slow buffer by rank and "
+                "cannot reshard them; use shard_slow_state=False for elastic training"
+            )
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -194,7 +208,9 @@ class ShardedSlowState(SlowState):
             "buckets": None if self.buckets is None else [asdict(b) for b in self.buckets],
             "anchor_shards": None if self.anchor is None else list(self.anchor),
             "slow_buffer_shards": None if self.slow_buffer is None else list(self.slow_buffer),
-            "outer_optimizer": None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
+            "outer_optimizer": None
+            if self.outer_optimizer is None
+            else self.outer_optimizer.state_dict(),
         }
         return {"anchor": None, "slow_buffer": None, "outer_optimizer": None, "sharded": sharded}
 
@@ -203,43 +219,68 @@ class ShardedSlowState(SlowState):
     ) -> LoadedSlowState:
         state = saved.get("sharded")
         if not isinstance(state, dict):
-            raise ValueError("load_state_dict: the state has no shard of the slow state (it was saved "
-                             "with shard_slow_state=False); load it with shard_slow_state=False")
+            raise ValueError(
+                "load_state_dict: the state has no shard of the slow state (it was saved "
+                "with shard_slow_state=False); load it with shard_slow_state=False"
+            )
         if state.get("size") != self.comm.size:
-            raise ValueError(f"load_state_dict: the sharded slow state was saved by {state.get('size')} "
-                             f"workers, this job has {self.comm.size}; a sharded state cannot be "
-                             f"resharded: resume with {state.get('size')} workers")
+            raise ValueError(
+                f"load_state_dict: the sharded slow state was saved by {state.get('size')} "
+                f"workers, this job has {self.comm.size}; a sharded state cannot be "
+                f"resharded: resume with {state.get('size')} workers"
+            )
         if state.get("rank") != self.comm.rank:
-            raise ValueError(f"load_state_dict: this is rank {state.get('rank')}'s shard, loaded on rank "
-                             f"{self.comm.rank}; with shard_slow_state=True every rank loads the state it saved")
+            raise ValueError(
+                f"load_state_dict: this is rank {state.get('rank')}'s shard, loaded on rank "
+                f"{self.comm.rank}; with shard_slow_state=True every rank loads the state it saved"
+            )
         if state.get("buckets") is None:
             if inner_step > 0:
-                raise ValueError("load_state_dict: the sharded state has no anchor but was saved "
-                                 "inside an outer step")
+                raise ValueError(
+                    "load_state_dict: the sharded state has no anchor but was saved "
+                    "inside an outer step"
+                )
             return LoadedSlowState(anchor=None)
         layout = self._layout(param_groups)
-        if [asdict(b) for b in layout] != [dict(b, indices=tuple(b["indices"])) for b in state["buckets"]]:
-            raise ValueError("load_state_dict: the saved shard layout (param groups, dtypes, sizes) "
-                             "differs from this optimizer's: the state comes from another model or "
-                             "param groups")
+        if [asdict(b) for b in layout] != [
+            dict(b, indices=tuple(b["indices"])) for b in state["buckets"]
+        ]:
+            raise ValueError(
+                "load_state_dict: the saved shard layout (param groups, dtypes, sizes) "
+                "differs from this optimizer's: the state comes from another model or "
+                "param groups"
+            )
         params = _params(param_groups)
         anchor = self._load_shards(state.get("anchor_shards"), layout, params, "anchor_shards")
         buffer = None
         if not self.config.custom_outer:
-            buffer = self._load_shards(state.get("slow_buffer_shards"), layout, params, "slow_buffer_shards")
+            buffer = self._load_shards(
+                state.get("slow_buffer_shards"), layout, params, "slow_buffer_shards"
+            )
         slow, outer = self._load_slow(buffer, state.get("outer_optimizer"), anchor)
-        return LoadedSlowState(anchor=anchor, slow_buffer=slow, outer_optimizer=outer,
-                               groups=[b.group for b in layout], layout=layout)
+        return LoadedSlowState(
+            anchor=anchor,
+            slow_buffer=slow,
+            outer_optimizer=outer,
+            groups=[b.group for b in layout],
+            layout=layout,
+        )
 
     @staticmethod
-    def _load_shards(saved: Any, layout: list[Bucket], params: list[Tensor], key: str) -> list[Tensor]:
+    def _load_shards(
+        saved: Any, layout: list[Bucket], params: list[Tensor], key: str
+    ) -> list[Tensor]:
         if not isinstance(saved, list) or len(saved) != len(layout):
-            raise ValueError(f"load_state_dict: '{key}' is missing or has the wrong number of shards")
+            raise ValueError(
+                f"load_state_dict: '{key}' is missing or has the wrong number of shards"
+            )
         out = []
         for b, t in zip(layout, saved):
             if not isinstance(t, Tensor) or tuple(t.shape) != (b.end - b.start,):
-                raise ValueError(f"load_state_dict: a shard of '{key}' has shape "
-                                 f"{getattr(t, 'shape', None)}, expected ({b.end - b.start},): a damaged state")
+                raise ValueError(
+                    f"load_state_dict: a shard of '{key}' has shape "
+                    f"{getattr(t, 'shape', None)}, expected ({b.end - b.start},): a damaged state"
+                )
             ref = params[b.indices[0]]
             out.append(t.detach().to(ref.device, ref.dtype).clone())
         return out
