@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hvd_slowmo  # noqa: E402
-from hvd_slowmo.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
+from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
 
 __all__ = [
     "ALGOS", "add_common_args", "describe", "setup", "build_optimizer", "run_name", "run_config", "make_monitor",

@@ -26,8 +26,8 @@ sys.path.insert(0, HERE)
 from common import ALGOS, run_name  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
-from hvd_slowmo import report  # noqa: E402
-from hvd_slowmo.sweep import horovodrun_command  # noqa: E402
+from hvd_slowmo.tools import report  # noqa: E402
+from hvd_slowmo.tools.sweep import horovodrun_command  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 #: The paper's inner-loop length per base (Section 5: tau = 12 for Local SGD, 48 for SGP/OSGP).

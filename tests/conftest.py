@@ -11,11 +11,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
-from reference import make_model
 from torch import Tensor, nn
 
 from hvd_slowmo.comm.base import Communicator, PendingExchange
 from hvd_slowmo.comm.local import run_threads
+
+from reference import make_model
 
 __all__ = ["ForwardingCommunicator", "assert_same_models", "resume_in_fresh_workers"]
 
@@ -67,8 +68,13 @@ class ForwardingCommunicator(Communicator):
     def allgather_flat(self, shards: Sequence[Tensor], name: str) -> list[Tensor]:
         return self.inner.allgather_flat(shards, name)
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                       graph_key: Hashable | None = None) -> PendingExchange:
+    def exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None = None,
+    ) -> PendingExchange:
         return self.inner.exchange_start(sends, recv_from, tag, graph_key)
 
 
@@ -76,8 +82,14 @@ Build = Callable[[Communicator, nn.Module], Any]
 Train = Callable[[Any, nn.Module, int, int, int], None]
 
 
-def resume_in_fresh_workers(m: int, build: Build, train: Train, stop: int, steps: int,
-                            check: Callable[[Any], None] | None = None) -> list[nn.Module]:
+def resume_in_fresh_workers(
+    m: int,
+    build: Build,
+    train: Train,
+    stop: int,
+    steps: int,
+    check: Callable[[Any], None] | None = None,
+) -> list[nn.Module]:
     """Train ``m`` thread workers ``stop`` steps, save each rank's model and optimizer through
     ``torch.save``, load them into fresh workers whose models start elsewhere (everything must
     come from the file), and train on to ``steps``.

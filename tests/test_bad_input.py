@@ -1,4 +1,5 @@
 """Bad input raises an error that names the argument and the fix, and changes nothing."""
+
 import copy
 
 import pytest
@@ -65,24 +66,35 @@ def test_parameters_missing_from_named_parameters():
     model, other = make_model(), make_model()
     opt = torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="named_parameters lacks 1"):
-        DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            opt,
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
     with pytest.raises(ValueError, match="named_parameters lacks"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=other.named_parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=other.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
 
 
 def test_named_parameters_malformed():
     model = make_model()
     with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
 
 
 def test_non_floating_parameter():
     p = torch.zeros(3, dtype=torch.int64)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    opt.param_groups[0]["params"].append(p)  # SGD's constructor would refuse; simulate a hand-built group
+    opt.param_groups[0]["params"].append(
+        p
+    )  # SGD's constructor would refuse; simulate a hand-built group
     with pytest.raises(TypeError, match="only floating-point"):
         DistributedOptimizer(opt, communicator=ThreadWorld(1).communicator(0))
 
@@ -107,8 +119,11 @@ def test_mismatched_parameter_shapes_across_ranks():
     def worker(comm):
         model = torch.nn.Linear(3, 2 + comm.rank)
         try:
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                 communicator=comm)
+            DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(),
+                communicator=comm,
+            )
         except ValueError as e:
             return str(e)
         return "no error"
@@ -128,7 +143,15 @@ def _trained(tau=3, steps=2):
 
 
 def _snapshot(opt):
-    return copy.deepcopy((opt.inner_step, opt.num_steps, opt.slow_state.anchor, opt.slow_state.slow_buffer, opt.optimizer.state_dict()))
+    return copy.deepcopy(
+        (
+            opt.inner_step,
+            opt.num_steps,
+            opt.slow_state.anchor,
+            opt.slow_state.slow_buffer,
+            opt.optimizer.state_dict(),
+        )
+    )
 
 
 def _same(a, b):
@@ -160,8 +183,18 @@ def corrupt(state, case):
     return s
 
 
-@pytest.mark.parametrize("case", ["not-ours", "future-format", "other-model", "bigger-tau", "wrong-shape",
-                                  "missing-anchor-entry", "base-groups"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not-ours",
+        "future-format",
+        "other-model",
+        "bigger-tau",
+        "wrong-shape",
+        "missing-anchor-entry",
+        "base-groups",
+    ],
+)
 def test_load_state_dict_rejects_and_keeps_state(case):
     _, source = _trained()
     _, target = _trained(steps=1)

@@ -2,6 +2,7 @@
 (NCCL for CUDA tensors, Gloo or MPI for CPU tensors), gossip is Horovod ``alltoall`` with
 zero-length splits to non-peers (Horovod has no point-to-point API)."""
 
+import pickle
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -140,9 +141,19 @@ class HorovodCommunicator(Communicator):
     def allgather_object(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
-        return _hvd().allgather_object(
-            obj, name="hvd_slowmo.allgather_object", process_set=self.process_set
-        )
+        hvd = _hvd()
+        name = "hvd_slowmo.allgather_object"
+        if self._members is None:
+            return hvd.allgather_object(obj, name=name)
+        # Horovod 0.28.1's allgather_object runs over the global set only: gather the pickled
+        # bytes over this set with two allgathers (their lengths, then the bytes).
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        ps = self.process_set
+        sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sz", process_set=ps)
+        flat = hvd.allgather(data, name=f"{name}.data", process_set=ps)
+        ends = torch.cumsum(sizes, 0).tolist()
+        starts = [0] + ends[:-1]
+        return [pickle.loads(flat[a:b].numpy().tobytes()) for a, b in zip(starts, ends)]
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         if self.size == 1:
