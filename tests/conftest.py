@@ -56,6 +56,12 @@ class ForwardingCommunicator(Communicator):
     def _average_(self, tensors: list[Tensor], name: str) -> int:
         raise AssertionError("unreachable: average_ forwards to the inner communicator")
 
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        raise AssertionError("unreachable: allgather_object forwards to the inner communicator")
+
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        raise AssertionError("unreachable: broadcast_object forwards to the inner communicator")
+
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.inner.allgather_object(obj)
 

@@ -411,10 +411,10 @@ def test_shard_slow_state_needs_a_capable_communicator():
         def _average_(self, tensors, name):
             return 0
 
-        def allgather_object(self, obj):
+        def _allgather_object(self, obj):
             return [obj]
 
-        def broadcast_object(self, obj, root_rank=0):
+        def _broadcast_object(self, obj, root_rank):
             return obj
 
     with pytest.raises(TypeError, match="needs a communicator with reduce_scatter_mean"):

@@ -114,22 +114,30 @@ class Communicator(abc.ABC):
             The payload bytes handed to the transport (after any compression).
         """
 
-    @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every worker, in rank order.
 
         Args:
             obj: this worker's object.
         """
+        return [obj] if self.size == 1 else self._allgather_object(obj)
 
     @abc.abstractmethod
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        """:meth:`allgather_object` for two or more workers."""
+
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Return ``root_rank``'s object on every worker.
 
         Args:
             obj: the object (only the root's is used).
-            root_rank: the worker whose object is sent.
+            root_rank: the worker whose object is sent (its rank in this communicator).
         """
+        return obj if self.size == 1 else self._broadcast_object(obj, root_rank)
+
+    @abc.abstractmethod
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        """:meth:`broadcast_object` for two or more workers."""
 
     # --- sharding (supports_sharding) ----------------------------------------------------
     def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> list[Tensor]:

@@ -138,9 +138,7 @@ class HorovodCommunicator(Communicator):
             t.copy_(out if t.dtype == torch.float64 else self.compression.decompress(out, ctx))
         return sum(c.numel() * c.element_size() for c, _ in packed)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        if self.size == 1:
-            return [obj]
+    def _allgather_object(self, obj: Any) -> list[Any]:
         hvd = _hvd()
         name = "hvd_slowmo.allgather_object"
         if self._members is None:
@@ -155,14 +153,11 @@ class HorovodCommunicator(Communicator):
         starts = [0] + ends[:-1]
         return [pickle.loads(flat[a:b].numpy().tobytes()) for a, b in zip(starts, ends)]
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
-        if self.size == 1:
-            return obj
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        # Horovod names the root by its global rank, this interface by its rank in the set.
+        root = root_rank if self._members is None else self._members[root_rank]
         return _hvd().broadcast_object(
-            obj,
-            root_rank=root_rank,
-            name="hvd_slowmo.broadcast_object",
-            process_set=self.process_set,
+            obj, root_rank=root, name="hvd_slowmo.broadcast_object", process_set=self.process_set
         )
 
     def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:

@@ -120,10 +120,10 @@ class ThreadCommunicator(Communicator):
             t.copy_(total / self.size)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def _allgather_object(self, obj: Any) -> list[Any]:
         return self.world._gather(self.rank, obj)
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
         return self.world._gather(self.rank, obj)[root_rank]
 
     def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:

@@ -136,10 +136,10 @@ class MPICommunicator(Communicator):
             t.copy_(host.div_(self.size))
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def _allgather_object(self, obj: Any) -> list[Any]:
         return self._comm.allgather(obj)
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
         return self._comm.bcast(obj, root=root_rank)
 
     # --- gossip ------------------------------------------------------------------------------
