@@ -202,3 +202,66 @@ def test_load_state_dict_rejects_and_keeps_state(case):
     with pytest.raises(ValueError):
         target.load_state_dict(corrupt(source.state_dict(), case))
     assert _same(_snapshot(target), before)
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"base": "allreduce"}, "saved with base='localsgd', this optimizer has base='allreduce'"),
+        (
+            {"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=0.5)},
+            "outer_optimizer='heavyball'",
+        ),
+    ],
+    ids=["other-base", "custom-outer-optimizer"],
+)
+def test_load_state_dict_checks_the_saved_configuration(settings, match):
+    """A state whose base algorithm or slow-state kind differs is refused, naming both values."""
+    _, source = _trained()
+    model = make_model()
+    target = build(model, tau=3, **settings)
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(source.state_dict())
+    assert _same(_snapshot(target), before)
+
+
+def test_load_state_dict_warns_about_changed_settings():
+    """Hyperparameters may change on resume: the load goes through and says what changed."""
+    _, source = _trained()
+    target = build(make_model(), tau=3, slow_lr=0.5, buffers="maintain")
+    with pytest.warns(UserWarning, match=r"slow_lr: 1\.0 -> 0\.5; buffers: 'reset' -> 'maintain'"):
+        target.load_state_dict(source.state_dict())
+    assert target.num_steps == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(base=3), TypeError, "base must be one of"),
+        (dict(base=torch.optim.SGD), TypeError, "BaseAlgorithm subclass"),
+        (dict(buffers=None), TypeError, "buffers must be one of"),
+        (dict(nonfinite="warn"), ValueError, "nonfinite must be one of"),
+        (dict(outer_optimizer="adam"), ValueError, "outer_optimizer must be one of"),
+        (dict(outer_optimizer=1.0), TypeError, "outer_optimizer must be one of"),
+        (dict(worker=2), TypeError, "worker must be one of"),
+        (
+            dict(communicator="horovod"),
+            TypeError,
+            "communicator must be a hvd_slowmo.comm.Communicator",
+        ),
+    ],
+    ids=[
+        "base-int",
+        "base-not-a-base",
+        "buffers-none",
+        "nonfinite-unknown",
+        "outer-unknown",
+        "outer-float",
+        "worker-int",
+        "communicator-str",
+    ],
+)
+def test_wrong_type_is_typeerror_wrong_value_is_valueerror(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        build(**kwargs)

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from hvd_slowmo import DistributedOptimizer, broadcast_optimizer_state
+from hvd_slowmo import BaseAlgorithm, DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
 from conftest import assert_same_models, resume_in_fresh_workers
@@ -599,3 +599,41 @@ def test_add_param_group_joins_custom_outer_optimizer():
     extra.grad = torch.ones(3)
     opt.step()  # outer SGD(lr=1) on x0 - x = 0.1: the new parameter must reach -0.1, not 0
     assert torch.allclose(extra.detach(), torch.full((3,), -0.1))
+
+
+class StepLog(BaseAlgorithm):
+    """A user's base algorithm (not registered): Local SGD that records the hooks it received."""
+
+    OPTIONS = ("tag",)
+
+    def __init__(self, comm, tag="log"):
+        super().__init__(comm)
+        self.tag, self.calls = tag, []
+
+    def pre_step(self):
+        self.calls.append("pre")
+
+    def post_step(self, step):
+        self.calls.append(step)
+
+    def after_average(self, averaged):
+        self.calls.append(f"average={averaged}")
+
+
+def test_base_accepts_a_user_subclass():
+    """base= takes a BaseAlgorithm subclass: its hooks run in the documented order, its options
+    pass through, its name is its class name, and with no communication of its own the run is
+    bitwise Local SGD's."""
+    kwargs = dict(tau=3, slow_lr=0.8, slow_momentum=0.6)
+    custom = run_slowmo(2, 6, SGD_NESTEROV, base=StepLog, tag="mine", **kwargs)
+    plain = run_slowmo(2, 6, SGD_NESTEROV, base="localsgd", **kwargs)
+    for (model, _, opt), (want, _, _) in zip(custom, plain):
+        assert isinstance(opt.base, StepLog) and opt.base.tag == "mine"
+        outer = ["pre", 0, "pre", 1, "pre", 2, "average=True"]
+        assert opt.base.calls == outer + ["pre", 3, "pre", 4, "pre", 5, "average=True"]
+        assert (
+            opt.base_name == "StepLog" and opt.state_dict()["slowmo"]["config"]["base"] == "StepLog"
+        )
+        assert_same_models([model], [want])
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['topology'\] .*base='StepLog'"):
+        run_slowmo(1, 1, SGD_NESTEROV, base=StepLog, topology="ring")
