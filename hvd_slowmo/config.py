@@ -77,6 +77,11 @@ class SlowMoConfig:
             reduce-scatter, the slow update runs on the shard and an all-gather returns the new
             anchor (same bytes on the wire). Each rank saves and loads its own shard, in a job of
             the same size.
+        overlap: ``d``, the base steps the exact average stays in flight (``0 <= d < tau``): at
+            each outer-step boundary the average of a snapshot starts in the background, the
+            workers take ``d`` more base steps, then the slow step is applied and each worker
+            keeps its progress since the snapshot (:mod:`hvd_slowmo.overlap`). 0 (default) is
+            the paper's algorithm, bit for bit.
     """
 
     base: Any = "localsgd"
@@ -89,6 +94,7 @@ class SlowMoConfig:
     nonfinite: str = "raise"
     outer_optimizer: str | OuterFactory = "heavyball"
     shard_slow_state: bool = False
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -139,6 +145,12 @@ class SlowMoConfig:
                 fix="the paper tunes it in [0.4, 0.8]; 0 disables slow momentum",
             ),
         )
+        check_int("overlap", self.overlap, 0, "base steps the exact average stays in flight")
+        if self.overlap >= self.tau:
+            raise ValueError(
+                f"overlap must be smaller than tau={self.tau} (the average must land before the "
+                f"next outer step starts), got overlap={self.overlap}; e.g. overlap=1"
+            )
         check_choice("buffers", self.buffers, BUFFER_STRATEGIES)
         check_bool("average", self.average)
         check_choice("nonfinite", self.nonfinite, NONFINITE)
@@ -211,6 +223,7 @@ class SlowMoConfig:
             "nonfinite": self.nonfinite,
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
+            "overlap": self.overlap,
         }
 
 

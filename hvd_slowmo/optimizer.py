@@ -23,6 +23,7 @@ from .comm.factory import default_communicator, worker_hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, saved_config_changes
 from .elastic import is_elastic_launch, register_state_handler, restart_from_anchor
 from .hierarchy import Hierarchy
+from .overlap import PendingOuterStep, land_outer_step, load_pending, start_outer_step
 from .progress import (
     STATE_FORMAT,
     all_finite_everywhere,
@@ -59,7 +60,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         named_parameters: ``model.named_parameters()``; names appear in error messages and in
             the cross-rank configuration check. Every optimizer parameter must be named.
         base, tau, slow_lr, slow_momentum, buffers, average, nonfinite, outer_optimizer,
-            shard_slow_state, base_options: the algorithm's settings (``base_options``: the base
+            shard_slow_state, overlap, base_options: the algorithm's settings (``base_options``: the base
             algorithm's own keyword options, e.g. a gossip topology); each is documented and
             checked in :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
@@ -101,6 +102,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         nonfinite: str = "raise",
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
+        overlap: int = 0,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         **base_options: Any,
@@ -127,6 +129,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             nonfinite=nonfinite,
             outer_optimizer=outer_optimizer,
             shard_slow_state=shard_slow_state,
+            overlap=overlap,
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
@@ -159,7 +162,11 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         #: ``(rank, size)`` of the workers the base was built for.
         self.world = (self.comm.rank, self.comm.size)
         #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
+        #: ``"average"`` counts only the exposed part of the exact average (with ``overlap``,
+        #: the time spent at the boundary and waiting for it to land).
         self.timings: dict[str, float] = {"base_comm": 0.0, "average": 0.0, "slow_update": 0.0}
+        #: An outer step whose exact average is in flight (``overlap >= 1``).
+        self.pending: PendingOuterStep | None = None
         self._watch_gradients(params)
 
     def __repr__(self) -> str:
@@ -233,9 +240,13 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.timings["base_comm"] += time.perf_counter() - t0
         self.num_steps += 1
         self.inner_step += 1
-        if self.inner_step == self.tau:
+        lands = self.pending is not None and self.inner_step == self.pending.apply_at
+        if lands or self.inner_step == self.tau:
             try:
-                self._outer_step()
+                if lands:
+                    land_outer_step(self)
+                if self.inner_step == self.tau:
+                    self._outer_step()
             except Exception as e:
                 # A failed collective (a dead or frozen worker) or a check that raised: say where,
                 # without changing the type (hvd.elastic catches HorovodInternalError by type).
@@ -247,6 +258,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
 
     @torch.no_grad()
     def _outer_step(self) -> None:
+        if self.config.overlap:
+            start_outer_step(self)
+            return
         self.base.before_average()
         t0 = time.perf_counter()
         params = [p.detach() for p in self.params]
@@ -277,6 +291,14 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.inner_step = 0
         self.outer_steps += 1
 
+    def flush(self) -> None:
+        """Land an outer step whose average is in flight now (``overlap``), and mix in gossip
+        messages in flight (OSGP). Call it on every rank at the end of training, before the
+        final evaluation or checkpoint. Collective."""
+        if self.pending is not None:
+            land_outer_step(self)
+        self.base.flush()
+
     # --- reliability: uneven steps, membership changes (docs/reliability.md) ---------------
     def finish(self) -> None:
         """Check that every worker called :meth:`step` equally often; call it on every rank at the
@@ -290,6 +312,8 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         Raises:
             RuntimeError: the workers took different numbers of steps.
         """
+        if self.pending is not None:
+            self.pending.check_progress(self.comm)  # its probe shares the name of the one below
         everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps)
         if len({p["num_steps"] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))
@@ -307,6 +331,13 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         Args:
             why: what changed the workers, for the log line and errors.
         """
+        if self.pending is not None:
+            # The average in flight belongs to the old workers: drop it, and restart the outer
+            # step before it from its anchor (the steps since that anchor are dropped).
+            self.pending = None
+            if self.slow_state.captured:
+                self.inner_step += self.tau
+                self.outer_steps -= 1
         restart_from_anchor(self, why)
 
     def _settings(self) -> dict[str, Any]:
@@ -345,6 +376,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
                 "world_size": self.comm.size,
                 "outer_steps": self.outer_steps,
                 **self.slow_state.state_dict(),
+                "overlap": None if self.pending is None else self.pending.state_dict(),
                 "base_algorithm": self.base.state_dict(),
             },
         }
@@ -363,12 +395,16 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         changes = saved_config_changes(s.get("config"), self._settings())
         loaded = self.slow_state.prepare_load(s, self.param_groups, inner, self.param_names)
         self.base.check_state_dict(s.get("base_algorithm", {}))
+        pending = load_pending(self, s.get("overlap"), inner, state_dict["base_optimizer"])
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.inner_step = inner
         self.num_steps = int(s["num_steps"])
         self.outer_steps = int(s["outer_steps"])
         self.slow_state.commit_load(loaded)
+        self.pending = pending
+        if pending is not None and self.buffers == "average":
+            pending.state_live = averageable_buffers(self.optimizer.state, self.params)
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
             msg = "; ".join(changes)

@@ -16,7 +16,12 @@ from .comm.base import Communicator
 
 __all__ = [
     "STATE_FORMAT",
+    "PROGRESS",
+    "all_finite",
     "all_finite_everywhere",
+    "finite_verdict",
+    "progress_probe",
+    "read_progress",
     "check_saved_state",
     "gather_progress",
     "outer_step_note",
@@ -49,11 +54,37 @@ def gather_progress(
         RuntimeError: workers are at different places (one finishing, one at an outer step).
     """
     mine = {"at": at, "finite": finite, "num_steps": num_steps, "outer_steps": outer_steps}
-    n = float(num_steps)
-    probe = torch.tensor(
-        [0.0 if finite else 1.0, 1.0 if at == "finish" else 0.0, n, n * n], dtype=torch.float64
-    )
-    comm.average_([probe], name="hvd_slowmo.progress")
+    probe = progress_probe(mine)
+    comm.average_([probe], name=PROGRESS)
+    return read_progress(comm, probe, mine)
+
+
+#: The name of the progress collective: every call site uses it, so they meet (see above).
+PROGRESS = "hvd_slowmo.progress"
+
+
+def progress_probe(mine: dict[str, Any]) -> Tensor:
+    """The 4 numbers :func:`gather_progress` averages: non-finite flag, finishing flag, step
+    count and its square (an overlapped outer step averages it in the background).
+
+    Args:
+        mine: this worker's ``{"at", "finite", "num_steps", "outer_steps"}``.
+    """
+    n = float(mine["num_steps"])
+    bad, finishing = (0.0 if mine["finite"] else 1.0), (1.0 if mine["at"] == "finish" else 0.0)
+    return torch.tensor([bad, finishing, n, n * n], dtype=torch.float64)
+
+
+def read_progress(comm: Communicator, probe: Tensor, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`gather_progress`'s answer from the averaged probe (an allgather of the details
+    only when something is wrong). Collective in that case.
+
+    Args:
+        comm: the communicator over all workers.
+        probe: :func:`progress_probe`'s tensor, averaged over all workers.
+        mine: this worker's progress, as given to :func:`progress_probe`.
+    """
+    at = mine["at"]
     any_bad, finishing, mean, mean_sq = probe.tolist()
     # All counts equal <=> mean(n^2) == mean(n)^2; exact in float64 while m * n^2 < 2^53.
     if any_bad == 0.0 and finishing in (0.0, 1.0) and mean_sq == mean * mean:
@@ -101,10 +132,36 @@ def all_finite_everywhere(
     Raises:
         FloatingPointError: on every worker, naming the ranks, with ``nonfinite="raise"``.
     """
-    local_ok = not params or bool(
+    everyone = gather_progress(comm, "outer step", all_finite(params), num_steps, outer_steps)
+    return finite_verdict(everyone, nonfinite, num_steps, outer_steps)
+
+
+def all_finite(params: list[Tensor]) -> bool:
+    """Whether every tensor is finite (one fused max-norm pass; no communication).
+
+    Args:
+        params: this worker's parameters.
+    """
+    return not params or bool(
         torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all()
     )
-    everyone = gather_progress(comm, "outer step", local_ok, num_steps, outer_steps)
+
+
+def finite_verdict(
+    everyone: list[dict[str, Any]], nonfinite: str, num_steps: int, outer_steps: int
+) -> bool:
+    """Act on every worker's finite flag: True if all are finite; False (after a warning) if
+    not and ``nonfinite="skip"``.
+
+    Args:
+        everyone: :func:`gather_progress`'s result.
+        nonfinite: ``"raise"`` or ``"skip"``.
+        num_steps: this worker's base steps at the outer step.
+        outer_steps: this worker's outer steps before it.
+
+    Raises:
+        FloatingPointError: on every worker, naming the ranks, with ``nonfinite="raise"``.
+    """
     bad = [r for r, p in enumerate(everyone) if not p["finite"]]
     if not bad:
         return True

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hvd_slowmo.comm.base import Communicator, PendingExchange
+from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
 from hvd_slowmo.comm.local import run_threads
 
 from reference import make_model
@@ -55,6 +55,9 @@ class ForwardingCommunicator(Communicator):
 
     def _average_(self, tensors: list[Tensor], name: str) -> int:
         raise AssertionError("unreachable: average_ forwards to the inner communicator")
+
+    def average_start(self, tensors: Sequence[Tensor], name: str) -> PendingAverage:
+        return self.inner.average_start(tensors, name)
 
     def _allgather_object(self, obj: Any) -> list[Any]:
         raise AssertionError("unreachable: allgather_object forwards to the inner communicator")

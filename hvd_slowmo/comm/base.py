@@ -12,12 +12,12 @@ declares which optional operations it has (:attr:`Communicator.supports_sharding
 """
 
 import abc
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Communicator", "PendingExchange", "shard_range", "shard_sizes"]
+__all__ = ["Communicator", "PendingAverage", "PendingExchange", "shard_range", "shard_sizes"]
 
 
 def shard_sizes(numel: int, size: int) -> list[int]:
@@ -70,6 +70,33 @@ class PendingExchange(abc.ABC):
         """Block until complete; returns ``{source rank: received flat tensor}``."""
 
 
+class PendingAverage:
+    """An exact average that may still be in flight (see :meth:`Communicator.average_start`).
+
+    Args:
+        finish: completes the average in place (waits for it); None when it is already done.
+        started: False when ``finish`` runs the whole collective (nothing is in flight yet).
+
+    Attributes:
+        started: whether the collective is running (or done): False for a deferred average.
+    """
+
+    def __init__(self, finish: Callable[[], None] | None = None, started: bool = True) -> None:
+        self._finish = finish
+        self.started = started or finish is None
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`wait` has completed (or there was nothing to wait for)."""
+        return self._finish is None
+
+    def wait(self) -> None:
+        """Block until the tensors hold their averages (at most once; later calls return)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
 class Communicator(abc.ABC):
     """Collective and point-to-point operations over the workers of one job.
 
@@ -113,6 +140,28 @@ class Communicator(abc.ABC):
         Returns:
             The payload bytes handed to the transport (after any compression).
         """
+
+    def average_start(self, tensors: Sequence[Tensor], name: str) -> PendingAverage:
+        """Start :meth:`average_` without waiting for it: the tensors hold their averages once
+        the returned handle's ``wait()`` returns, and must not be touched until then.
+
+        A transport without background progress (threads, MPI) averages here and returns a
+        finished handle; Horovod's runs in its background thread, so compute overlaps it.
+
+        Args:
+            tensors: the tensors, in the same order and shapes on every worker.
+            name: a label for the operation (Horovod matches collectives by it).
+        """
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return PendingAverage()
+        pending, wire = self._average_start(tensors, name)
+        self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
+        return pending
+
+    def _average_start(self, tensors: list[Tensor], name: str) -> tuple[PendingAverage, int]:
+        """:meth:`average_start` for two or more workers; returns (handle, payload bytes)."""
+        return PendingAverage(), self._average_(tensors, name)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every worker, in rank order.

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..validation import check_choice
-from .base import Communicator, PendingExchange, shard_range
+from .base import Communicator, PendingAverage, PendingExchange, shard_range
 
 __all__ = ["HorovodCommunicator", "check_compression"]
 
@@ -123,20 +123,34 @@ class HorovodCommunicator(Communicator):
         return bool(_hvd().mpi_enabled())
 
     def _average_(self, tensors: list[Tensor], name: str) -> int:
+        pending, wire = self._average_start(tensors, name)
+        pending.wait()
+        return wire
+
+    def _average_start(self, tensors: list[Tensor], name: str) -> tuple[PendingAverage, int]:
+        # One grouped allreduce, run by Horovod's background thread: the caller's compute goes
+        # on until wait().
         hvd = _hvd()
         if self.compression is hvd.Compression.none:
-            hvd.grouped_allreduce_(tensors, op=hvd.Average, name=name, process_set=self.process_set)
-            return sum(t.numel() * t.element_size() for t in tensors)
+            handle = hvd.grouped_allreduce_async_(
+                tensors, op=hvd.Average, name=name, process_set=self.process_set
+            )
+            wire = sum(t.numel() * t.element_size() for t in tensors)
+            return PendingAverage(lambda: hvd.synchronize(handle)), wire
         # float64 payloads (the optimizer's step-count probe) must stay exact: never compressed.
         packed = [
             (t, None) if t.dtype == torch.float64 else self.compression.compress(t) for t in tensors
         ]
-        outs = hvd.grouped_allreduce(
+        handle = hvd.grouped_allreduce_async(
             [c for c, _ in packed], op=hvd.Average, name=name, process_set=self.process_set
         )
-        for t, out, (_, ctx) in zip(tensors, outs, packed):
-            t.copy_(out if t.dtype == torch.float64 else self.compression.decompress(out, ctx))
-        return sum(c.numel() * c.element_size() for c, _ in packed)
+
+        def finish() -> None:
+            outs = hvd.synchronize(handle)
+            for t, out, (_, ctx) in zip(tensors, outs, packed):
+                t.copy_(out if t.dtype == torch.float64 else self.compression.decompress(out, ctx))
+
+        return PendingAverage(finish), sum(c.numel() * c.element_size() for c, _ in packed)
 
     def _allgather_object(self, obj: Any) -> list[Any]:
         hvd = _hvd()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, PendingAverage
 from ..config import SlowMoConfig
 from ..slowmo import slow_momentum_step_
 
@@ -115,6 +115,18 @@ class SlowState(abc.ABC):
             exact: whether the parameters need averaging (False for a noaverage run, or when a
                 base keeps them identical on every worker, like AR-SGD).
         """
+
+    def average_start_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> PendingAverage:
+        """:meth:`average_` without waiting (``overlap >= 1``); the average is complete once the
+        handle's ``wait()`` returns. By default nothing starts here: ``wait()`` runs the blocking
+        :meth:`average_` (correct, but nothing is hidden behind compute). Collective in ``wait()``.
+
+        Args:
+            params: the tensors to average in place (a snapshot of the parameters).
+            extra: other tensors averaged with them (a snapshot of the model buffers).
+            exact: whether the parameters need averaging.
+        """
+        return PendingAverage(lambda: self.average_(params, extra, exact), started=False)
 
     @abc.abstractmethod
     def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:

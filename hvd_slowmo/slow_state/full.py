@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..comm.base import PendingAverage
 from .base import LoadedSlowState, ParamGroups, SlowState
 
 __all__ = ["FullSlowState"]
@@ -52,6 +53,11 @@ class FullSlowState(SlowState):
         tensors = (params if exact else []) + extra
         if tensors:
             self.comm.average_(tensors, name="hvd_slowmo.exact_average")
+
+    def average_start_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> PendingAverage:
+        # The same collective as average_, started in the background.
+        tensors = (params if exact else []) + extra
+        return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
 
     def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
         if self.captured:
