@@ -689,7 +689,7 @@ def _peer_bullets(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, 
             continue
         label = ALGORITHM_BY_KEY[overlapped].label
         if not r.get("available", True):
-            out.append(f"- {label}: not available ({r.get('reason', '')}).")
+            out.append(f"- {label}: not available (the reason is in its row above).")
             continue
         comp = rows[overlapped]["over_compute"]
         peer = (f"{_excess(tg[f'{overlapped}_over_fastest_peer'])} vs the fastest peer row "

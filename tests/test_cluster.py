@@ -331,8 +331,9 @@ def test_render_markdown_peers():
     assert len(overlap1) == 1
     assert "+2.0% over compute only" in overlap1[0] and "hides 75%" in overlap1[0]
     assert "-3.8% vs the fastest peer row (Local SGD (torch PostLocalSGDOptimizer" in overlap1[0]
-    assert ("- Local SGD + SlowMo, overlap=2: not available (this hvd_slowmo has no overlap "
-            "option: x).") in lines
+    assert "- Local SGD + SlowMo, overlap=2: not available (the reason is in its row above)." in lines
+    assert "| Local SGD + SlowMo, overlap=2 | 12 | not available (this hvd_slowmo has no overlap " \
+           "option: x) | | | | |" in lines
     # No peer row measured: no peers table, no peer bullets.
     md = cluster.render_markdown({"header": header,
                                   "results": _results(compute=1000.0, sgp=1100.0)})
