@@ -306,7 +306,9 @@ def load_pending(
             "resume with the overlap it was saved with, or save when opt.pending is None"
         )
     if not isinstance(saved, dict) or not isinstance(saved.get("apply_at"), int):
-        raise ValueError("load_state_dict: 'overlap' is not an outer step in flight: a damaged state")
+        raise ValueError(
+            "load_state_dict: 'overlap' is not an outer step in flight: a damaged state"
+        )
     if not inner < saved["apply_at"] < opt.tau:
         raise ValueError(
             f"load_state_dict: the outer step in flight lands at inner step {saved['apply_at']}, "
@@ -317,8 +319,10 @@ def load_pending(
 
     def like(key: str, model: list[Tensor]) -> list[Tensor]:
         tensors = saved.get(key)
-        if not isinstance(tensors, list) or len(tensors) != len(model) or any(
-            not isinstance(t, Tensor) or t.shape != m.shape for t, m in zip(tensors, model)
+        if (
+            not isinstance(tensors, list)
+            or len(tensors) != len(model)
+            or any(not isinstance(t, Tensor) or t.shape != m.shape for t, m in zip(tensors, model))
         ):
             raise ValueError(f"load_state_dict: 'overlap.{key}' does not match this model")
         return [t.detach().to(m.device, m.dtype).clone() for t, m in zip(tensors, model)]

@@ -116,7 +116,9 @@ class SlowState(abc.ABC):
                 base keeps them identical on every worker, like AR-SGD).
         """
 
-    def average_start_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> PendingAverage:
+    def average_start_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool
+    ) -> PendingAverage:
         """:meth:`average_` without waiting (``overlap >= 1``); the average is complete once the
         handle's ``wait()`` returns. By default nothing starts here: ``wait()`` runs the blocking
         :meth:`average_` (correct, but nothing is hidden behind compute). Collective in ``wait()``.

@@ -54,7 +54,9 @@ class FullSlowState(SlowState):
         if tensors:
             self.comm.average_(tensors, name="hvd_slowmo.exact_average")
 
-    def average_start_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> PendingAverage:
+    def average_start_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool
+    ) -> PendingAverage:
         # The same collective as average_, started in the background.
         tensors = (params if exact else []) + extra
         return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
