@@ -17,8 +17,8 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=3.1"],
         "tensorboard": ["tensorboard>=2.10", "matplotlib>=3.5"],
-        "examples": ["torchvision", "scikit-learn>=1.0", "tensorboard>=2.10", "matplotlib>=3.5", "tqdm"],
-        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "tensorboard>=2.10"],
+        "examples": ["torchvision", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10", "matplotlib>=3.5", "tqdm"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10"],
     },
     entry_points={"console_scripts": ["hvd-slowmo-report=hvd_slowmo.tools.report:main",
                                       "hvd-slowmo-sweep=hvd_slowmo.tools.sweep:main"]},

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, setup, train_classifier, warmup_multistep  # noqa: E402
+from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep  # noqa: E402
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
@@ -116,4 +116,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -1,20 +1,25 @@
 """Pieces shared by the example training scripts: the algorithm flags, building the SlowMo
-optimizer from them, learning-rate schedules, the AMP step, checkpoints and rank-0 logging.
+optimizer from them, learning-rate schedules, the AMP step, checkpoints, rank-0 logging, the
+evaluation of the workers' averaged model, and the one training loop every example runs.
 
 The examples import it as ``from common import ...`` (Python puts the script's folder on the
 path). Paper: arXiv 1910.00643.
 """
 import argparse
+import contextlib
 import glob
 import json
 import math
 import os
 import random
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -25,17 +30,24 @@ import hvd_slowmo  # noqa: E402
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
 
 __all__ = [
-    "ALGOS", "add_common_args", "describe", "setup", "build_optimizer", "run_name", "run_config", "make_monitor",
-    "warmup_multistep", "inverse_sqrt", "resume_schedule", "backward_and_step", "autocast", "make_scaler", "allreduce_sums",
-    "save_checkpoint", "load_checkpoint", "progress", "log0", "write_summary", "train_classifier",
+    "ALGOS", "PROGRESS_MARK", "add_common_args", "describe", "setup", "build_optimizer", "run_name",
+    "run_config", "make_monitor", "warmup_multistep", "inverse_sqrt", "resume_schedule",
+    "backward_and_step", "autocast", "make_scaler", "allreduce_sums", "save_checkpoint",
+    "load_checkpoint", "progress", "log0", "write_summary", "at_consensus", "averaged_model",
+    "OuterStepEpochs", "classifier_metrics", "Task", "train", "train_classifier", "run_cli",
 ]
 
-#: Base algorithms selectable with --algo (the gossip ones need their base registered in hvd_slowmo.BASES).
+#: Base algorithms selectable with --algo (the gossip ones need their base registered in
+#: hvd_slowmo.BASES).
 ALGOS = ("allreduce", "localsgd", "sgp", "osgp", "dpsgd")
+#: With --progress-lines, rank 0 prints one line per event starting with this mark, then JSON
+#: (examples/compare.py draws its progress bars from them).
+PROGRESS_MARK = "@hvd_slowmo_progress "
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum: float, buffers: str,
-                    epochs: int, batch_size: int, lr: float, data_flags: bool = True) -> None:
+def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum: float,
+                    buffers: str, epochs: int, batch_size: int, lr: float, data_flags: bool = True,
+                    eval_train_loss: bool = False) -> None:
     """Add the flags every example shares (algorithm, SlowMo, logging, checkpoints, AMP).
 
     Args:
@@ -47,12 +59,15 @@ def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum:
         batch_size: default batch size per worker.
         lr: default learning rate (see each example for its scaling).
         data_flags: add --synthetic/--data/--download/--workers (examples with a dataset to fetch).
+        eval_train_loss: default of --eval-train-loss (on for the small in-memory datasets; a
+            pass over ImageNet's training set every epoch would cost as much as training).
     """
     g = parser.add_argument_group("algorithm (arXiv 1910.00643)")
     g.add_argument("--algo", default="localsgd", choices=ALGOS, help="base algorithm")
     g.add_argument("--slowmo", action=argparse.BooleanOptionalAction, default=True,
-                   help="SlowMo on top of the base (--no-slowmo: the base alone: allreduce every step, "
-                        "Local SGD's plain average every tau steps, gossip without exact average)")
+                   help="SlowMo on top of the base (--no-slowmo: the base alone: allreduce every "
+                        "step, Local SGD's plain average every tau steps, gossip without exact "
+                        "average)")
     g.add_argument("--tau", type=int, default=tau, help="base steps per outer step")
     g.add_argument("--slow-lr", type=float, default=1.0, help="alpha")
     g.add_argument("--slow-momentum", type=float, default=slow_momentum, help="beta")
@@ -65,22 +80,34 @@ def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum:
     t.add_argument("--batch-size", type=int, default=batch_size, help="per worker")
     t.add_argument("--lr", type=float, default=lr)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-steps", type=int, default=0, help="stop after this many steps per epoch (0: no limit)")
+    t.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps per epoch (0: no limit)")
+    t.add_argument("--eval-train-loss", action=argparse.BooleanOptionalAction,
+                   default=eval_train_loss,
+                   help="each epoch, also score the averaged model on the whole training set")
     t.add_argument("--amp", action="store_true",
                    help="mixed precision: fp16 autocast + GradScaler on CUDA, bf16 autocast on CPU")
     if data_flags:
-        t.add_argument("--synthetic", action="store_true", help="random tensors and a tiny model (seconds on a CPU)")
+        t.add_argument("--synthetic", action="store_true",
+                       help="random tensors and a tiny model (seconds on a CPU)")
         t.add_argument("--data", default="data", help="dataset folder")
-        t.add_argument("--download", action="store_true", help="download the dataset into --data (needs network)")
+        t.add_argument("--download", action="store_true",
+                       help="download the dataset into --data (needs network)")
         t.add_argument("--workers", type=int, default=2, help="data-loader processes per rank")
     o = parser.add_argument_group("logging and checkpoints")
     o.add_argument("--logdir", default="runs", help="TensorBoard runs go to LOGDIR/<run name>/")
-    o.add_argument("--run-name", default=None, help="default: encodes algo, slowmo, tau, alpha, beta, buffers")
-    o.add_argument("--log-every", type=int, default=20, help="steps between TensorBoard training points")
-    o.add_argument("--checkpoint", default=None, help="save here at the end of every epoch (rank 0)")
+    o.add_argument("--run-name", default=None,
+                   help="default: encodes algo, slowmo, tau, alpha, beta, buffers")
+    o.add_argument("--log-every", type=int, default=20,
+                   help="steps between TensorBoard training points")
+    o.add_argument("--checkpoint", default=None, help="save here at the end of every epoch")
     o.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     o.add_argument("--summary-json", default=None, help="rank 0 writes the final metrics here")
     o.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    o.add_argument("--progress-lines", action="store_true",
+                   help=f"rank 0 prints a line starting {PROGRESS_MARK.strip()!r} + JSON at the "
+                        "start of the run, after each epoch and at the end (for a launcher that "
+                        "draws its own progress bars)")
 
 
 def setup(args: argparse.Namespace) -> Tuple[Any, torch.device]:
@@ -125,8 +152,9 @@ def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if args.algo not in hvd_slowmo.BASES:
         raise ValueError(f"--algo {args.algo}: this hvd_slowmo has no such base (registered: "
                          f"{sorted(hvd_slowmo.BASES)})")
-    kwargs: Dict[str, Any] = dict(base=args.algo, tau=args.tau, buffers=args.buffers, average=not args.no_average,
-                                  slow_lr=args.slow_lr, slow_momentum=args.slow_momentum)
+    kwargs: Dict[str, Any] = dict(base=args.algo, tau=args.tau, buffers=args.buffers,
+                                  average=not args.no_average, slow_lr=args.slow_lr,
+                                  slow_momentum=args.slow_momentum)
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":
@@ -134,7 +162,8 @@ def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             kwargs.update(buffers="maintain", average=args.algo == "allreduce")
     elif args.algo == "allreduce" and args.buffers == "average":
         kwargs.update(buffers="maintain")  # identical on every worker already
-    return hvd_slowmo.DistributedOptimizer(base_optimizer, named_parameters=model.named_parameters(),
+    return hvd_slowmo.DistributedOptimizer(base_optimizer,
+                                           named_parameters=model.named_parameters(),
                                            model_buffers=model.buffers(), **kwargs)
 
 
@@ -144,8 +173,9 @@ def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
     Args:
         opt: the distributed optimizer.
     """
-    return (f"base={opt.base_name} tau={opt.tau} slow_lr={opt.slow_lr:g} slow_momentum={opt.slow_momentum:g} "
-            f"buffers={opt.buffers} average={opt.average} optimizer={type(opt.optimizer).__name__}")
+    return (f"base={opt.base_name} tau={opt.tau} slow_lr={opt.slow_lr:g} "
+            f"slow_momentum={opt.slow_momentum:g} buffers={opt.buffers} average={opt.average} "
+            f"optimizer={type(opt.optimizer).__name__}")
 
 
 def run_name(args: argparse.Namespace) -> str:
@@ -155,11 +185,14 @@ def run_name(args: argparse.Namespace) -> str:
     if not args.slowmo:
         return f"{args.algo}" + (f"_tau{args.tau}" if args.algo == "localsgd" else "")
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
-    return f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}_{args.buffers}"
+    return (f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
+            f"_{args.buffers}")
 
 
-def run_config(args: argparse.Namespace, task: str, optimizer_name: str, world_size: int) -> Dict[str, Any]:
-    """What ``config.json`` records (the report groups runs by ``algo`` and ``slowmo``).
+def run_config(args: argparse.Namespace, task: str, optimizer_name: str,
+               world_size: int) -> Dict[str, Any]:
+    """What ``config.json`` records (the report groups runs by ``algo`` and ``slowmo``, and treats
+    runs whose configurations differ only in ``seed`` as repeats of one setting).
 
     Args:
         args: the parsed flags.
@@ -171,12 +204,13 @@ def run_config(args: argparse.Namespace, task: str, optimizer_name: str, world_s
             "slow_lr": args.slow_lr if args.slowmo else 1.0,
             "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
             "buffers": args.buffers, "average": not args.no_average, "optimizer": optimizer_name,
-            "workers": world_size, "batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs,
-            "amp": args.amp, "synthetic": getattr(args, "synthetic", False)}
+            "workers": world_size, "batch_size": args.batch_size, "lr": args.lr,
+            "epochs": args.epochs, "seed": args.seed, "amp": args.amp,
+            "synthetic": getattr(args, "synthetic", False)}
 
 
-def make_monitor(opt: hvd_slowmo.DistributedOptimizer, args: argparse.Namespace, config: Dict[str, Any],
-                 device: torch.device) -> TrainingMonitor:
+def make_monitor(opt: hvd_slowmo.DistributedOptimizer, args: argparse.Namespace,
+                 config: Dict[str, Any], device: torch.device) -> TrainingMonitor:
     """The TensorBoard monitor for ``LOGDIR/<run name>``; a fresh run (not --resume) first
     removes that run's old event files so TensorBoard does not mix two runs.
 
@@ -188,14 +222,15 @@ def make_monitor(opt: hvd_slowmo.DistributedOptimizer, args: argparse.Namespace,
     """
     logdir = os.path.join(args.logdir, run_name(args))
     if opt.comm.rank == 0 and not args.resume:
-        for old in glob.glob(os.path.join(logdir, "events.out.tfevents.*")) + [os.path.join(logdir, CONFIG_FILE)]:
+        old_files = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+        for old in old_files + [os.path.join(logdir, CONFIG_FILE)]:
             if os.path.exists(old):
                 os.remove(old)
     return TrainingMonitor(opt, logdir, config, device=device)
 
 
-def warmup_multistep(step: int, steps_per_epoch: int, warmup_epochs: float, milestones: Sequence[int],
-                     gamma: float = 0.1) -> float:
+def warmup_multistep(step: int, steps_per_epoch: int, warmup_epochs: float,
+                     milestones: Sequence[int], gamma: float = 0.1) -> float:
     """Goyal et al.'s schedule as a factor of the peak lr: linear warm-up, then decay by
     ``gamma`` at each milestone epoch.
 
@@ -234,7 +269,8 @@ def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None
         step: the global step to continue from.
     """
     sched.last_epoch = step
-    for group, base_lr, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+    groups = sched.optimizer.param_groups
+    for group, base_lr, factor in zip(groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base_lr * factor(step)
 
 
@@ -260,7 +296,8 @@ def make_scaler(args: argparse.Namespace, device: torch.device) -> Optional[torc
 
 
 def backward_and_step(loss: torch.Tensor, opt: hvd_slowmo.DistributedOptimizer,
-                      scaler: Optional[torch.amp.GradScaler], monitor: TrainingMonitor, hvd: Any) -> None:
+                      scaler: Optional[torch.amp.GradScaler], monitor: TrainingMonitor,
+                      hvd: Any) -> None:
     """Backward and one optimizer step, with Horovod's GradScaler recipe when ``scaler`` is set.
 
     With a scaler, all workers must agree on skipping a step: a local method whose workers skip
@@ -309,32 +346,32 @@ def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> List[float]:
     return t.tolist()
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer, epoch: int,
-                    scaler: Optional[torch.amp.GradScaler], rank: int) -> None:
-    """Rank 0 saves one dict: model, optimizer (SlowMo state included), next epoch, scaler.
+def save_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
+                    epoch: int, scaler: Optional[torch.amp.GradScaler], rank: int) -> None:
+    """Save one dict (model, optimizer with its SlowMo state, next epoch, scaler) with
+    :func:`hvd_slowmo.save_checkpoint` (atomic). Call on every rank: ``opt.state_dict()`` first
+    finishes the gossip messages in flight, which every rank must do; rank 0 then writes.
 
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file (its folder is created).
         model: the model.
         opt: the distributed optimizer.
         epoch: the next epoch to run.
         scaler: the GradScaler or None.
         rank: this worker's rank.
     """
-    if rank != 0:
-        return
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-             "step": opt.num_steps, "scaler": scaler.state_dict() if scaler is not None else None}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # never leave a half-written checkpoint behind
+             "scaler": scaler.state_dict() if scaler is not None else None}
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        hvd_slowmo.save_checkpoint(state, path)
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
                     scaler: Optional[torch.amp.GradScaler], hvd: Any) -> int:
-    """Rank 0 reads the checkpoint; every rank then gets its model and optimizer state
-    (``hvd.broadcast_parameters`` and ``hvd_slowmo.broadcast_optimizer_state``). Collective.
+    """Rank 0 reads the checkpoint (:func:`hvd_slowmo.load_checkpoint`); every rank then gets
+    its model and optimizer state (``hvd.broadcast_parameters`` and
+    ``hvd_slowmo.broadcast_optimizer_state``). Collective.
 
     Args:
         path: the checkpoint file.
@@ -351,19 +388,21 @@ def load_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.Distribut
     if hvd.rank() == 0:
         if not os.path.exists(path):
             raise ValueError(f"--resume: no checkpoint at {path!r}; drop --resume to start afresh")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = hvd_slowmo.load_checkpoint(path)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         epoch, scaler_state = int(ckpt["epoch"]), ckpt["scaler"]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd_slowmo.broadcast_optimizer_state(opt, root_rank=0)
-    epoch, scaler_state = hvd.broadcast_object((epoch, scaler_state), root_rank=0, name="examples.resume")
+    epoch, scaler_state = hvd.broadcast_object((epoch, scaler_state), root_rank=0,
+                                               name="examples.resume")
     if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     return epoch
 
 
-def progress(iterable: Iterable[Any], rank: int, args: argparse.Namespace, **kwargs: Any) -> Iterable[Any]:
+def progress(iterable: Iterable[Any], rank: int, args: argparse.Namespace,
+             **kwargs: Any) -> Iterable[Any]:
     """A tqdm bar on rank 0 (unless --no-progress); the plain iterable elsewhere.
 
     Args:
@@ -390,6 +429,12 @@ def log0(rank: int, *message: Any) -> None:
         print(*message, flush=True)
 
 
+def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: Any) -> None:
+    if args.progress_lines and rank == 0:
+        line = json.dumps({"event": event, "run": run_name(args), **fields})
+        print(PROGRESS_MARK + line, flush=True)
+
+
 def write_summary(path: Optional[str], summary: Dict[str, Any], rank: int) -> None:
     """Rank 0 writes the run's final metrics as JSON (read by compare.py and the tests).
 
@@ -404,21 +449,149 @@ def write_summary(path: Optional[str], summary: Dict[str, Any], rank: int) -> No
         json.dump(summary, f, indent=1, sort_keys=True)
 
 
-@torch.no_grad()
-def evaluate_classifier(model: torch.nn.Module, loader: DataLoader, hvd: Any, device: torch.device,
-                        args: argparse.Namespace) -> Dict[str, float]:
-    """Validation loss and accuracy (%) over the whole validation set: each worker scores its
-    own model on its shard (the workers' models differ between exact averages, so this is the
-    mean over the workers' models), and the sums are added over workers.
+# --- the averaged model ------------------------------------------------------------------------
+def at_consensus(opt: hvd_slowmo.DistributedOptimizer) -> bool:
+    """True when every worker holds the same model: always with AR-SGD (gradients are averaged
+    every step); with the other bases before the first step and right after an exact average,
+    i.e. at an outer-step boundary (never for a gossip base run without exact averages).
+
+    Args:
+        opt: the distributed optimizer.
+    """
+    if opt.comm.size == 1 or opt.num_steps == 0 or not opt.base.needs_exact_average:
+        return True
+    return opt.inner_step == 0 and opt.average
+
+
+@contextlib.contextmanager
+def averaged_model(model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
+                   hvd: Any) -> Iterator[bool]:
+    """Inside the block, ``model`` holds the workers' averaged model; afterwards it holds this
+    worker's own parameters again, bitwise, so training continues undisturbed. Collective.
+
+    At consensus (:func:`at_consensus`) the model already is the average and nothing is done.
+    Otherwise a copy is kept, and the parameters (and floating-point buffers, e.g. BatchNorm
+    statistics) are replaced by their average over workers. With push-sum bases (SGP, OSGP) the
+    model holds ``z = x / w``, and the consensus value is ``sum_i x_i / sum_i w_i``; OSGP
+    shares still in flight are not counted. None of this goes through ``opt.comm``, so the
+    optimizer's traffic counters do not see it.
 
     Args:
         model: this worker's model.
-        loader: this worker's shard of the validation set.
+        opt: its distributed optimizer.
+        hvd: ``horovod.torch``.
+
+    Yields:
+        True when the model was already the average (an outer-step boundary or AR-SGD).
+    """
+    if at_consensus(opt):
+        yield True
+        return
+    params = [p for p in model.parameters()]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    saved = [t.detach().clone() for t in params + buffers]
+    weight = float(getattr(opt.base, "ps_weight", 1.0))
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float64) * weight for p in params]
+                         + [torch.full((1,), weight, dtype=torch.float64, device=params[0].device)]
+                         + [b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        flat = hvd.allreduce(flat, op=hvd.Sum, name="examples.average_for_eval")
+        n_params = sum(p.numel() for p in params)
+        total_weight = flat[n_params]
+        averages = torch.cat([flat[:n_params] / total_weight, flat[n_params + 1:] / hvd.size()])
+        offset = 0
+        for t in params + buffers:
+            t.copy_(averages[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    try:
+        yield False
+    finally:
+        with torch.no_grad():
+            for t, s in zip(params + buffers, saved):
+                t.copy_(s)
+
+
+# --- data ---------------------------------------------------------------------------------------
+class OuterStepEpochs:
+    """This worker's minibatches of an in-memory training set, in epochs of whole outer steps.
+
+    Each worker reads an endless stream: pass ``k`` over the data is a fresh permutation (seeded
+    by the run's seed and ``k``, the same on every worker), dealt round-robin to the workers, and
+    minibatches run on across passes. An epoch is the multiple of ``tau`` steps closest to one
+    pass (at least ``tau``), so every epoch ends at an outer-step boundary, where every worker
+    holds the averaged model; the stream is a pure function of the epoch, so a resumed run
+    reads the same batches.
+
+    Args:
+        num_examples: size of the training set.
+        batch_size: per worker.
+        rank: this worker's rank.
+        size: number of workers.
+        seed: the run's seed.
+        tau: steps per outer step.
+        max_steps: cap on steps per epoch (0: none; a cap that is not a multiple of ``tau``
+            ends epochs inside an outer step).
+        pass_examples: size the epochs for a pass over this many examples instead (e.g. the
+            full training set, when a validation split was held out of it: same steps per epoch).
+
+    Raises:
+        ValueError: a worker's share of the data is smaller than one batch.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, rank: int, size: int, seed: int,
+                 tau: int, max_steps: int = 0, pass_examples: Optional[int] = None) -> None:
+        self.per_worker = num_examples // size
+        if batch_size < 1 or self.per_worker < batch_size:
+            raise ValueError(f"--batch-size {batch_size} does not fit a worker's share of the "
+                             f"training set ({self.per_worker} examples); use 1 to "
+                             f"{max(self.per_worker, 1)}")
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.rank, self.size = rank, size
+        pass_steps = (pass_examples or num_examples) // size / batch_size
+        steps = tau * max(1, round(pass_steps / tau))
+        self.steps_per_epoch = min(steps, max_steps) if max_steps > 0 else steps
+
+    def _pass(self, k: int) -> Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
+        perm = torch.randperm(self.num_examples, generator=g)
+        return perm[self.rank::self.size][: self.per_worker]
+
+    def epoch(self, epoch: int) -> List[Tensor]:
+        """The index tensors of this worker's ``steps_per_epoch`` minibatches in ``epoch``.
+
+        Args:
+            epoch: 0-based.
+        """
+        start = epoch * self.steps_per_epoch * self.batch_size
+        stop = start + self.steps_per_epoch * self.batch_size
+        first, last = start // self.per_worker, (stop - 1) // self.per_worker
+        stream = torch.cat([self._pass(k) for k in range(first, last + 1)])
+        offset = start - first * self.per_worker
+        return list(stream[offset:offset + stop - start].split(self.batch_size))
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+@torch.no_grad()
+def classifier_metrics(model: torch.nn.Module, dataset: Dataset, hvd: Any, device: torch.device,
+                       args: argparse.Namespace, batch_size: int, name: str) -> Tuple[float, float]:
+    """Mean cross-entropy and accuracy (%) of ``model`` over the whole ``dataset``: worker ``r``
+    scores every ``size``-th example (an exact partition) and the sums are added. Collective.
+
+    Args:
+        model: the model to score (the averaged one, see :func:`averaged_model`).
+        dataset: yields ``(x, y)``.
         hvd: ``horovod.torch``.
         device: the device.
-        args: the parsed flags (for --amp).
+        args: the parsed flags (--amp, --workers).
+        batch_size: evaluation batch size.
+        name: a unique Horovod name for the sums.
     """
+    was_training = model.training
     model.eval()
+    workers = 0 if getattr(args, "synthetic", True) else getattr(args, "workers", 0)
+    shard = Subset(dataset, range(hvd.rank(), len(dataset), hvd.size()))
+    loader = DataLoader(shard, batch_size=batch_size, num_workers=workers,
+                        pin_memory=device.type == "cuda")
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -427,97 +600,263 @@ def evaluate_classifier(model: torch.nn.Module, loader: DataLoader, hvd: Any, de
         loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
         correct += (logits.argmax(1) == y).sum().item()
         count += len(y)
-    model.train()
-    loss_sum, correct, count = allreduce_sums([loss_sum, correct, count], hvd, "examples.eval")
-    return {"val_loss": loss_sum / count, "val_accuracy": 100.0 * correct / count}
+    model.train(was_training)
+    loss_sum, correct, count = allreduce_sums([loss_sum, correct, count], hvd, name)
+    return loss_sum / count, 100.0 * correct / count
 
 
-def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, task: str, model: torch.nn.Module,
-                     train_set: Dataset, val_set: Dataset, peak_lr: float,
-                     lr_factor: Callable[[int, int], float]) -> Dict[str, Any]:
-    """The image-classification loop shared by the examples: Nesterov SGD (momentum 0.9,
-    weight decay 1e-4, the paper's CIFAR-10/ImageNet recipe) wrapped by SlowMo, DistributedSampler,
-    per-step lr schedule, AMP, checkpoints, TensorBoard, rank-0 logs.
+# --- the training loop --------------------------------------------------------------------------
+@dataclass
+class Task:
+    """What the shared training loop needs from an example.
+
+    Attributes:
+        name: the task name recorded in ``config.json`` (a row label of the report).
+        optimizer: ``"sgd"`` or ``"adam"`` (recorded; the report labels rows "Local SGD" or
+            "Local Adam").
+        steps_per_epoch: optimizer steps per epoch (the same on every worker).
+        batches: ``epoch -> this worker's batches`` (at least ``steps_per_epoch`` of them).
+        loss: ``batch -> this worker's mean training loss`` (batch already on the device; runs
+            under autocast).
+        evaluate: collective; the metrics of the model as it is (the loop makes it the averaged
+            model first): keys among ``val_loss``, ``val_accuracy``, ``val_nll`` and
+            ``train_full_loss``.
+        to_device: moves a batch to the training device.
+        target: the metric whose best value the summary keeps (``val_accuracy``: higher is
+            better; anything else: lower is better).
+    """
+
+    name: str
+    optimizer: str
+    steps_per_epoch: int
+    batches: Callable[[int], Iterable[Any]]
+    loss: Callable[[Any], Tensor]
+    evaluate: Callable[[], Dict[str, float]]
+    to_device: Callable[[Any], Any]
+    target: str = "val_accuracy"
+
+
+def _fmt_metrics(metrics: Dict[str, float]) -> str:
+    names = {"train_full_loss": "train loss", "val_loss": "val loss", "val_accuracy": "val acc",
+             "val_nll": "val nll"}
+    return ", ".join(f"{names[k]} {v:.2f}%" if k == "val_accuracy" else f"{names[k]} {v:.4f}"
+                     for k, v in metrics.items())
+
+
+def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
+          model: torch.nn.Module, base_optimizer: torch.optim.Optimizer,
+          lr_factor: Callable[[int], float]) -> Dict[str, Any]:
+    """The training loop every example runs: SlowMo around ``base_optimizer``, a per-step lr
+    schedule, AMP, checkpoints, TensorBoard, rank-0 logs, and at the end of every epoch the
+    metrics of the workers' averaged model (:func:`averaged_model`).
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
         hvd: ``horovod.torch`` (initialized).
         device: the training device.
-        task: the task name recorded in ``config.json`` (a row label of the report).
+        task: the example's data, loss and evaluation.
         model: the model, on ``device``.
-        train_set: the training set (sharded across workers here).
-        val_set: the validation set (sharded for evaluation).
-        peak_lr: the learning rate after warm-up (already scaled for the global batch).
-        lr_factor: ``(step, steps_per_epoch) -> factor`` of ``peak_lr``.
+        base_optimizer: the local optimizer over ``model.parameters()``, at its peak lr.
+        lr_factor: ``step -> factor`` of the peak lr.
 
     Returns:
         The final metrics (rank 0 also writes them to --summary-json).
     """
+    t_start = time.perf_counter()
     rank, size = hvd.rank(), hvd.size()
-    workers = 0 if getattr(args, "synthetic", True) else args.workers
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        num_workers=workers, pin_memory=device.type == "cuda")
-    # Every size-th validation example: an exact partition (DistributedSampler would pad).
-    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), size)), batch_size=args.batch_size,
-                            num_workers=workers, pin_memory=device.type == "cuda")
-    steps_per_epoch = len(loader) if args.max_steps <= 0 else min(len(loader), args.max_steps)
-    if steps_per_epoch == 0:
-        raise ValueError(f"--batch-size {args.batch_size} is larger than a worker's shard of the training set "
-                         f"({len(sampler)} examples); lower it")
-
-    base = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    opt = build_optimizer(base, model, args)
-    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda s: lr_factor(s, steps_per_epoch))
+    opt = build_optimizer(base_optimizer, model, args)
+    sched = torch.optim.lr_scheduler.LambdaLR(base_optimizer, lr_factor)
     scaler = make_scaler(args, device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     start_epoch = 0
     if args.resume:
         start_epoch = load_checkpoint(args.checkpoint, model, opt, scaler, hvd)
         resume_schedule(sched, opt.num_steps)
-    monitor = make_monitor(opt, args, run_config(args, task, "sgd", size), device)
-    log0(rank, f"{run_name(args)}: {size} workers, {steps_per_epoch} steps/epoch, peak lr {peak_lr:g}, {describe(opt)}")
+    config = run_config(args, task.name, task.optimizer, size)
+    config.update(buffers=opt.buffers, average=opt.average)  # as built (the base alone may differ)
+    monitor = make_monitor(opt, args, config, device)
+    log0(rank, f"{run_name(args)}: {size} workers, {task.steps_per_epoch} steps/epoch, "
+               f"peak lr {sched.base_lrs[0]:g}, {describe(opt)}")
+    _progress_line(args, rank, "start", epochs=args.epochs, start_epoch=start_epoch)
 
-    window: Dict[str, float] = {}
-    val: Dict[str, float] = {}
-    best_acc = 0.0
+    higher_is_better = task.target == "val_accuracy"
+    best = -math.inf if higher_is_better else math.inf
+    metrics: Dict[str, float] = {}
+    epoch_loss = float("nan")
+    at_boundary = True
     skip_seconds, skip_iters = 0.0, 0
+    diverged = False
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        bar = progress(loader, rank, args, total=steps_per_epoch, desc=f"epoch {epoch}")
-        for i, (x, y) in enumerate(bar):
-            if i >= steps_per_epoch:
+        bar = progress(task.batches(epoch), rank, args, total=task.steps_per_epoch,
+                       desc=f"epoch {epoch}")
+        loss_sum, steps = 0.0, 0
+        for i, batch in enumerate(bar):
+            if i >= task.steps_per_epoch:
                 break
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            batch = task.to_device(batch)
             monitor.start_iteration()
             with autocast(args, device):
-                loss = F.cross_entropy(model(x), y)
-            backward_and_step(loss, opt, scaler, monitor, hvd)
-            monitor.end_iteration(loss.item())
+                loss = task.loss(batch)
+            try:
+                backward_and_step(loss, opt, scaler, monitor, hvd)
+            except FloatingPointError as e:
+                # Raised on every rank at the same outer step (a collective check): a learning rate
+                # too large for this method. Record the run as diverged (its metrics: those of the
+                # non-finite model) rather than end a sweep or a --plan launch.
+                log0(rank, f"{run_name(args)}: diverged at step {opt.num_steps}: "
+                           f"{str(e).splitlines()[0]}")
+                diverged = True
+                break
+            value = loss.item()
+            monitor.end_iteration(value)
+            loss_sum, steps = loss_sum + value, steps + 1
             sched.step()
             if opt.num_steps % args.log_every == 0:
                 window = monitor.log_window(opt.num_steps)
                 if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}")
-        val = evaluate_classifier(model, val_loader, hvd, device, args)
-        best_acc = max(best_acc, val["val_accuracy"])
-        monitor.log_validation(opt.num_steps, val)
-        log0(rank, f"epoch {epoch}: train loss {window.get('train_loss', float('nan')):.4f}, "
-                   f"val loss {val['val_loss']:.4f}, val acc {val['val_accuracy']:.2f}%")
+                    bar.set_postfix(loss=f"{window['train_loss']:.4f}",
+                                    ms=f"{window['iter_ms']:.1f}")
+        # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
+        loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
+        epoch_loss = loss_sum / steps_all if steps_all else float("nan")
+        with averaged_model(model, opt, hvd) as already_averaged:
+            metrics = task.evaluate()
+        at_boundary = already_averaged
+        monitor.log_validation(opt.num_steps, metrics)
+        if task.target in metrics:
+            value = metrics[task.target]
+            best = max(best, value) if higher_is_better else min(best, value)
+        log0(rank, f"epoch {epoch}: train loss {epoch_loss:.4f} (minibatches); averaged model"
+                   f"{'' if at_boundary else ' (a copy)'}: {_fmt_metrics(metrics)}")
+        _progress_line(args, rank, "epoch", epoch=epoch + 1, epochs=args.epochs,
+                       step=opt.num_steps, **metrics)
         if epoch == start_epoch:  # the first epoch pays Horovod's one-off negotiation: leave it out
             skip_seconds, skip_iters = monitor.total_seconds, monitor.total_iterations
+        if diverged:
+            break
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, opt, epoch + 1, scaler, rank)
-    if monitor.total_iterations % args.log_every:
-        window = monitor.log_window(opt.num_steps)
+    if opt.num_steps % args.log_every:  # close the last, partial TensorBoard window
+        monitor.log_window(opt.num_steps)
     monitor.close()
+    flush = getattr(opt.base, "flush", None)
+    if flush is not None:
+        flush()  # OSGP: no gossip message may stay in flight past the run
     timed = monitor.total_iterations - skip_iters
-    summary = {"run": run_name(args), "task": task, "algo": args.algo, "slowmo": args.slowmo, "workers": size,
-               "steps": opt.num_steps, "train_loss": window.get("train_loss"), "val_loss": val.get("val_loss"),
-               "val_accuracy": val.get("val_accuracy"), "best_val_accuracy": best_acc,
+    summary = {"run": run_name(args), "task": task.name, "algo": args.algo, "slowmo": args.slowmo,
+               "workers": size, "seed": args.seed, "lr": args.lr, "tau": args.tau,
+               "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
+               "buffers": opt.buffers, "steps": opt.num_steps, "epochs": args.epochs,
+               "train_loss": epoch_loss, **metrics,
+               f"best_{task.target}": best if math.isfinite(best) else None,
+               "evaluated_at_boundary": at_boundary,
                "ms_per_iter": (1000.0 * (monitor.total_seconds - skip_seconds) / timed if timed
                                else monitor.mean_iteration_ms()),
-               "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes, "timings_s": dict(opt.timings),
-               "outer_steps": opt.outer_steps}
+               "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes,
+               "timings_s": dict(opt.timings), "outer_steps": opt.outer_steps,
+               "diverged": diverged, "wall_s": time.perf_counter() - t_start}
     write_summary(args.summary_json, summary, rank)
+    _progress_line(args, rank, "end", summary=summary)
     return summary
+
+
+def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, task: str,
+                     model: torch.nn.Module, train_set: Dataset, val_set: Dataset, peak_lr: float,
+                     lr_factor: Callable[[int, int], float], in_memory: bool = False,
+                     eval_batch_size: Optional[int] = None,
+                     pass_examples: Optional[int] = None) -> Dict[str, Any]:
+    """Image/signal classification with :func:`train`: Nesterov SGD (momentum 0.9, weight decay
+    1e-4, the paper's CIFAR-10/ImageNet recipe) wrapped by SlowMo; cross-entropy; the averaged
+    model's validation loss and accuracy (and, with --eval-train-loss, its loss on the whole
+    training set) after every epoch.
+
+    Args:
+        args: the parsed flags (see :func:`add_common_args`).
+        hvd: ``horovod.torch`` (initialized).
+        device: the training device.
+        task: the task name recorded in ``config.json``.
+        model: the model, on ``device``.
+        train_set: the training set.
+        val_set: the held-out set.
+        peak_lr: the learning rate after warm-up (already scaled for the global batch).
+        lr_factor: ``(step, steps_per_epoch) -> factor`` of ``peak_lr``.
+        in_memory: ``train_set`` is a ``TensorDataset``: batches come from :class:`OuterStepEpochs`
+            (epochs of whole outer steps, evaluated at an outer-step boundary); otherwise a
+            ``DistributedSampler`` deals one pass per epoch (``--max-steps`` caps it).
+        eval_batch_size: batch size for evaluation (default --batch-size).
+        pass_examples: with ``in_memory``, see :class:`OuterStepEpochs`.
+
+    Returns:
+        The final metrics (rank 0 also writes them to --summary-json).
+    """
+    rank, size = hvd.rank(), hvd.size()
+    if in_memory:
+        xs, ys = train_set.tensors  # type: ignore[attr-defined]
+        epochs = OuterStepEpochs(len(ys), args.batch_size, rank, size, args.seed, args.tau,
+                                 args.max_steps, pass_examples)
+        steps_per_epoch = epochs.steps_per_epoch
+        def batches(epoch: int) -> Iterable[Any]:
+            return ((xs[i], ys[i]) for i in epochs.epoch(epoch))
+    else:
+        workers = 0 if getattr(args, "synthetic", True) else args.workers
+        sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
+                                     seed=args.seed)
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                            num_workers=workers, pin_memory=device.type == "cuda")
+        steps_per_epoch = len(loader) if args.max_steps <= 0 else min(len(loader), args.max_steps)
+        if steps_per_epoch == 0:
+            raise ValueError(f"--batch-size {args.batch_size} is larger than a worker's shard of "
+                             f"the training set ({len(sampler)} examples); lower it")
+
+        def batches(epoch: int) -> Iterable[Any]:  # type: ignore[misc]
+            sampler.set_epoch(epoch)
+            return loader
+
+    eval_bs = eval_batch_size or args.batch_size
+
+    def evaluate() -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        if args.eval_train_loss:
+            out["train_full_loss"], _ = classifier_metrics(model, train_set, hvd, device, args,
+                                                           eval_bs, "examples.eval_train")
+        out["val_loss"], out["val_accuracy"] = classifier_metrics(model, val_set, hvd, device, args,
+                                                                  eval_bs, "examples.eval_val")
+        return out
+
+    spec = Task(name=task, optimizer="sgd", steps_per_epoch=steps_per_epoch, batches=batches,
+                loss=lambda b: F.cross_entropy(model(b[0]), b[1]), evaluate=evaluate,
+                to_device=lambda b: (b[0].to(device, non_blocking=True),
+                                     b[1].to(device, non_blocking=True)))
+    base = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True,
+                           weight_decay=1e-4)
+    return train(args, hvd, device, spec, model, base,
+                 lambda step: lr_factor(step, steps_per_epoch))
+
+
+def run_cli(main: Callable[[List[str]], Any], argv: Optional[Sequence[str]] = None) -> int:
+    """An example's command line, plus ``--plan FILE``: a JSON list of argument lists, each
+    trained in turn inside this one launch after the other arguments (so a launcher pays
+    ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.tools.sweep).
+
+    Args:
+        main: the example's ``main(argv)``.
+        argv: the arguments (default: sys.argv[1:]).
+
+    Returns:
+        0 (errors raise).
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plan", default=None)
+    known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if known.plan is None:
+        main(rest)
+        return 0
+    with open(known.plan, encoding="utf-8") as f:
+        plan = json.load(f)
+    if not isinstance(plan, list) or not all(
+            isinstance(e, list) and all(isinstance(a, str) for a in e) for e in plan):
+        raise ValueError(f"--plan {known.plan!r} must hold a JSON list of argument lists, e.g. "
+                         '[["--seed", "0"], ["--seed", "1"]]')
+    for entry in plan:
+        main(rest + entry)
+    return 0

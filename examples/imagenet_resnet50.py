@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, setup, train_classifier, warmup_multistep  # noqa: E402
+from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep  # noqa: E402
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -93,4 +93,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -34,9 +34,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_args, allreduce_sums, autocast, backward_and_step, build_optimizer,  # noqa: E402
-                    describe, inverse_sqrt, load_checkpoint, log0, make_monitor, make_scaler, progress,
-                    resume_schedule, run_config, run_name, save_checkpoint, setup, write_summary)
+from common import (Task, add_common_args, allreduce_sums, autocast, inverse_sqrt, log0, run_cli,  # noqa: E402
+                    setup, train)
 
 # torch's encoder fast path (evaluation with a padding mask) warns that nested tensors are a prototype.
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -190,10 +189,11 @@ def teacher_forcing(tgt: Tensor) -> Tensor:
 @torch.no_grad()
 def validate(model: nn.Module, batches: List[Tuple[Tensor, Tensor]], hvd: Any, device: torch.device,
              args: argparse.Namespace) -> Dict[str, float]:
-    """Per-token NLL of the validation set; each worker scores its own model on every size-th batch.
+    """Per-token NLL of the validation set; each worker scores every size-th batch (the training
+    loop hands in the workers' averaged model). Collective.
 
     Args:
-        model: this worker's model.
+        model: the model to score.
         batches: all validation batches.
         hvd: ``horovod.torch``.
         device: the device.
@@ -242,62 +242,34 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     # Shard whole (length-bucketed) batches; the sampler pads so every worker takes the same
     # number of steps, which the local methods' exact averages rely on.
-    sampler = DistributedSampler(train_batches, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_batches, num_replicas=size, rank=rank, shuffle=True,
+                                 seed=args.seed)
     loader = DataLoader(train_batches, batch_size=None, sampler=sampler)
-    steps_per_epoch = len(sampler) if args.max_steps <= 0 else min(len(sampler), args.max_steps)
 
-    model = Seq2SeqTransformer(vocab, args.d_model, args.heads, args.layers, args.ffn, args.dropout).to(device)
-    base = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    opt = build_optimizer(base, model, args)
-    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda s: inverse_sqrt(s, args.warmup_steps))
-    scaler = make_scaler(args, device)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    start_epoch = 0
-    if args.resume:
-        start_epoch = load_checkpoint(args.checkpoint, model, opt, scaler, hvd)
-        resume_schedule(sched, opt.num_steps)
-    monitor = make_monitor(opt, args, run_config(args, "translation_transformer", "adam", size), device)
-    log0(rank, f"{run_name(args)}: {size} workers, vocab {vocab}, {steps_per_epoch} steps/epoch, {describe(opt)}")
-
-    window: Dict[str, float] = {}
-    val: Dict[str, float] = {}
-    best_nll = math.inf
-    for epoch in range(start_epoch, args.epochs):
+    def batches(epoch: int) -> DataLoader:
         sampler.set_epoch(epoch)
-        bar = progress(loader, rank, args, total=steps_per_epoch, desc=f"epoch {epoch}")
-        for i, (src, tgt) in enumerate(bar):
-            if i >= steps_per_epoch:
-                break
-            src, tgt = src.to(device, non_blocking=True), tgt.to(device, non_blocking=True)
-            monitor.start_iteration()
-            with autocast(args, device):
-                logits = model(src, teacher_forcing(tgt))
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD,
-                                       label_smoothing=args.label_smoothing)
-            backward_and_step(loss, opt, scaler, monitor, hvd)
-            monitor.end_iteration(loss.item())
-            sched.step()
-            if opt.num_steps % args.log_every == 0:
-                window = monitor.log_window(opt.num_steps)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{window['train_loss']:.3f}", ms=f"{window['iter_ms']:.1f}")
-        val = validate(model, val_batches, hvd, device, args)
-        best_nll = min(best_nll, val["val_nll"])
-        monitor.log_validation(opt.num_steps, val)
-        log0(rank, f"epoch {epoch}: train loss {window.get('train_loss', float('nan')):.4f}, "
-                   f"val nll {val['val_nll']:.4f}")
-        if args.checkpoint:
-            save_checkpoint(args.checkpoint, model, opt, epoch + 1, scaler, rank)
-    if monitor.total_iterations % args.log_every:
-        window = monitor.log_window(opt.num_steps)
-    monitor.close()
-    summary = {"run": run_name(args), "task": "translation_transformer", "algo": args.algo, "slowmo": args.slowmo,
-               "workers": size, "steps": opt.num_steps, "train_loss": window.get("train_loss"),
-               "val_nll": val.get("val_nll"), "best_val_nll": best_nll, "ms_per_iter": monitor.mean_iteration_ms(),
-               "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes, "outer_steps": opt.outer_steps}
-    write_summary(args.summary_json, summary, rank)
-    return summary
+        return loader
+
+    def loss(batch: Tuple[Tensor, Tensor]) -> Tensor:
+        src, tgt = batch
+        logits = model(src, teacher_forcing(tgt))
+        return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD,
+                               label_smoothing=args.label_smoothing)
+
+    model = Seq2SeqTransformer(vocab, args.d_model, args.heads, args.layers, args.ffn,
+                               args.dropout).to(device)
+    steps = len(sampler) if args.max_steps <= 0 else min(len(sampler), args.max_steps)
+    task = Task(name="translation_transformer", optimizer="adam", steps_per_epoch=steps,
+                batches=batches, loss=loss,
+                evaluate=lambda: validate(model, val_batches, hvd, device, args),
+                to_device=lambda b: (b[0].to(device, non_blocking=True),
+                                     b[1].to(device, non_blocking=True)),
+                target="val_nll")
+    log0(rank, f"vocabulary: {vocab} tokens")
+    base = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    return train(args, hvd, device, task, model, base,
+                 lambda step: inverse_sqrt(step, args.warmup_steps))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -1,17 +1,22 @@
 """The examples, compare.py and the sweep runner.
 
-Pure pieces (schedules, tokenizer, batching, the sweep's commands) run in-process. The scripts
-themselves run under ``horovodrun -np 2 --gloo`` in their synthetic/tiny modes (CIFAR-10,
-ImageNet and WMT cannot be downloaded here, so only the synthetic mode is exercised), and the
-report reads their event files back.
+Pure pieces (schedules, tokenizer, batching, the epochs of whole outer steps, the averaged
+model for evaluation, --plan, the sweep's commands) run in-process. The scripts themselves run
+under ``horovodrun -np 2 --gloo`` in their synthetic/tiny modes (CIFAR-10, ImageNet and WMT
+cannot be downloaded here, so only the synthetic mode is exercised), and the report reads
+their event files back.
 """
 import json
 import os
+import random
+import re
 import shlex
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import hvd_slowmo
 from hvd_slowmo.tools import report, sweep
@@ -22,7 +27,9 @@ sys.path.insert(0, EXAMPLES)
 
 import common  # noqa: E402
 import compare  # noqa: E402
+import mnist1d_cnn  # noqa: E402
 import translation_transformer as tt  # noqa: E402
+from hvd_slowmo.comm.local import run_threads  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,6 +101,159 @@ def test_compare_parses_algorithms():
         compare.parse_algo("allreduce-slowmo")
 
 
+def test_compare_runs_each_method_at_its_own_settings():
+    ns = SimpleNamespace()
+    settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
+    flags = compare.run_args("sgp-slowmo", settings, 2, ns)
+    assert flags == ["--algo", "sgp", "--slowmo", "--tau", "12", "--lr", "0.05", "--buffers",
+                     "reset", "--seed", "2", "--run-name", "sgp-slowmo/seed2", "--slow-lr", "1",
+                     "--slow-momentum", "0.6"]
+    flags = compare.run_args("localsgd", {"lr": 0.1, "buffers": "maintain"}, 0, ns)
+    assert flags[:3] == ["--algo", "localsgd", "--no-slowmo"] and "--slow-momentum" not in flags
+    # Every default method has tuned settings; SlowMo keeps its base's lr (the paper's protocol).
+    for method in compare.DEFAULT_ALGOS.split(","):
+        assert method in mnist1d_cnn.TUNED
+        if method.endswith("-slowmo"):
+            base = method[: -len("-slowmo")]
+            assert mnist1d_cnn.TUNED[method]["lr"] == mnist1d_cnn.TUNED[base]["lr"]
+            assert mnist1d_cnn.TUNED[method]["slow_momentum"] in mnist1d_cnn.BETA_GRID
+            assert mnist1d_cnn.TUNED[method]["buffers"] == "reset"
+        else:
+            assert mnist1d_cnn.TUNED[method]["lr"] in mnist1d_cnn.LR_GRID
+
+
+def test_compare_results_table_is_mean_std_over_seeds():
+    summaries = {f"localsgd/seed{k}": {"train_full_loss": loss, "train_loss": 9.0,
+                                      "val_accuracy": acc, "best_val_accuracy": acc + 1,
+                                      "ms_per_iter": 2.0, "wall_s": 10.0}
+                 for k, (loss, acc) in enumerate([(0.25, 90.0), (0.5, 92.0), (0.75, 94.0)])}
+    settings = {"localsgd": {"lr": 0.1, "buffers": "maintain"}, "sgp": {"lr": 0.1}}
+    table = compare.results_table(["localsgd", "sgp"], settings, summaries)
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    assert rows["localsgd"].split() == [
+        "localsgd", "0.1", "-", "maintain", "3", "0.5000", "±", "0.2500", "92.00", "±", "2.00",
+        "93.00", "±", "2.00", "2.0", "±", "0.0", "30"]
+    assert rows["sgp"].split()[4] == "0"  # no run finished: said, not hidden
+
+
+def test_outer_step_epochs_end_at_outer_step_boundaries():
+    # 4000 examples, 4 workers, batch 32: a pass is 31.25 steps; the nearest multiple of 12 is 36.
+    shards = [common.OuterStepEpochs(4000, 32, r, 4, seed=3, tau=12) for r in range(4)]
+    assert {s.steps_per_epoch for s in shards} == {36}
+    epochs = [[torch.cat(s.epoch(e)) for s in shards] for e in range(3)]
+    assert all(len(b) == 32 for s in shards for b in s.epoch(1))
+    # Each pass over the data is dealt to the workers without overlap, and the stream runs on
+    # across epochs (epoch 1 starts where epoch 0 stopped).
+    stream0 = torch.cat([epochs[e][0] for e in range(3)])
+    first_pass = torch.cat([torch.cat([epochs[e][r] for e in range(3)])[:1000] for r in range(4)])
+    assert sorted(first_pass.tolist()) == list(range(4000))
+    assert torch.equal(stream0[: 36 * 32], epochs[0][0])
+    # A pure function of (seed, epoch): a resumed run reads the same batches.
+    again = common.OuterStepEpochs(4000, 32, 0, 4, seed=3, tau=12)
+    assert all(torch.equal(a, b) for a, b in zip(again.epoch(2), shards[0].epoch(2)))
+    other = common.OuterStepEpochs(4000, 32, 0, 4, seed=4, tau=12)
+    assert not torch.equal(torch.cat(other.epoch(0)), epochs[0][0])
+    # Sized for another pass (a held-out validation split), capped, or at least one outer step.
+    assert common.OuterStepEpochs(3500, 32, 0, 4, 0, 12, pass_examples=4000).steps_per_epoch == 36
+    assert common.OuterStepEpochs(3500, 32, 0, 4, 0, 12).steps_per_epoch == 24
+    assert common.OuterStepEpochs(4000, 32, 0, 4, 0, 12, max_steps=5).steps_per_epoch == 5
+    assert common.OuterStepEpochs(400, 32, 0, 4, 0, 48).steps_per_epoch == 48
+    with pytest.raises(ValueError, match="--batch-size 64 does not fit"):
+        common.OuterStepEpochs(100, 64, 0, 4, 0, 12)
+
+
+class ThreadHvd:
+    """The part of horovod.torch that averaged_model uses, over in-process thread workers."""
+
+    Sum = "sum"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def size(self):
+        return self.comm.size
+
+    def allreduce(self, tensor, op, name):
+        assert op == self.Sum
+        return torch.stack(self.comm.allgather_object(tensor.clone())).sum(0)  # rank order: exact
+
+
+def stub_opt(comm, inner_step, ps_weight=1.0, average=True, needs_exact_average=True, num_steps=5):
+    base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
+    return SimpleNamespace(comm=comm, num_steps=num_steps, inner_step=inner_step, average=average,
+                           base=base)
+
+
+def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed():
+    """Worker r holds z = 1 + 2r with push-sum weight w = 0.5 + r: the consensus value is
+    sum(w z) / sum(w) = (0.5 + 4.5) / 2 = 2.5; BatchNorm statistics are plainly averaged."""
+    def worker(comm):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.BatchNorm1d(1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1.0 + 2 * comm.rank)
+            model[1].running_mean.fill_(float(comm.rank))
+        before = [t.clone() for t in model.state_dict().values()]
+        opt = stub_opt(comm, inner_step=3, ps_weight=0.5 + comm.rank)
+        with common.averaged_model(model, opt, ThreadHvd(comm)) as already:
+            inside = ([p.clone() for p in model.parameters()], model[1].running_mean.clone())
+        after = list(model.state_dict().values())
+        return already, inside, all(torch.equal(a, b) for a, b in zip(before, after))
+
+    for already, (params, running_mean), restored in run_threads(2, worker):
+        assert not already and restored
+        assert all(torch.equal(p, torch.full_like(p, 2.5)) for p in params)
+        assert running_mean.item() == 0.5
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(inner_step=0), True),  # right after the exact average of an outer step
+    (dict(inner_step=4), False),  # inside an outer step
+    (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
+    (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
+    (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
+], ids=["boundary", "inside", "no-average", "allreduce", "start"])
+def test_at_consensus(case, expected):
+    comm = SimpleNamespace(size=4)
+    assert common.at_consensus(stub_opt(comm, **case)) is expected
+
+
+def test_averaged_model_at_consensus_touches_nothing():
+    model = torch.nn.Linear(2, 1)
+    opt = stub_opt(SimpleNamespace(size=4), inner_step=0)
+    with common.averaged_model(model, opt, hvd=None) as already:
+        assert already
+
+
+def test_run_cli_plan_trains_each_entry_in_one_process(tmp_path):
+    seen = []
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([["--seed", "0"], ["--seed", "1"]]))
+    assert common.run_cli(seen.append, ["--epochs", "2", "--plan", str(plan)]) == 0
+    assert seen == [["--epochs", "2", "--seed", "0"], ["--epochs", "2", "--seed", "1"]]
+    assert common.run_cli(seen.append, ["--epochs", "3"]) == 0 and seen[-1] == ["--epochs", "3"]
+    plan.write_text(json.dumps({"seed": 0}))
+    with pytest.raises(ValueError, match="must hold a JSON list of argument lists"):
+        common.run_cli(seen.append, ["--plan", str(plan)])
+
+
+def test_mnist1d_is_generated_offline_and_leaves_global_generators_alone():
+    pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    data = mnist1d_cnn.load_mnist1d()
+    assert random.random() == expected  # make_dataset reseeds Python's generator: restored
+    assert data["train"].tensors[0].shape == (4000, 1, 40)
+    assert data["val"].tensors[0].shape == (1000, 1, 40)
+    assert sorted(set(data["train"].tensors[1].tolist())) == list(range(10))
+    val = mnist1d_cnn.load_mnist1d(validation=True)
+    assert len(val["train"]) == 3500 and len(val["val"]) == 500
+    # Held out of the training split, not taken from the test split.
+    assert torch.equal(val["val"].tensors[0], data["train"].tensors[0][3500:])
+    assert mnist1d_cnn.ConvNet1D()(data["val"].tensors[0][:3]).shape == (3, 10)
+
+
 def test_sweep_dry_run_prints_the_grid(capsys):
     assert sweep.main(["examples/digits.py", "--ablation", "alpha-beta", "--baseline", "--np", "3",
                        "--dry-run", "--", "--epochs", "5"]) == 0
@@ -105,6 +265,9 @@ def test_sweep_dry_run_prints_the_grid(capsys):
     grid = {(c[c.index("--slow-lr") + 1], c[c.index("--slow-momentum") + 1]) for c in cmds[1:]}
     assert grid == {(a, b) for a in ("0.5", "1") for b in ("0.4", "0.5", "0.6", "0.7", "0.8")}
     assert all(c[c.index("--logdir") + 1] == os.path.join("runs", "sweep-alpha-beta") for c in cmds)
+    names = [c[c.index("--run-name") + 1] for c in cmds]
+    assert names[0] == "localsgd_tau12_maintain/seed0"
+    assert "localsgd-slowmo_tau12_a0.5_b0.4_reset/seed0" in names
 
 
 def test_sweep_tau_ablation_and_overrides(capsys):
@@ -115,12 +278,35 @@ def test_sweep_tau_ablation_and_overrides(capsys):
     assert all(c[c.index("--algo") + 1] == "sgp" for c in cmds)
 
 
+def test_sweep_paper_protocol_lr_then_beta(capsys):
+    """The base lr from the paper's grid (the base alone, buffers kept), each point once per
+    seed, all in one launch; then beta at a fixed lr."""
+    assert sweep.main(["examples/mnist1d_cnn.py", "--ablation", "lr", "--algo", "sgp", "--seeds",
+                       "100,101", "--one-launch", "--dry-run", "--", "--validation"]) == 0
+    command, plan = capsys.readouterr().out.strip().splitlines()
+    assert shlex.split(command)[-2:] == ["--plan", "PLAN.json"]
+    plan = json.loads(plan)
+    assert len(plan) == 5 * 2
+    assert all(p[:5] == ["--no-slowmo", "--tau", "12", "--buffers", "maintain"] for p in plan)
+    assert all(p[-1] == "--validation" for p in plan)
+    assert [(p[p.index("--lr") + 1], p[p.index("--seed") + 1]) for p in plan] == [
+        (lr, seed) for lr in ("0.01", "0.025", "0.05", "0.1", "0.15") for seed in ("100", "101")]
+    assert plan[0][plan[0].index("--run-name") + 1] == "sgp_tau12_maintain_lr0.01/seed100"
+    assert sweep.main(["x.py", "--ablation", "beta", "--lrs", "0.05", "--dry-run"]) == 0
+    cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [c[c.index("--slow-momentum") + 1] for c in cmds] == ["0.4", "0.5", "0.6", "0.7", "0.8"]
+    assert all(c[c.index("--lr") + 1] == "0.05" for c in cmds)
+    assert all(c[c.index("--slow-lr") + 1] == "1" for c in cmds)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["x.py", "--dry-run", "--buffers", "zero"], "--buffers: unknown strategy"),
     (["x.py", "--dry-run", "--taus", "12,many"], "--taus: 'many' is not a int"),
     (["x.py", "--dry-run", "--slow-momentums", ","], "--slow-momentums is empty"),
     (["x.py", "--dry-run", "--np", "0"], "np must be an integer >= 1"),
-], ids=["buffers", "taus", "betas-empty", "np"])
+    (["x.py", "--dry-run", "--seeds", "one"], "--seeds: 'one' is not a int"),
+    (["x.py", "--dry-run", "--lrs", ""], "--lrs is empty"),
+], ids=["buffers", "taus", "betas-empty", "np", "seeds", "lrs"])
 def test_sweep_rejects_bad_input(argv, match):
     with pytest.raises(ValueError, match=match):
         sweep.main(argv)
@@ -173,38 +359,67 @@ def test_example_synthetic_under_horovodrun(example, tmp_path):
 
 
 @pytest.mark.horovod
-def test_digits_checkpoint_resume(tmp_path):
-    """Two epochs, then a new launch resumes from the checkpoint for a third: the step count
-    continues and TensorBoard gets the third epoch in the same run."""
+def test_gossip_checkpoint_resume_through_the_examples(tmp_path):
+    """SGP + SlowMo on digits (--amp: bf16 autocast on CPU): two epochs, then a new launch resumes
+    from the checkpoint for a third. Every rank calls opt.state_dict() (gossip), the step count
+    continues, TensorBoard gets the third epoch in the same run, and the result equals an
+    uninterrupted run's bitwise (epochs of whole outer steps: all state is common at a save).
+    Epochs are shorter than --log-every: the printed train loss is the epoch's real mean."""
     needs_horovod()
-    common_flags = [os.path.join(EXAMPLES, "digits.py"), "--max-steps", "6", "--log-every", "3", "--tau", "4",
-                    "--logdir", str(tmp_path / "runs"), "--no-progress", "--checkpoint", str(tmp_path / "c.pt"),
-                    "--summary-json", str(tmp_path / "s.json"), "--amp"]
-    launch(common_flags + ["--epochs", "2"])
-    assert json.loads((tmp_path / "s.json").read_text())["steps"] == 12
-    out = launch(common_flags + ["--epochs", "3", "--resume"])
+    if "sgp" not in hvd_slowmo.BASES:
+        pytest.skip("base 'sgp' is not registered in hvd_slowmo.BASES")
+    flags = [os.path.join(EXAMPLES, "digits.py"), "--algo", "sgp", "--slowmo", "--max-steps", "8",
+             "--tau", "4", "--log-every", "3", "--no-progress", "--amp"]
+    resumed = flags + ["--logdir", str(tmp_path / "runs"), "--checkpoint", str(tmp_path / "c.pt"),
+                       "--summary-json", str(tmp_path / "resumed.json")]
+    out = launch(resumed + ["--epochs", "2", "--log-every", "100"])
+    assert "nan" not in out
+    assert 0 < float(re.search(r"epoch 1: train loss (\d+\.\d+) \(minibatches\)", out).group(1)) < 3
+    assert json.loads((tmp_path / "resumed.json").read_text())["steps"] == 16
+    out = launch(resumed + ["--epochs", "3", "--resume"])
     assert "epoch 2:" in out and "epoch 0:" not in out
-    summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["steps"] == 18
+    launch(flags + ["--logdir", str(tmp_path / "straight"), "--epochs", "3",
+                    "--summary-json", str(tmp_path / "straight.json")])
+    summary, straight = (json.loads((tmp_path / f"{n}.json").read_text())
+                         for n in ("resumed", "straight"))
+    assert summary["steps"] == straight["steps"] == 24 and summary["evaluated_at_boundary"]
+    for key in ("train_full_loss", "val_loss", "val_accuracy"):
+        assert summary[key] == straight[key], key
     (run,) = report.load_runs([str(tmp_path / "runs")])
-    assert [s for s, _ in run.scalars["train/loss"]] == [3, 6, 9, 12, 15, 18]
+    assert [s for s, _ in run.scalars["train/full_loss"]] == [8, 16, 24]
+    assert [s for s, _ in run.scalars["train/loss"]][-2:] == [21, 24]
 
 
 @pytest.mark.horovod
 def test_compare_tiny_budget(tmp_path):
+    """The main job's path on MNIST-1D, tiny: two methods x two seeds in one launch, the
+    averaged model's metrics as mean ± std, Table 1 with the seeds counted, the PNG."""
     needs_horovod()
-    cmd = [sys.executable, os.path.join(EXAMPLES, "compare.py"), "--np", "2", "--epochs", "1",
-           "--algos", "allreduce,localsgd", "--logdir", str(tmp_path / "runs")]
+    pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
+    cmd = [sys.executable, os.path.join(EXAMPLES, "compare.py"), "--np", "2", "--epochs", "2",
+           "--max-steps", "12", "--algos", "sgp,localsgd-slowmo", "--seeds", "0,1",
+           "--logdir", str(tmp_path / "runs")]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    lines = proc.stdout[:proc.stdout.index("Table 1")].splitlines()  # compare.py's own table
-    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("allreduce ", "localsgd_tau12 "))}
-    assert set(rows) == {"allreduce", "localsgd_tau12"}
+    out = proc.stdout
+    assert "4 runs (2 methods x 2 seeds), 2 workers, 2 epochs, one horovodrun launch" in out
+    for name in ("sgp/seed0", "sgp/seed1", "localsgd-slowmo/seed0", "localsgd-slowmo/seed1"):
+        assert f"{name} " in out  # one line per finished run, with its wall time
+    table = out[out.index("Method"):out.index("Table 1")]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()
+            if line.startswith(("sgp ", "localsgd"))}
+    assert set(rows) == {"sgp", "localsgd-slowmo"}
     for cells in rows.values():
-        loss, acc, best, ms = (float(c) for c in cells[1:5])
-        assert 0 < loss < 2.5 and 0 <= acc <= best <= 100 and ms > 0
-    t1 = proc.stdout[proc.stdout.index("Table 1"):proc.stdout.index("Table 2")]
-    assert "digits_cnn  Local SGD" in t1 and "digits_cnn  AR-SGD" in t1
-    assert "Table 2" in proc.stdout
-    png = proc.stdout.split("Figure: ")[1].split()[0]
+        assert cells[4] == "2" and cells[6] == "±"  # two seeds, mean ± std
+        assert 0 < float(cells[5]) < 2.5 and 0 <= float(cells[8]) <= 100
+    t1 = out[out.index("Table 1"):out.index("Table 2")]
+    mean_std, pct = r"\d\.\d{4} ± \d\.\d{4}", r"\d+\.\d\d% ± \d+\.\d\d%"
+    assert re.search(rf"mnist1d_cnn +SGP +2 / - +{mean_std} +- +{pct}", t1)
+    assert re.search(r"mnist1d_cnn +Local SGD +- / 2 +- +\d\.\d{4} ± \d\.\d{4}", t1)
+    runs = report.load_runs([str(tmp_path / "runs" / "mnist1d")])
+    expected = [os.path.join(m, f"seed{k}") for m in ("sgp", "localsgd-slowmo") for k in (0, 1)]
+    assert sorted(r.name for r in runs) == sorted(expected)
+    assert all([s for s, _ in r.scalars["train/full_loss"]] == [12, 24] for r in runs)
+    png = out.split("Figure: ")[1].split()[0]
     assert os.path.getsize(png) > 0
+    assert "Total wall time:" in out

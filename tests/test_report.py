@@ -1,5 +1,6 @@
-"""The report (hvd_slowmo.tools.report) against event files written here with known values, and the
-metrics it reads (hvd_slowmo.tools.metrics) on in-process thread workers. No Horovod needed."""
+"""The report (hvd_slowmo.tools.report) against event files written here with known values (one seed
+per setting, and several seeds averaged as mean ± std), and the metrics it reads
+(hvd_slowmo.tools.metrics) on in-process thread workers. No Horovod needed."""
 import json
 import math
 import os
@@ -100,16 +101,21 @@ def test_load_and_summarize(runs_dir):
 def test_tables(runs_dir):
     runs = report.load_runs([str(runs_dir)])
     t1 = report.table1(runs)
-    assert row(t1, "digits", "Local SGD") == ["digits", "Local SGD", "0.5000", "0.1250", "85.50%", "90.50%"]
-    assert row(t1, "-", "AR-SGD") == ["-", "AR-SGD", "0.3750", "-", "75.25%", "-"]  # task unknown: no config
-    assert row(t1, "digits", "AR-SGD") == ["digits", "AR-SGD", "0.2500", "-", "92.00%", "-"]
-    assert row(t1, "wmt", "Local Adam") == ["wmt", "Local Adam", "-", "2.5000", "-", "2.250"]
+    # One seed per setting: the values alone; of the two SlowMo settings, the better one (b0.7).
+    assert row(t1, "digits", "Local SGD") == ["digits", "Local SGD", "1 / 1", "0.5000", "0.1250",
+                                              "85.50%", "90.50%"]
+    # No config.json: the task is unknown.
+    assert row(t1, "-", "AR-SGD") == ["-", "AR-SGD", "1 / -", "0.3750", "-", "75.25%", "-"]
+    assert row(t1, "digits", "AR-SGD") == ["digits", "AR-SGD", "1 / -", "0.2500", "-", "92.00%",
+                                           "-"]
+    assert row(t1, "wmt", "Local Adam") == ["wmt", "Local Adam", "- / 1", "-", "2.5000", "-",
+                                            "2.250"]
     # The paper's order: Local SGD before AR-SGD.
     assert t1.index("digits  Local SGD") < t1.index("digits  AR-SGD")
     t2 = report.table2(runs)
-    assert row(t2, "digits", "Local SGD") == ["digits", "Local SGD", "15.00", "12.00"]
-    assert row(t2, "digits", "AR-SGD") == ["digits", "AR-SGD", "24.00", "-"]
-    assert row(t2, "-", "AR-SGD") == ["-", "AR-SGD", "30.00", "-"]  # a single window is kept
+    assert row(t2, "digits", "Local SGD") == ["digits", "Local SGD", "1 / 1", "15.00", "12.00"]
+    assert row(t2, "digits", "AR-SGD") == ["digits", "AR-SGD", "1 / -", "24.00", "-"]
+    assert row(t2, "-", "AR-SGD") == ["-", "AR-SGD", "1 / -", "30.00", "-"]  # one window: kept
     detail = report.runs_table(runs)
     assert row(detail, "localsgd_tau12") == ["localsgd_tau12", "45", "0.5000", "85.50%", "15.00", "12.00", "0.00",
                                              "3.00", "0.00", "3.00", "0.3750"]
@@ -119,7 +125,81 @@ def test_main_prints_tables_and_saves_png(runs_dir, capsys):
     png = runs_dir / "out" / "fig.png"
     assert report.main([str(runs_dir), "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "Table 1" in out and "Table 2" in out and f"Figure: {png}" in out
+    assert "Table 1" in out and "Table 2" in out and "Settings" in out and f"Figure: {png}" in out
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def seeds_dir(tmp_path):
+    """Three seeds of plain Local SGD, two of Local SGD + SlowMo, logged as the examples log them:
+    the averaged model's full training loss and test accuracy per epoch, and minibatch losses."""
+    def config(slowmo, seed, **kw):
+        return dict({"task": "mnist1d", "algo": "localsgd", "slowmo": slowmo, "optimizer": "sgd",
+                     "lr": 0.1, "tau": 12, "slow_momentum": 0.7 if slowmo else 0.0,
+                     "buffers": "reset" if slowmo else "maintain", "seed": seed}, **kw)
+
+    # (final full loss, accuracies at steps 12 and 24, ms/iter windows) per seed; dyadic values.
+    for seed, (loss, acc, ms) in enumerate([(0.25, (80.0, 90.0), 8.0), (0.5, (82.0, 92.0), 10.0),
+                                            (0.75, (84.0, 94.0), 12.0)]):
+        write_run(tmp_path, f"localsgd/seed{seed}", config(False, seed), {
+            "train_loss": [(12, 9.0), (24, 8.0)],  # minibatch losses: left aside for the full ones
+            "train_full_loss": [(12, 1.0), (24, loss)],
+            "val_accuracy": [(12, acc[0]), (24, acc[1])],
+            "iter_ms": [(12, 50.0), (24, ms)]})
+    for seed, (loss, acc) in enumerate([(0.125, (88.0, 95.0)), (0.375, (90.0, 94.0))]):
+        write_run(tmp_path, f"localsgd-slowmo/seed{seed}", config(True, seed), {
+            "train_full_loss": [(12, 0.5), (24, loss)],
+            "val_accuracy": [(12, acc[0]), (24, acc[1])],
+            "iter_ms": [(24, 4.0)]})
+    # Same name, another lr: a setting of its own, not a third seed.
+    write_run(tmp_path, "localsgd-slowmo/seed2", config(True, 2, lr=0.05), {
+        "train_full_loss": [(24, 2.0)], "val_accuracy": [(24, 50.0)]})
+    return tmp_path
+
+
+def test_mean_std():
+    assert report.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)  # sample std (n - 1)
+    assert report.mean_std([5.0, None]) == (5.0, None, 1)
+    assert report.mean_std([]) == (None, None, 0)
+    # A diverged run (NaN loss) shows in the mean, it is not left out.
+    assert all(math.isnan(x) for x in report.mean_std([1.0, float("nan")])[:2])
+    assert report.fmt_mean_std([0.25, 0.5, 0.75], ".4f") == "0.5000 ± 0.2500"
+    assert report.fmt_mean_std([90.0, 92.0, 94.0], ".2f", "%") == "92.00% ± 2.00%"
+    assert report.fmt_mean_std([3.0], ".1f") == "3.0" and report.fmt_mean_std([None], ".1f") == "-"
+
+
+def test_seeds_are_grouped_and_averaged(seeds_dir):
+    runs = report.load_runs([str(seeds_dir)])
+    settings = {(st.name, len(st.runs)) for st in report.group_settings(runs)}
+    assert settings == {("localsgd", 3), ("localsgd-slowmo", 2), ("localsgd-slowmo", 1)}
+    t1 = report.table1(runs)
+    # The full training loss of the averaged model, not the minibatch loss; the better SlowMo
+    # setting of the two.
+    assert row(t1, "mnist1d", "Local SGD") == ["mnist1d", "Local SGD", "3 / 2", "0.5000 ± 0.2500",
+                                               "0.2500 ± 0.1768", "92.00% ± 2.00%",
+                                               "94.50% ± 0.71%"]
+    t2 = report.table2(runs)
+    assert row(t2, "mnist1d", "Local SGD") == ["mnist1d", "Local SGD", "3 / 2", "10.00 ± 2.00",
+                                               "4.00 ± 0.00"]
+    best = {st.runs[0].slowmo: st for st in report.best_settings(runs)}
+    assert (best[False].name, len(best[False].runs)) == ("localsgd", 3)
+    assert best[True].config["lr"] == 0.1 and len(best[True].runs) == 2
+    table = report.settings_table(runs)
+    assert row(table, "mnist1d", "localsgd-slowmo", "2") == [
+        "mnist1d", "localsgd-slowmo", "2", "0.1", "12", "0.7", "reset", "0.2500 ± 0.1768",
+        "94.50% ± 0.71%", "94.50% ± 0.71%"]
+    lines = [line.split() for line in table.splitlines()]
+    order = [cells[3] for cells in lines if cells[:2] == ["mnist1d", "localsgd-slowmo"]]
+    assert order == ["0.1", "0.05"]  # best mean final val first
+
+
+def test_band_over_seeds_and_plot(seeds_dir):
+    runs = report.load_runs([str(seeds_dir)])
+    ls = [r for r in runs if r.name.split(os.sep)[0] == "localsgd"]
+    steps, mean, std = report._band([r.scalars[TAGS["val_accuracy"]] for r in ls])
+    assert steps == [12, 24] and mean == [82.0, 92.0] and std == [2.0, 2.0]
+    png = report.plot(runs, str(seeds_dir / "band.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -19,8 +19,12 @@ __all__ = ["TAGS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
 
 #: Scalar tags written to TensorBoard (step = global base-step count).
 TAGS = {
-    "train_loss": "train/loss",  # mean over workers and the logging window
+    "train_loss": "train/loss",  # minibatch losses: mean over workers and the logging window
+    # The examples evaluate the workers' averaged model at epoch ends (at an outer-step boundary
+    # where the epoch is a whole number of outer steps): its loss on the whole training set ...
+    "train_full_loss": "train/full_loss",
     "lr": "train/lr",
+    # ... and on the held-out set:
     "val_loss": "val/loss",
     "val_accuracy": "val/accuracy",  # classification, in percent
     "val_nll": "val/nll",  # translation: per-token negative log-likelihood
@@ -35,6 +39,7 @@ TAGS = {
 #: File written next to the event files with the run's configuration (read by the report).
 CONFIG_FILE = "config.json"
 _PHASES = ("base_comm", "average", "slow_update")
+_EVAL_KEYS = ("val_loss", "val_accuracy", "val_nll", "train_full_loss")
 
 
 @torch.no_grad()
@@ -197,15 +202,16 @@ class TrainingMonitor:
         return out
 
     def log_validation(self, step: int, metrics: Dict[str, float]) -> None:
-        """Write validation metrics (rank 0).
+        """Write evaluation metrics (rank 0).
 
         Args:
             step: the global step for the x axis.
-            metrics: keys among ``val_loss``, ``val_accuracy``, ``val_nll``.
+            metrics: keys among ``val_loss``, ``val_accuracy``, ``val_nll`` and ``train_full_loss``.
         """
-        unknown = sorted(set(metrics) - {"val_loss", "val_accuracy", "val_nll"})
+        unknown = sorted(set(metrics) - set(_EVAL_KEYS))
         if unknown:
-            raise ValueError(f"log_validation: unknown metric(s) {unknown}; use val_loss, val_accuracy or val_nll")
+            raise ValueError(f"log_validation: unknown metric(s) {unknown}; "
+                             f"use {', '.join(_EVAL_KEYS)}")
         self._write(metrics, step)
 
     def _write(self, values: Dict[str, float], step: int) -> None:

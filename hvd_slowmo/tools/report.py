@@ -1,19 +1,26 @@
-"""The paper's tables from TensorBoard runs (arXiv 1910.00643, Tables 1 and 2).
+"""The paper's tables from TensorBoard runs (arXiv 1910.00643, Tables 1 and 2), as mean ± std
+over seeds.
 
     python -m hvd_slowmo.tools.report runs/ [--png report.png]
 
-Reads every run folder under the given paths with TensorBoard's own reader and prints:
+Reads every run folder under the given paths with TensorBoard's own reader. Runs whose
+``config.json`` differ only in ``seed`` are repeats of one *setting*; every figure below is the
+mean ± sample standard deviation over a setting's runs (n = 1: the value alone). It prints:
 
 * Table 1: best training loss and best validation metric (accuracy, or NLL for translation),
-  original base algorithm vs with SlowMo;
+  original base algorithm vs with SlowMo. The training loss is the averaged model's loss on the
+  whole training set where the run logged it (``train/full_loss``), else the logged minibatch
+  loss;
 * Table 2: average time per iteration, original vs with SlowMo;
+* a per-setting table: the number of seeds, lr, tau, beta, buffers, final and best metrics;
 * a per-run table with the time split (compute, base communication, exact average, slow
   update), bytes sent and the mean consensus distance.
 
-Where several runs share a cell (a sweep), the cell shows the run with the best validation
-metric. The time per iteration is the mean of the logged windows, leaving out the first window
-when there are several (it holds Horovod's one-off start-up). A PNG with the loss/validation
-curves and a bar chart of the time split is saved too (matplotlib, Agg backend).
+Where several settings share a cell of Tables 1 and 2 (a sweep), the cell shows the setting
+with the best mean validation metric. The time per iteration is the mean of the logged windows,
+leaving out the first window when there are several (it holds Horovod's one-off start-up). A
+PNG is saved too (matplotlib, Agg backend): per setting, the mean training-loss and validation
+curves with a band of ± one standard deviation over seeds, and a bar chart of the time split.
 """
 import argparse
 import json
@@ -27,7 +34,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..bases import BASES
 from .metrics import CONFIG_FILE, TAGS
 
-__all__ = ["Run", "load_runs", "summarize", "text_table", "table1", "table2", "runs_table", "plot", "main"]
+__all__ = ["Run", "Setting", "load_runs", "summarize", "group_settings", "best_settings",
+           "mean_std", "fmt_mean_std", "text_table", "table1", "table2", "settings_table",
+           "runs_table", "plot", "main"]
 
 _ORDER = tuple(BASES)  # the registry's order is the paper's
 _LABELS = {name: cls.label or name for name, cls in BASES.items()}
@@ -66,14 +75,17 @@ def _config_from_name(name: str) -> Dict[str, Any]:
     # Names written by the examples start with "<algo>[-slowmo[-noavg]]".
     base = os.path.basename(name.rstrip("/"))
     m = re.match(r"([a-z]+)", base)
-    return {"algo": m.group(1) if m else base, "slowmo": "-slowmo" in base, "average": "-noavg" not in base}
+    return {"algo": m.group(1) if m else base, "slowmo": "-slowmo" in base,
+            "average": "-noavg" not in base}
 
 
-def load_runs(paths: Sequence[str]) -> List[Run]:
+def load_runs(paths: Sequence[str], relative_to: Optional[str] = None) -> List[Run]:
     """Every folder holding TensorBoard event files under ``paths`` (searched recursively).
 
     Args:
         paths: run folders or folders of runs.
+        relative_to: name each run by its path relative to this folder (default: relative to
+            the path it was found under, or its own folder name for a run folder itself).
 
     Raises:
         ValueError: a path does not exist.
@@ -83,12 +95,16 @@ def load_runs(paths: Sequence[str]) -> List[Run]:
     runs = []
     for root in paths:
         if not os.path.isdir(root):
-            raise ValueError(f"report: {root!r} is not a folder; pass the --logdir of the runs (e.g. runs/)")
+            raise ValueError(f"report: {root!r} is not a folder; pass the --logdir of the runs "
+                             "(e.g. runs/)")
         for folder, _, files in sorted(os.walk(root)):
             if not any(f.startswith("events.out.tfevents") for f in files):
                 continue
             rel = os.path.relpath(folder, root)
-            name = os.path.basename(os.path.abspath(folder)) if rel == "." else rel
+            if relative_to is not None:
+                name = os.path.relpath(folder, relative_to)
+            else:
+                name = os.path.basename(os.path.abspath(folder)) if rel == "." else rel
             cfg_path = os.path.join(folder, CONFIG_FILE)
             if os.path.exists(cfg_path):
                 with open(cfg_path, encoding="utf-8") as f:
@@ -97,7 +113,8 @@ def load_runs(paths: Sequence[str]) -> List[Run]:
                 config = _config_from_name(name)
             acc = EventAccumulator(folder, size_guidance={SCALARS: 0})  # 0: keep every point
             acc.Reload()
-            scalars = {tag: sorted((e.step, e.value) for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+            scalars = {tag: sorted((e.step, e.value) for e in acc.Scalars(tag))
+                       for tag in acc.Tags()["scalars"]}
             runs.append(Run(name=name, path=folder, config=config, scalars=scalars))
     return runs
 
@@ -110,6 +127,18 @@ def _steady(values: Sequence[float]) -> List[float]:
     return list(values[1:]) if len(values) > 1 else list(values)
 
 
+def _train_loss_points(run: Run) -> List[Tuple[int, float]]:
+    """The averaged model's full training loss where logged, else the minibatch loss."""
+    return run.scalars.get(TAGS["train_full_loss"]) or run.scalars.get(TAGS["train_loss"], [])
+
+
+def _val_key(run: Run) -> Optional[str]:
+    for key in ("val_accuracy", "val_nll", "val_loss"):
+        if run.scalars.get(TAGS[key]):
+            return key
+    return None
+
+
 def summarize(run: Run) -> Dict[str, Any]:
     """The numbers the tables show for one run.
 
@@ -117,28 +146,115 @@ def summarize(run: Run) -> Dict[str, Any]:
         run: from :func:`load_runs`.
 
     Returns:
-        ``best_train_loss``, ``val_kind`` (``"accuracy"``, ``"nll"``, ``"loss"`` or None),
-        ``best_val``, ``iter_ms`` and the split ``compute_ms``, ``base_comm_ms``,
-        ``average_ms``, ``slow_update_ms``, ``bytes_sent`` (last), ``steps`` (last logged step),
-        ``consensus`` (mean); None where the run logged nothing.
+        ``train_loss_kind`` (``"full"``: the averaged model on the whole training set, or
+        ``"minibatch"``), ``best_train_loss`` and ``final_train_loss`` of that kind,
+        ``val_kind`` (``"accuracy"``, ``"nll"``, ``"loss"`` or None), ``best_val`` and
+        ``final_val``, ``iter_ms`` and the split ``compute_ms``, ``base_comm_ms``,
+        ``average_ms``, ``slow_update_ms``, ``bytes_sent`` (last), ``steps`` (last logged
+        step), ``consensus`` (mean); None where the run logged nothing.
     """
     out: Dict[str, Any] = {"name": run.name, "algo": run.algo, "slowmo": run.slowmo}
-    losses = run.values("train_loss")
+    out["train_loss_kind"] = "full" if run.scalars.get(TAGS["train_full_loss"]) else "minibatch"
+    losses = [v for _, v in _train_loss_points(run)]
     out["best_train_loss"] = min(losses) if losses else None
-    out["val_kind"], out["best_val"] = None, None
-    for kind, best in (("accuracy", max), ("nll", min), ("loss", min)):
-        vals = run.values(f"val_{kind}")
-        if vals:
-            out["val_kind"], out["best_val"] = kind, best(vals)
-            break
-    for key in ("iter_ms", "compute_ms", "base_comm_ms", "average_ms", "slow_update_ms"):
-        out[key] = _mean(_steady(run.values(key)))
+    out["final_train_loss"] = losses[-1] if losses else None
+    key = _val_key(run)
+    out["val_kind"] = key[4:] if key else None
+    vals = run.values(key) if key else []
+    out["best_val"] = ((max if key == "val_accuracy" else min)(vals)) if vals else None
+    out["final_val"] = vals[-1] if vals else None
+    for k in ("iter_ms", "compute_ms", "base_comm_ms", "average_ms", "slow_update_ms"):
+        out[k] = _mean(_steady(run.values(k)))
     sent = run.scalars.get(TAGS["bytes_sent"], [])
     out["bytes_sent"] = sent[-1][1] if sent else None
     steps = [s for points in run.scalars.values() for s, _ in points]
     out["steps"] = max(steps) if steps else None
     out["consensus"] = _mean(run.values("consensus"))
     return out
+
+
+def mean_std(values: Sequence[Optional[float]]) -> Tuple[Optional[float], Optional[float], int]:
+    """Mean, sample standard deviation (n - 1; None for n < 2) and n of the values given
+    (None entries are left out; a NaN, e.g. the loss of a diverged run, makes both NaN).
+
+    Args:
+        values: one value per run.
+    """
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None, None, 0
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, None, len(vals)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)), len(vals)
+
+
+def fmt_mean_std(values: Sequence[Optional[float]], spec: str, suffix: str = "") -> str:
+    """``"mean ± std"`` (the value alone for one run, ``-`` for none).
+
+    Args:
+        values: one value per run.
+        spec: the format of both numbers, e.g. ``".4f"``.
+        suffix: appended to each number, e.g. ``"%"``.
+    """
+    mean, std, n = mean_std(values)
+    if n == 0:
+        return "-"
+    if std is None:
+        return f"{mean:{spec}}{suffix}"
+    return f"{mean:{spec}}{suffix} ± {std:{spec}}{suffix}"
+
+
+_SEED_SUFFIX = re.compile(r"[/_-]?seed\d+$")
+
+
+@dataclass
+class Setting:
+    """Runs that differ only in their seed: the same configuration apart from ``seed``, and the
+    same name apart from a trailing ``seed<k>`` (e.g. ``localsgd-slowmo/seed0``, ``.../seed1``).
+
+    Attributes:
+        name: the runs' common name, without the seed part.
+        runs: the runs, by name.
+        summaries: :func:`summarize` of each run.
+    """
+
+    name: str
+    runs: List[Run]
+    summaries: List[Dict[str, Any]]
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return self.runs[0].config
+
+    @property
+    def task(self) -> str:
+        return str(self.config.get("task", "-"))
+
+    def values(self, key: str) -> List[Any]:
+        """One :func:`summarize` field per run."""
+        return [s[key] for s in self.summaries]
+
+    def mean(self, key: str) -> Optional[float]:
+        """The mean of one :func:`summarize` field over the runs."""
+        return mean_std(self.values(key))[0]
+
+
+def group_settings(runs: Sequence[Run]) -> List[Setting]:
+    """Group runs into settings (see :class:`Setting`), in name order.
+
+    Args:
+        runs: from :func:`load_runs`.
+    """
+    groups: Dict[Tuple[str, str], List[Run]] = {}
+    for run in sorted(runs, key=lambda r: r.name):
+        config = json.dumps({k: v for k, v in run.config.items() if k != "seed"}, sort_keys=True,
+                            default=str)
+        groups.setdefault((_SEED_SUFFIX.sub("", run.name), config), []).append(run)
+    settings = [Setting(name=name, runs=members, summaries=[summarize(r) for r in members])
+                for (name, _), members in groups.items()]
+    return sorted(settings, key=lambda s: s.name)
+
 
 
 def _label(run: Run) -> str:
@@ -150,13 +266,19 @@ def _label(run: Run) -> str:
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def _fmt_val(s: Optional[Dict[str, Any]]) -> str:
-    if s is None or s["best_val"] is None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{s['best_val']:.2f}%" if s["val_kind"] == "accuracy" else f"{s['best_val']:.3f}"
+    return format(value, spec)
+
+
+def _fmt_vals(setting: Optional[Setting], key: str) -> str:
+    """A validation metric of a setting as mean ± std (accuracy in %, NLL/loss plain)."""
+    if setting is None:
+        return "-"
+    kinds = {k for k in setting.values("val_kind") if k}
+    if kinds == {"accuracy"}:
+        return fmt_mean_std(setting.values(key), ".2f", "%")
+    return fmt_mean_std(setting.values(key), ".3f")
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -166,58 +288,118 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         headers: column titles.
         rows: rows of cells (strings), each as long as ``headers``.
     """
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
 
 
-def _cells(runs: Sequence[Run]) -> List[Tuple[str, str, Optional[Dict[str, Any]], Optional[Dict[str, Any]]]]:
-    """(task, baseline label, best original summary, best SlowMo summary) rows in the paper's order."""
-    groups: Dict[Tuple[str, str, int], Dict[bool, List[Dict[str, Any]]]] = {}
-    for run in runs:
-        label = _label(run)
+def _better_first(setting: Setting) -> float:
+    """Sort key: the best mean validation metric first (accuracy: high; NLL/loss: low)."""
+    mean = setting.mean("best_val")
+    if mean is None or math.isnan(mean):
+        return math.inf
+    return -mean if "accuracy" in setting.values("val_kind") else mean
+
+
+def _cells(runs: Sequence[Run]) -> List[Tuple[str, str, Optional[Setting], Optional[Setting]]]:
+    """(task, baseline label, best original setting, best SlowMo setting) in the paper's order."""
+    groups: Dict[Tuple[str, str, int], Dict[bool, List[Setting]]] = {}
+    for setting in group_settings(runs):
+        run = setting.runs[0]
         order = _ORDER.index(run.algo) if run.algo in _ORDER else len(_ORDER)
-        key = (str(run.config.get("task", "-")), label, order)
-        groups.setdefault(key, {False: [], True: []})[run.slowmo].append(summarize(run))
+        key = (setting.task, _label(run), order)
+        groups.setdefault(key, {False: [], True: []})[run.slowmo].append(setting)
 
-    def best(items: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        scored = [s for s in items if s["best_val"] is not None]
-        if not scored:
-            return items[0] if items else None
-        sign = -1.0 if scored[0]["val_kind"] == "accuracy" else 1.0
-        return min(scored, key=lambda s: sign * s["best_val"])
+    def best(items: List[Setting]) -> Optional[Setting]:
+        return min(items, key=_better_first) if items else None
 
-    rows = []
-    for (task, label, _), by_slowmo in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        rows.append((task, label, best(by_slowmo[False]), best(by_slowmo[True])))
-    return rows
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))
+    return [(task, label, best(by[False]), best(by[True])) for (task, label, _), by in ordered]
+
+
+def _seeds(o: Optional[Setting], s: Optional[Setting]) -> str:
+    return " / ".join("-" if x is None else str(len(x.runs)) for x in (o, s))
 
 
 def table1(runs: Sequence[Run]) -> str:
-    """Table 1: best training loss and best validation metric, original vs with SlowMo.
+    """Table 1: best training loss and best validation metric, original vs with SlowMo (mean ± std
+    over seeds).
 
     Args:
         runs: from :func:`load_runs`.
     """
-    rows = [[task, label, _fmt(o and o["best_train_loss"], ".4f"), _fmt(s and s["best_train_loss"], ".4f"),
-             _fmt_val(o), _fmt_val(s)] for task, label, o, s in _cells(runs)]
-    headers = ["Task", "Baseline", "Train loss: original", "w/ SlowMo", "Best val (acc% / NLL): original",
-               "w/ SlowMo"]
-    return "Table 1: best training loss and validation metric\n" + text_table(headers, rows)
+    rows = [[task, label, _seeds(o, s),
+             fmt_mean_std(o.values("best_train_loss"), ".4f") if o else "-",
+             fmt_mean_std(s.values("best_train_loss"), ".4f") if s else "-",
+             _fmt_vals(o, "best_val"), _fmt_vals(s, "best_val")]
+            for task, label, o, s in _cells(runs)]
+    headers = ["Task", "Baseline", "Seeds", "Train loss: original", "w/ SlowMo",
+               "Best val (acc% / NLL): original", "w/ SlowMo"]
+    return ("Table 1: best training loss and validation metric (mean ± std over seeds)\n"
+            + text_table(headers, rows))
 
 
 def table2(runs: Sequence[Run]) -> str:
-    """Table 2: average time per iteration (ms), original vs with SlowMo.
+    """Table 2: average time per iteration (ms), original vs with SlowMo (mean ± std over seeds).
 
     Args:
         runs: from :func:`load_runs`.
     """
-    rows = [[task, label, _fmt(o and o["iter_ms"], ".2f"), _fmt(s and s["iter_ms"], ".2f")]
+    rows = [[task, label, _seeds(o, s), fmt_mean_std(o.values("iter_ms"), ".2f") if o else "-",
+             fmt_mean_std(s.values("iter_ms"), ".2f") if s else "-"]
             for task, label, o, s in _cells(runs)]
-    headers = ["Task", "Baseline", "Time/iteration (ms): original", "w/ SlowMo"]
-    return "Table 2: average time per iteration\n" + text_table(headers, rows)
+    headers = ["Task", "Baseline", "Seeds", "Time/iteration (ms): original", "w/ SlowMo"]
+    return ("Table 2: average time per iteration (mean ± std over seeds)\n"
+            + text_table(headers, rows))
+
+
+def _final_first(setting: Setting) -> float:
+    """Sort key: the best mean final validation metric first (accuracy: high; NLL/loss: low)."""
+    mean = setting.mean("final_val")
+    if mean is None or math.isnan(mean):
+        return math.inf
+    return -mean if "accuracy" in setting.values("val_kind") else mean
+
+
+def best_settings(runs: Sequence[Run]) -> List[Setting]:
+    """Per task, algorithm and SlowMo on/off: the setting with the best mean final validation
+    metric over its seeds (what a tuning sweep chooses).
+
+    Args:
+        runs: from :func:`load_runs`.
+    """
+    best: Dict[Tuple[str, str, bool], Setting] = {}
+    for st in group_settings(runs):
+        key = (st.task, _label(st.runs[0]), st.runs[0].slowmo)
+        if key not in best or _final_first(st) < _final_first(best[key]):
+            best[key] = st
+    return [best[k] for k in sorted(best)]
+
+
+def settings_table(runs: Sequence[Run]) -> str:
+    """Every setting (mean ± std over its seeds), best mean final validation metric first within
+    each task and algorithm: what a sweep chooses from.
+
+    Args:
+        runs: from :func:`load_runs`.
+    """
+    settings = sorted(group_settings(runs), key=lambda st: (
+        st.task, _label(st.runs[0]), st.runs[0].slowmo, _final_first(st)))
+    rows = []
+    for st in settings:
+        c = st.config
+        slowmo = st.runs[0].slowmo
+        rows.append([st.task, st.name, str(len(st.runs)), _fmt(c.get("lr"), "g"),
+                     _fmt(c.get("tau"), "d"), _fmt(c.get("slow_momentum"), "g") if slowmo else "-",
+                     str(c.get("buffers", "-")),
+                     fmt_mean_std(st.values("final_train_loss"), ".4f"), _fmt_vals(st, "final_val"),
+                     _fmt_vals(st, "best_val")])
+    headers = ["Task", "Setting", "Seeds", "lr", "tau", "beta", "buffers", "Final train loss",
+               "Final val", "Best val"]
+    return "Settings (mean ± std over seeds; best final val first)\n" + text_table(headers, rows)
 
 
 def runs_table(runs: Sequence[Run]) -> str:
@@ -230,17 +412,36 @@ def runs_table(runs: Sequence[Run]) -> str:
     for run in sorted(runs, key=lambda r: r.name):
         s = summarize(run)
         mb = None if s["bytes_sent"] is None else s["bytes_sent"] / 1e6
-        rows.append([run.name, _fmt(s["steps"], "d"), _fmt(s["best_train_loss"], ".4f"), _fmt_val(s),
-                     _fmt(s["iter_ms"], ".2f"), _fmt(s["compute_ms"], ".2f"), _fmt(s["base_comm_ms"], ".2f"),
-                     _fmt(s["average_ms"], ".2f"), _fmt(s["slow_update_ms"], ".2f"), _fmt(mb, ".2f"),
+        if s["best_val"] is None:
+            val = "-"
+        else:
+            val = f"{s['best_val']:.2f}%" if s["val_kind"] == "accuracy" else f"{s['best_val']:.3f}"
+        rows.append([run.name, _fmt(s["steps"], "d"), _fmt(s["best_train_loss"], ".4f"), val,
+                     _fmt(s["iter_ms"], ".2f"), _fmt(s["compute_ms"], ".2f"),
+                     _fmt(s["base_comm_ms"], ".2f"), _fmt(s["average_ms"], ".2f"),
+                     _fmt(s["slow_update_ms"], ".2f"), _fmt(mb, ".2f"),
                      _fmt(s["consensus"], ".4f")])
-    headers = ["Run", "Steps", "Best train loss", "Best val", "ms/iter", "compute", "base comm", "average",
-               "slow update", "MB sent (rank 0)", "Consensus dist."]
+    headers = ["Run", "Steps", "Best train loss", "Best val", "ms/iter", "compute", "base comm",
+               "average", "slow update", "MB sent (rank 0)", "Consensus dist."]
     return "Runs (time split in ms per iteration)\n" + text_table(headers, rows)
 
 
+def _band(points_per_run: List[List[Tuple[int, float]]],
+          ) -> Tuple[List[int], List[float], List[float]]:
+    """Steps logged by every run, the mean there, and the sample std (0 for one run)."""
+    common = sorted(set.intersection(*(set(s for s, _ in pts) for pts in points_per_run)))
+    by_run = [dict(pts) for pts in points_per_run]
+    means, stds = [], []
+    for step in common:
+        mean, std, _ = mean_std([d[step] for d in by_run])
+        means.append(float(mean))  # type: ignore[arg-type]
+        stds.append(std or 0.0)
+    return common, means, stds
+
+
 def plot(runs: Sequence[Run], path: str) -> str:
-    """Save training-loss and validation curves and a stacked bar chart of the time split.
+    """Save, per setting, the mean training-loss and validation curves with a ± one standard
+    deviation band over its seeds, and a stacked bar chart of the mean time split.
 
     Args:
         runs: from :func:`load_runs`.
@@ -254,30 +455,46 @@ def plot(runs: Sequence[Run], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    settings = group_settings(runs)
     fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
-    for run in sorted(runs, key=lambda r: r.name):
-        pts = run.scalars.get(TAGS["train_loss"], [])
-        if pts:
-            ax_loss.plot([s for s, _ in pts], [v for _, v in pts], label=run.name)
-        for key in ("val_accuracy", "val_nll", "val_loss"):
-            pts = run.scalars.get(TAGS[key], [])
-            if pts:
-                ax_val.plot([s for s, _ in pts], [v for _, v in pts], marker=".", label=f"{run.name} ({key[4:]})")
-                break
-    ax_loss.set(title="Training loss", xlabel="step", yscale="log")
-    ax_val.set(title="Validation (accuracy % or NLL)", xlabel="step")
+    loss_kinds, val_kinds = set(), set()
+    for st in settings:
+        n = f" (n={len(st.runs)})" if len(st.runs) > 1 else ""
+        series = [_train_loss_points(r) for r in st.runs]
+        if all(series):
+            steps, mean, std = _band(series)
+            if steps:
+                line, = ax_loss.plot(steps, mean, label=st.name + n)
+                ax_loss.fill_between(steps, [max(m - s, 1e-12) for m, s in zip(mean, std)],
+                                     [m + s for m, s in zip(mean, std)], color=line.get_color(),
+                                     alpha=0.2)
+                loss_kinds.update(st.values("train_loss_kind"))
+        keys = {_val_key(r) for r in st.runs}
+        if len(keys) == 1 and None not in keys:
+            key = keys.pop()
+            steps, mean, std = _band([r.scalars[TAGS[key]] for r in st.runs])
+            if steps:
+                line, = ax_val.plot(steps, mean, marker=".", label=st.name + n)
+                ax_val.fill_between(steps, [m - s for m, s in zip(mean, std)],
+                                    [m + s for m, s in zip(mean, std)], color=line.get_color(),
+                                    alpha=0.2)
+                val_kinds.add(key[4:])
+    loss_title = ("Training loss (averaged model, whole training set)" if loss_kinds == {"full"}
+                  else "Training loss")
+    ax_loss.set(title=loss_title, xlabel="step", yscale="log")
+    kinds = ", ".join(sorted(val_kinds)) or "-"
+    ax_val.set(title=f"Validation ({kinds}; mean ± std over seeds)", xlabel="step")
     for ax in (ax_loss, ax_val):
         if ax.lines:
             ax.legend(fontsize=7)
-    summaries = [summarize(r) for r in sorted(runs, key=lambda r: r.name)]
-    names = [s["name"] for s in summaries]
-    bottom = [0.0] * len(summaries)
-    for key, label in (("compute_ms", "compute"), ("base_comm_ms", "base comm"), ("average_ms", "exact average"),
-                       ("slow_update_ms", "slow update")):
-        vals = [max(s[key] or 0.0, 0.0) for s in summaries]
+    names = [st.name for st in settings]
+    bottom = [0.0] * len(settings)
+    for key, label in (("compute_ms", "compute"), ("base_comm_ms", "base comm"),
+                       ("average_ms", "exact average"), ("slow_update_ms", "slow update")):
+        vals = [max(st.mean(key) or 0.0, 0.0) for st in settings]
         ax_time.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_time.set(title="Time per iteration (ms)")
+    ax_time.set(title="Time per iteration (ms, mean over seeds)")
     ax_time.tick_params(axis="x", labelrotation=60, labelsize=7)
     ax_time.legend(fontsize=7)
     fig.tight_layout()
@@ -296,7 +513,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hvd-slowmo-report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run folders or folders of runs (e.g. runs/)")
-    parser.add_argument("--png", default=None, help="where to save the figure (default: <first path>/report.png)")
+    parser.add_argument("--png", default=None,
+                        help="where to save the figure (default: <first path>/report.png)")
     args = parser.parse_args(argv)
     runs = load_runs(args.paths)
     if not runs:
@@ -305,6 +523,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table1(runs))
     print()
     print(table2(runs))
+    print()
+    print(settings_table(runs))
     print()
     print(runs_table(runs))
     png = plot(runs, args.png or os.path.join(args.paths[0], "report.png"))

@@ -1,36 +1,56 @@
-"""The paper's ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendix C): runs one after
-another under ``horovodrun``, then prints the report's tables for them.
+"""The paper's tuning and ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendices B-C):
+runs one after another under ``horovodrun``, then prints the report's tables for them and the
+best setting per algorithm (mean over seeds).
 
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau --np 4            # tau in {12, 24, 48, 96}
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta --dry-run  # print the commands only
-    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 --slow-momentums 0.5,0.7 \\
-        --baseline -- --data data --epochs 50       # arguments after "--" go to every run
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau --np 4    # tau in {12, 24, 48, 96}
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta --dry-run  # commands only
+    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp --seeds 100,101 \\
+        --one-launch -- --validation        # the base lr from the paper's grid, SGP alone
+    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
+        --seeds 100,101 --one-launch -- --validation   # then beta in {0.4, ..., 0.8} at that lr
+    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
+        --slow-momentums 0.5,0.7 --baseline -- --data data --epochs 50   # after "--": every run
+
+The paper's protocol for a fair comparison (its Appendix B): tune the base learning rate per
+base algorithm from a grid (``--ablation lr``: the base alone, buffers kept); SlowMo then keeps
+that learning rate, fixes alpha = 1 and tau, and tunes beta (``--ablation beta``).
 
 The training script must accept the examples' flags (--algo, --slowmo/--no-slowmo, --tau,
---slow-lr, --slow-momentum, --buffers, --logdir, --no-progress). Each run logs to
-LOGDIR/<run name>/, named by its settings, so TensorBoard overlays them.
+--slow-lr, --slow-momentum, --buffers, --lr, --seed, --run-name, --logdir, --no-progress, and
+--plan for ``--one-launch``). Each run logs to LOGDIR/<setting>/seed<k>/, named by its
+settings, so TensorBoard overlays them and the report averages the seeds of a setting.
 """
 import argparse
 import itertools
+import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..bases import BASES
 
-__all__ = ["ABLATIONS", "horovodrun_command", "sweep_commands", "main"]
+__all__ = ["ABLATIONS", "horovodrun_command", "sweep_points", "point_args", "sweep_commands",
+           "main"]
 
-#: The paper's grids: tau (Fig. 3), alpha x beta (Appendix C.2), base-buffer strategy (Tables C.3/C.4).
-ABLATIONS: Dict[str, Dict[str, List[str]]] = {
-    "tau": {"taus": ["12", "24", "48", "96"], "slow_lrs": ["1"], "slow_momentums": ["0.7"], "buffers": ["reset"]},
-    "alpha-beta": {"taus": ["12"], "slow_lrs": ["0.5", "1"], "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"],
-                   "buffers": ["reset"]},
-    "buffers": {"taus": ["12"], "slow_lrs": ["1"], "slow_momentums": ["0.7"],
-                "buffers": ["reset", "maintain", "average"]},
+#: The paper's grids: the base lr (its CIFAR-10 grid, Appendix B; the base alone), beta at
+#: alpha = 1 (Sec. 5: "typically ranges from 0.4 to 0.8"), tau (Fig. 3), alpha x beta
+#: (Appendix C.2), base-buffer strategy (Tables C.3/C.4). ``lrs`` empty: the script's own --lr.
+ABLATIONS: Dict[str, Dict[str, Any]] = {
+    "lr": {"slowmo": False, "lrs": ["0.01", "0.025", "0.05", "0.1", "0.15"], "taus": ["12"],
+           "slow_lrs": ["1"], "slow_momentums": ["0"], "buffers": ["maintain"]},
+    "beta": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["1"],
+             "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"], "buffers": ["reset"]},
+    "tau": {"slowmo": True, "lrs": [], "taus": ["12", "24", "48", "96"], "slow_lrs": ["1"],
+            "slow_momentums": ["0.7"], "buffers": ["reset"]},
+    "alpha-beta": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["0.5", "1"],
+                   "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"], "buffers": ["reset"]},
+    "buffers": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["1"],
+                "slow_momentums": ["0.7"], "buffers": ["reset", "maintain", "average"]},
 }
 
 
@@ -51,7 +71,8 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
         exe = shutil.which("horovodrun") or ""
     if not exe:
         if required:
-            raise RuntimeError("horovodrun not found: build Horovod with scripts/install_horovod.sh")
+            raise RuntimeError(
+                "horovodrun not found: build Horovod with scripts/install_horovod.sh")
         exe = "horovodrun"
     cmd = [exe, "-np", str(np_), "-H", f"localhost:{np_}"]
     if launcher == "gloo":
@@ -59,31 +80,71 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
     return cmd + ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root"]
 
 
-def sweep_commands(script: str, launch: Sequence[str], algo: str, taus: Sequence[str], slow_lrs: Sequence[str],
-                   slow_momentums: Sequence[str], buffers: Sequence[str], logdir: str, baseline: bool,
-                   extra: Sequence[str]) -> List[List[str]]:
-    """One command per grid point (and the base algorithm alone first, with ``baseline``).
+def sweep_points(grid: Dict[str, Any], baseline: bool,
+                 seeds: Sequence[str]) -> List[Dict[str, Any]]:
+    """The runs of a grid: the base alone first (with ``baseline``, at the first tau and
+    buffers, per lr), then every SlowMo point (unless the grid is of the base alone), each
+    once per seed.
+
+    Args:
+        grid: an :data:`ABLATIONS` entry, possibly with overridden lists.
+        baseline: also run the base algorithm without SlowMo.
+        seeds: the seeds of every point.
+    """
+    lrs: List[Optional[str]] = list(grid["lrs"]) or [None]
+    settings: List[Dict[str, Any]] = []
+    if baseline or not grid["slowmo"]:
+        if grid["slowmo"]:  # the baseline of a SlowMo grid: its first tau, buffers kept
+            taus, bufs = grid["taus"][:1], ["maintain"]
+        else:
+            taus, bufs = grid["taus"], grid["buffers"]
+        for lr, tau, buf in itertools.product(lrs, taus, bufs):
+            settings.append({"slowmo": False, "lr": lr, "tau": tau, "buffers": buf})
+    if grid["slowmo"]:
+        for lr, tau, alpha, beta, buf in itertools.product(lrs, grid["taus"], grid["slow_lrs"],
+                                                           grid["slow_momentums"], grid["buffers"]):
+            settings.append({"slowmo": True, "lr": lr, "tau": tau, "slow_lr": alpha,
+                             "slow_momentum": beta, "buffers": buf})
+    return [dict(s, seed=seed) for s in settings for seed in seeds]
+
+
+def point_args(algo: str, point: Dict[str, Any]) -> List[str]:
+    """The training script's flags for one point, its run name included
+    (``<algo>[-slowmo]_tau.._[a.._b.._]<buffers>[_lr..]/seed<k>``).
+
+    Args:
+        algo: the base algorithm.
+        point: from :func:`sweep_points`.
+    """
+    if point["slowmo"]:
+        name = (f"{algo}-slowmo_tau{point['tau']}_a{point['slow_lr']}_b{point['slow_momentum']}"
+                f"_{point['buffers']}")
+        args = ["--slowmo", "--tau", point["tau"], "--slow-lr", point["slow_lr"], "--slow-momentum",
+                point["slow_momentum"], "--buffers", point["buffers"]]
+    else:
+        name = f"{algo}_tau{point['tau']}_{point['buffers']}"
+        args = ["--no-slowmo", "--tau", point["tau"], "--buffers", point["buffers"]]
+    if point["lr"] is not None:
+        name += f"_lr{point['lr']}"
+        args += ["--lr", point["lr"]]
+    return args + ["--seed", point["seed"], "--run-name", f"{name}/seed{point['seed']}"]
+
+
+def sweep_commands(script: str, launch: Sequence[str], algo: str, points: Sequence[Dict[str, Any]],
+                   logdir: str, extra: Sequence[str]) -> List[List[str]]:
+    """One command per point.
 
     Args:
         script: the training script.
         launch: the launcher prefix (from :func:`horovodrun_command`).
         algo: the base algorithm.
-        taus: tau values.
-        slow_lrs: alpha values.
-        slow_momentums: beta values.
-        buffers: buffer strategies.
+        points: from :func:`sweep_points`.
         logdir: the TensorBoard folder of the sweep.
-        baseline: also run the base without SlowMo (at the first tau).
-        extra: arguments added to every run.
+        extra: arguments added to every run (last).
     """
-    head = list(launch) + [sys.executable, script, "--algo", algo, "--logdir", logdir, "--no-progress"]
-    cmds = []
-    if baseline:
-        cmds.append(head + ["--no-slowmo", "--tau", str(taus[0])] + list(extra))
-    for tau, alpha, beta, buf in itertools.product(taus, slow_lrs, slow_momentums, buffers):
-        cmds.append(head + ["--slowmo", "--tau", tau, "--slow-lr", alpha, "--slow-momentum", beta,
-                            "--buffers", buf] + list(extra))
-    return cmds
+    head = list(launch) + [sys.executable, script, "--algo", algo, "--logdir", logdir,
+                           "--no-progress"]
+    return [head + point_args(algo, p) + list(extra) for p in points]
 
 
 def _csv(value: str, name: str, kind: type) -> List[str]:
@@ -96,6 +157,13 @@ def _csv(value: str, name: str, kind: type) -> List[str]:
         except ValueError:
             raise ValueError(f"{name}: {v!r} is not a {kind.__name__}") from None
     return items
+
+
+def _run(cmd: List[str], timeout: Optional[float]) -> Any:
+    try:
+        return subprocess.run(cmd, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return "timeout"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -111,50 +179,89 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv, extra = argv[:i], argv[i + 1:]
     parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.tools.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("script", help="training script accepting the examples' flags, e.g. examples/digits.py")
-    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="tau", help="the paper's grid to start from")
+    parser.add_argument("script",
+                        help="training script taking the examples' flags, e.g. examples/digits.py")
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="tau",
+                        help="the paper's grid to start from")
     parser.add_argument("--algo", default="localsgd", choices=list(BASES), help="base algorithm")
+    parser.add_argument("--lrs", default=None,
+                        help="base learning rates, comma-separated, overrides the ablation's")
     parser.add_argument("--taus", default=None, help="comma-separated, overrides the ablation's")
     parser.add_argument("--slow-lrs", default=None, help="alpha values, comma-separated")
     parser.add_argument("--slow-momentums", default=None, help="beta values, comma-separated")
     parser.add_argument("--buffers", default=None, help="reset,maintain,average (any of them)")
-    parser.add_argument("--baseline", action="store_true", help="also run the base algorithm without SlowMo")
+    parser.add_argument("--seeds", default="0",
+                        help="seeds of every point, comma-separated (default 0)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run the base algorithm without SlowMo")
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="every run inside one horovodrun launch (the script's --plan): pays "
+                             "the launcher's start-up once")
     parser.add_argument("--logdir", default=None, help="default: runs/sweep-<ablation>")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per launch (default: none)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = parser.parse_args(argv)
     grid = dict(ABLATIONS[args.ablation])
-    for key, kind in (("taus", int), ("slow_lrs", float), ("slow_momentums", float), ("buffers", str)):
+    for key, kind in (("lrs", float), ("taus", int), ("slow_lrs", float), ("slow_momentums", float),
+                      ("buffers", str)):
         if getattr(args, key) is not None:
             grid[key] = _csv(getattr(args, key), "--" + key.replace("_", "-"), kind)
     bad = sorted(set(grid["buffers"]) - {"reset", "maintain", "average"})
     if bad:
         raise ValueError(f"--buffers: unknown strategy {bad}; use reset, maintain or average")
+    seeds = _csv(args.seeds, "--seeds", int)
     logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
-    cmds = sweep_commands(args.script, horovodrun_command(args.np, args.launcher, required=not args.dry_run),
-                          args.algo, grid["taus"], grid["slow_lrs"], grid["slow_momentums"], grid["buffers"],
-                          logdir, args.baseline, extra)
-    if args.dry_run:
-        for cmd in cmds:
-            print(shlex.join(cmd))
-        return 0
-    failed = 0
-    for i, cmd in enumerate(cmds):
-        print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
-        failed += rc != 0
-    from .report import main as report_main
+    launch = horovodrun_command(args.np, args.launcher, required=not args.dry_run)
+    points = sweep_points(grid, args.baseline, seeds)
+    if args.one_launch:
+        head = launch + [sys.executable, args.script, "--algo", args.algo, "--logdir", logdir,
+                         "--no-progress"]
+        plan = [point_args(args.algo, p) + list(extra) for p in points]
+        if args.dry_run:
+            print(shlex.join(head + ["--plan", "PLAN.json"]))
+            print(json.dumps(plan))
+            return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            plan_path = os.path.join(tmp, "plan.json")
+            with open(plan_path, "w", encoding="utf-8") as f:
+                json.dump(plan, f)
+            print(f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
+                  flush=True)
+            t0 = time.perf_counter()
+            rc = _run(head + ["--plan", plan_path], args.timeout)
+            print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+        failed = int(rc != 0)
+        total = 1
+    else:
+        cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
+        if args.dry_run:
+            for cmd in cmds:
+                print(shlex.join(cmd))
+            return 0
+        failed, total = 0, len(cmds)
+        for i, cmd in enumerate(cmds):
+            print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
+            t0 = time.perf_counter()
+            rc = _run(cmd, args.timeout)
+            print(f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            failed += rc != 0
+    from . import report
 
-    report_main([logdir])
+    report.main([logdir])
+    if os.path.isdir(logdir):
+        print("\nChosen (best mean final validation metric over seeds, per task and algorithm):")
+        for st in report.best_settings(report.load_runs([logdir])):
+            c = st.config
+            beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
+            final = report.fmt_mean_std(st.values("final_val"), ".4g")
+            print(f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
+                  f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)")
     if failed:
-        print(f"{failed} of {len(cmds)} runs failed", file=sys.stderr)
+        print(f"{failed} of {total} launches failed", file=sys.stderr)
     return 1 if failed else 0
 
 
