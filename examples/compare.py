@@ -92,6 +92,7 @@ def run_args(method: str, settings: Dict[str, Any], seed: int,
              "--seed", str(seed), "--run-name", f"{method}/seed{seed}"]
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
+        flags += ["--overlap", str(args.overlap)] if args.overlap else []
     return flags
 
 
@@ -219,6 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     mode.add_argument("--full", action="store_true",
                       help="5 seeds and OSGP too: the paper-like table")
     parser.add_argument("--np", type=int, default=4, help="workers per run")
+    parser.add_argument("--overlap", type=int, default=0,
+                        help="SlowMo runs: base steps the exact average stays in flight")
     parser.add_argument("--algos", default=None, help=f"comma-separated (default: {DEFAULT_ALGOS})")
     parser.add_argument("--seeds", default=None,
                         help="comma-separated (default 0,1,2; --quick 0; --full 0..4)")
