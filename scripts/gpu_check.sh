@@ -10,7 +10,8 @@
 #   --bundle DIR       build offline from DIR: horovod-0.28.1.tar.gz and the wheels of Horovod's
 #                      dependencies, made on a machine with internet by
 #                      `scripts/install_horovod.sh --download DIR --python-version X.Y`
-#   --wheelhouse DIR   Horovod wheel cache (install_horovod.sh --wheelhouse; carry a filled one to skip builds)
+#   --wheelhouse DIR   Horovod wheel cache (install_horovod.sh --wheelhouse): a carried, filled
+#                      one skips the builds
 #   --out DIR          logs and results (default runs/gpu-check)
 #   --steps LIST       comma-separated subset of: facts,nccl,staged,tests,bench (default all)
 #   --timeout S        seconds allowed per step (default 600; the tests step gets twice that)
@@ -28,7 +29,9 @@ STEP_TIMEOUT=600
 MPI=auto
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
-value() { [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value (see --help)"; }
+value() {
+  [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value (see --help)"
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) value "$@"; PY=$2; shift 2 ;;
@@ -42,9 +45,13 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ "$STEP_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, not '$STEP_TIMEOUT'"
+[[ "$STEP_TIMEOUT" =~ ^[1-9][0-9]*$ ]] \
+  || die "--timeout must be a positive number of seconds, not '$STEP_TIMEOUT'"
 for s in ${STEPS//,/ }; do
-  case "$s" in facts|nccl|staged|tests|bench) ;; *) die "--steps: unknown step '$s' (facts,nccl,staged,tests,bench)" ;; esac
+  case "$s" in
+    facts|nccl|staged|tests|bench) ;;
+    *) die "--steps: unknown step '$s' (facts,nccl,staged,tests,bench)" ;;
+  esac
 done
 case "$MPI" in auto|yes|no) ;; *) die "--mpi must be auto, yes or no, not '$MPI'" ;; esac
 [ -z "$BUNDLE" ] || [ -d "$BUNDLE" ] || die "--bundle: '$BUNDLE' is not a directory"
@@ -94,7 +101,8 @@ if not torch.cuda.is_available():
     sys.exit("torch sees no CUDA GPU: this is not a GPU machine (or the driver is not visible)")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
-    print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}")
+    print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, "
+          f"compute capability {p.major}.{p.minor}")
 PYEOF
   "${CXX:-c++}" --version | head -n 1
   cmake --version | head -n 1 || true
@@ -110,7 +118,9 @@ NCCL_OK=1
 if wanted nccl; then
   # The architectures of the GPUs present, when the caller did not choose.
   if [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
-    CC=$("$PY" -c 'import torch; print(",".join(sorted({"%d%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))' 2>/dev/null)
+    CC=$("$PY" -c 'import torch; c = torch.cuda
+print(",".join(sorted({"%d%d" % c.get_device_capability(i) for i in range(c.device_count())})))' \
+         2>/dev/null)
     [ -z "$CC" ] || export HOROVOD_BUILD_CUDA_CC_LIST=$CC
   fi
   step nccl "$STEP_TIMEOUT" "${INSTALL[@]}" --gpu yes || NCCL_OK=0
@@ -136,6 +146,8 @@ fi
 
 echo
 echo "gpu_check: summary (logs in $OUT)"
-[ ! -f "$OUT/tests.log" ] || grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|=+ .*(passed|failed|error)" "$OUT/tests.log" | tail -n 60
+if [ -f "$OUT/tests.log" ]; then
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|=+ .*(passed|failed|error)" "$OUT/tests.log" | tail -n 60
+fi
 printf '%s\n' "${SUMMARY[@]}"
 exit "$FAILED"
