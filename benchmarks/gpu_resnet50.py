@@ -18,6 +18,7 @@ Usage: python benchmarks/gpu_resnet50.py [--batch 128] [--windows 5] [--tau 12]
 """
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -98,7 +99,14 @@ def median_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> flo
 
 
 def run_variant(variant: str, args: argparse.Namespace, device: torch.device) -> Dict[str, object]:
-    """Train one optimizer on a fresh model; returns its ms/iteration, peak memory and optimizer."""
+    """Train one optimizer on a fresh model; returns its ms/iteration, peak memory (over what was
+    allocated before it: an earlier variant kept alive does not count) and optimizer."""
+    gc.collect()  # the previous variant's model and optimizer
+    before = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     model = build_model(args.tiny, device)
     opt = make_optimizer(variant, model, args.tau)
     size = 16 if args.tiny else 224
@@ -115,9 +123,6 @@ def run_variant(variant: str, args: argparse.Namespace, device: torch.device) ->
         loss.backward()
         opt.step()
 
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args.tau):  # warm-up: one outer step (captures the anchor), cuDNN autotuning
         iteration()
     windows = []
@@ -128,7 +133,7 @@ def run_variant(variant: str, args: argparse.Namespace, device: torch.device) ->
             iteration()
         sync(device)
         windows.append((time.perf_counter() - t0) * 1e3 / args.tau)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
     return {
         "ms": statistics.median(windows),
         "spread": (min(windows), max(windows)),
