@@ -114,15 +114,15 @@ if wanted facts; then
   export PY
   step facts 120 bash -c facts || { printf '%s\n' "${SUMMARY[@]}"; die "no usable GPU: stopping"; }
 fi
+# Both builds compile for the architectures of the GPUs present, unless the caller chose.
+if { wanted nccl || wanted staged; } && [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
+  CC=$("$PY" -c 'import torch; c = torch.cuda
+print(",".join(sorted({"%d%d" % c.get_device_capability(i) for i in range(c.device_count())})))' \
+       2>/dev/null)
+  [ -z "$CC" ] || export HOROVOD_BUILD_CUDA_CC_LIST=$CC
+fi
 NCCL_OK=1
 if wanted nccl; then
-  # The architectures of the GPUs present, when the caller did not choose.
-  if [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
-    CC=$("$PY" -c 'import torch; c = torch.cuda
-print(",".join(sorted({"%d%d" % c.get_device_capability(i) for i in range(c.device_count())})))' \
-         2>/dev/null)
-    [ -z "$CC" ] || export HOROVOD_BUILD_CUDA_CC_LIST=$CC
-  fi
   step nccl "$STEP_TIMEOUT" "${INSTALL[@]}" --gpu yes || NCCL_OK=0
 fi
 if wanted staged; then

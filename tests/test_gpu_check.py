@@ -111,6 +111,10 @@ def test_a_staged_build_with_nccl_is_refused_and_not_handed_on(box):
     assert proc.returncode == 1
     assert "nccl present" in (box.out / "staged.log").read_text()
     assert runs(box)[0]["env"]["HVD_SLOWMO_STAGED_HOROVOD"] is None
+    # Alone too, the staged build is compiled for the GPU's architecture.
+    assert (
+        json.loads((box.log / "wheel_env.json").read_text())["HOROVOD_BUILD_CUDA_CC_LIST"] == "90"
+    )
 
 
 def test_a_hanging_step_times_out_and_the_rest_still_runs(box):
