@@ -11,7 +11,8 @@ raw numbers as JSON and TensorBoard scalars.
 Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 1M-parameter model)::
 
     sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --workload synthetic \\
-        --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 --out runs/cluster
+        --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 \\
+        --out runs/cluster
 
 (``--compute-ms`` sets the regime: there AR-SGD spends about a third of its time communicating.)
 The peers against hvd_slowmo, 10M parameters and 1 s of compute, at 1 Gbit/s and 100 Mbit/s::
@@ -94,8 +95,10 @@ class Algorithm:
         base: hvd_slowmo base algorithm (``kind == "slowmo"`` only).
         tau: base steps per outer step (the averaging period for ``"postlocal"``).
         options: further ``hvd_slowmo.DistributedOptimizer`` keyword arguments.
-        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is its ideal.
-        payload: exact-average volume relative to the parameters (2 when optimizer buffers are averaged too).
+        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is
+            its ideal.
+        payload: exact-average volume relative to the parameters (2 when optimizer buffers are
+            averaged too).
     """
 
     key: str
@@ -131,7 +134,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         1,
         {**_PLAIN, "buffers": "maintain"},
     ),
-    # The same without the per-outer-step NaN/inf check (one small allgather): what that check costs.
+    # The same without the per-outer-step NaN/inf check (one small allgather): what that check
+    # costs.
     Algorithm(
         "allreduce_nocheck",
         "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')",
@@ -276,7 +280,7 @@ def select_algorithms(text: str) -> list[str]:
     return [a.key for a in ALGORITHMS if a.key in chosen]
 
 
-# --- parsing ---------------------------------------------------------------------------------------
+# --- parsing --------------------------------------------------------------------------------------
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -287,7 +291,8 @@ def parse_rate(rate: str) -> int:
         rate: a number followed by ``bit``, ``kbit``, ``mbit``, ``gbit`` or ``tbit``.
 
     Raises:
-        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x mistake).
+        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x
+            mistake).
     """
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", str(rate).strip().lower())
     if not m or float(m.group(1)) <= 0:
@@ -312,7 +317,7 @@ def parse_count(text: str) -> int:
     return value
 
 
-# --- the cluster plan ------------------------------------------------------------------------------
+# --- the cluster plan -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Host:
     """One emulated host.
@@ -452,7 +457,9 @@ def tbf_args(rate: str, latency_ms: int = 50) -> list[str]:
 
 
 def shaping_commands(plan: ClusterPlan, rate: str) -> list[list[str]]:
-    """Commands that limit each host's link to ``rate`` in both directions (replacing any earlier limit).
+    """Commands that limit each host's link to ``rate`` in both directions.
+
+    Any earlier limit is replaced.
 
     Args:
         plan: from :func:`plan_cluster`.
@@ -501,7 +508,8 @@ def stale_namespaces(netns_list_output: str, prefix: str) -> list[str]:
     """The namespaces in ``ip netns list`` output that a run with ``prefix`` created.
 
     Args:
-        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per line).
+        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per
+            line).
         prefix: the run's prefix.
     """
     names = [line.split()[0] for line in netns_list_output.splitlines() if line.strip()]
@@ -558,7 +566,7 @@ def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> dict[str,
     }
 
 
-# --- statistics and the table ----------------------------------------------------------------------
+# --- statistics and the table ---------------------------------------------------------------------
 def window_stats(stamps: Sequence[float], window: int) -> dict[str, Any]:
     """Milliseconds per iteration over consecutive windows of ``window`` iterations.
 
@@ -675,7 +683,8 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ratios of every measured algorithm against AR-SGD and the compute-only limit.
 
     Args:
-        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are skipped.
+        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are
+            skipped.
 
     Returns:
         ``{"rows": {key: ratios}, "targets": {...}}``: ``speedup_vs_ar`` = T_AR / T;
@@ -690,7 +699,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     comp, ar = t("compute"), t("horovod_ar")
     ar_comm = ar - comp if ar is not None and comp is not None else None
     rows: dict[str, dict[str, float | None]] = {}
-    for key, r in results.items():
+    for key, _ in results.items():
         ms = t(key)
         if ms is None:
             continue
@@ -770,15 +779,19 @@ def render_markdown(run: dict[str, Any]) -> str:
     rows, tg = summary["rows"], summary["targets"]
     load = h.get("load_avg_1min", [None, None])
     out = [
-        f"### {h['workload']} ({h['params_human']} parameters, {_fmt_bytes(h['param_bytes'])} fp32), "
+        f"### {h['workload']} ({h['params_human']} parameters, "
+        f"{_fmt_bytes(h['param_bytes'])} fp32), "
         f"{h['hosts']} hosts, {h['rate']} links"
         + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
         "",
-        f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
-        f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
+        "Emulated with network namespaces + veth + bridge, `tc tbf` both directions; "
+        f"Horovod {h.get('horovod', '?')} "
+        f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. "
+        "ms/iteration: median over windows of one outer "
         "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
         f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
-        f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, {_fmt(load[1], '.1f')} after.",
+        f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, "
+        f"{_fmt(load[1], '.1f')} after.",
         "",
         "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
         "",
@@ -819,7 +832,8 @@ def render_markdown(run: dict[str, Any]) -> str:
             " (computed)" if r.get("bytes_computed") else ""
         )
         out.append(
-            f"| {algo.label} | {algo.tau} | {r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
+            f"| {algo.label} | {algo.tau} | "
+            f"{r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
             f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
             f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |"
         )
@@ -934,7 +948,7 @@ def _peer_bullets(
     return out
 
 
-# --- running it (root only) ------------------------------------------------------------------------
+# --- running it (root only) -----------------------------------------------------------------------
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
