@@ -32,10 +32,12 @@ TAGS = {
     "val_nll": "val/nll",  # translation: per-token negative log-likelihood
     "iter_ms": "time/iter_ms",  # wall time per iteration (rank 0), window mean
     "compute_ms": "time/compute_ms",  # iter_ms minus the three communication phases below
-    "base_comm_ms": "time/base_comm_ms",  # the base algorithm's per-step communication (gossip, allreduce)
-    "average_ms": "time/average_ms",  # the exact average every tau steps
+    # the base algorithm's per-step communication (gossip, allreduce)
+    "base_comm_ms": "time/base_comm_ms",
+    "average_ms": "time/average_ms",  # the exact average every tau steps (its exposed part)
     "slow_update_ms": "time/slow_update_ms",  # slow momentum update and buffer strategy
-    "bytes_sent": "comm/bytes_sent",  # cumulative payload bytes sent by rank 0 (training traffic only)
+    # cumulative payload bytes sent by rank 0 (training traffic only)
+    "bytes_sent": "comm/bytes_sent",
     "consensus": "consensus/distance",  # mean_i ||x_i - mean_j x_j|| just before an exact average
 }
 #: File written next to the event files with the run's configuration (read by the report).
