@@ -591,7 +591,8 @@ def at_consensus(opt: hvd_slowmo.DistributedOptimizer) -> bool:
     """
     if opt.comm.size == 1 or opt.num_steps == 0 or not opt.base.needs_exact_average:
         return True
-    return opt.inner_step == 0 and opt.average
+    # With overlap the boundary's average is still in flight: the workers differ until it lands.
+    return opt.inner_step == 0 and opt.average and opt.pending is None
 
 
 @contextlib.contextmanager
