@@ -122,7 +122,7 @@ def assert_same_run(got, want, exact, rtol=1e-10, atol=1e-12):
                     assert torch.equal(x, y), f"rank {rank}: not bitwise the same run"
                 else:
                     torch.testing.assert_close(
-                        x, y, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank}: {m}"
+                        x, y, rtol=rtol, atol=atol, msg=lambda m, rank=rank: f"rank {rank}: {m}"
                     )
 
 
@@ -377,7 +377,7 @@ def check_bases_run(out_dir, np_):
             for a, b in zip(g["snaps"] + [g["final"]], w["snaps"] + [w["final"]]):
                 for x, y in zip(a, b):
                     torch.testing.assert_close(
-                        x, y, rtol=1e-10, atol=1e-12, msg=lambda m: f"{base}: {m}"
+                        x, y, rtol=1e-10, atol=1e-12, msg=lambda m, base=base: f"{base}: {m}"
                     )
 
 

@@ -61,9 +61,11 @@ def launch(args, timeout=420):
 
 # --- pure pieces ---------------------------------------------------------------------------
 def test_warmup_multistep_schedule():
-    f = lambda s: common.warmup_multistep(
-        s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175]
-    )
+    def f(s):
+        return common.warmup_multistep(
+            s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175]
+        )
+
     assert f(0) == pytest.approx(1 / 50) and f(49) == 1.0 and f(50) == 1.0
     assert f(999) == 1.0 and f(1000) == pytest.approx(0.1) and f(1500) == pytest.approx(0.01)
     assert f(1750) == pytest.approx(0.001)
@@ -79,7 +81,8 @@ def test_inverse_sqrt_schedule():
 def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
-                        slow_momentum=0.6, buffers="reset", no_average=False, overlap=0)  # fmt: skip
+                        slow_momentum=0.6, buffers="reset", no_average=False,
+                        overlap=0)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
