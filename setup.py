@@ -20,8 +20,8 @@ setup(
         "examples": ["torchvision", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10", "matplotlib>=3.5", "tqdm"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10"],
     },
-    entry_points={"console_scripts": ["hvd-slowmo-report=hvd_slowmo.report:main",
-                                      "hvd-slowmo-sweep=hvd_slowmo.sweep:main"]},
+    entry_points={"console_scripts": ["hvd-slowmo-report=hvd_slowmo.tools.report:main",
+                                      "hvd-slowmo-sweep=hvd_slowmo.tools.sweep:main"]},
     license="Apache-2.0",
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

@@ -3,8 +3,10 @@
 Builds N emulated hosts on this machine (one network namespace each, a veth to a Linux bridge in a
 switch namespace, every link limited with ``tc tbf`` in both directions), runs one Horovod (Gloo)
 worker per host, and measures in the same processes: compute only (the limit), Horovod's own
-``hvd.DistributedOptimizer`` (AR-SGD), and hvd_slowmo's algorithms. Prints a table shaped like the
-paper's Table 2 (original vs with SlowMo), writes the raw numbers as JSON and TensorBoard scalars.
+``hvd.DistributedOptimizer`` (AR-SGD), the peers PyTorch ships (DDP's AR-SGD and post-local SGD,
+over ``torch.distributed`` with Gloo), and hvd_slowmo's algorithms. Prints a table shaped like the
+paper's Table 2 (original vs with SlowMo), one of the peers beside hvd_slowmo's rows, writes the
+raw numbers as JSON and TensorBoard scalars.
 
 Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 1M-parameter model)::
 
@@ -12,6 +14,10 @@ Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 1M-para
         --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 --out runs/cluster
 
 (``--compute-ms`` sets the regime: there AR-SGD spends about a third of its time communicating.)
+The peers against hvd_slowmo, 10M parameters and 1 s of compute, at 1 Gbit/s and 100 Mbit/s::
+
+    sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --rate 100mbit \\
+        --params 10M --compute-ms 1000 --iters 12 --windows 2 --algorithms peers
 
 The namespaces, links and ``/etc/netns`` files are removed afterwards, also on Ctrl-C / SIGTERM,
 and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
@@ -35,6 +41,8 @@ __all__ = [
     "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
     "setup_commands", "shaping_commands", "teardown_commands", "stale_namespaces", "hosts_file",
     "cluster_stamps", "window_stats", "pool_repeats", "ring_bytes", "summarize", "render_markdown",
+    "WARMUP_ITERS", "KINDS", "PEER_ROWS", "PEER_KEYS", "OVERLAP_ROWS", "ALGORITHM_SETS",
+    "select_algorithms", "hidden_fraction",
 ]
 
 NETNS_DIR = "/etc/netns"
@@ -42,6 +50,12 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worke
 
 
 # --- the algorithms measured ----------------------------------------------------------------------
+#: Untimed iterations before each algorithm's timed ones. The timed windows then start two steps
+#: after an outer step, so an average started at an outer step and applied up to two steps later
+#: (``overlap`` <= 2) falls in the same window as its start: every window holds one of each.
+WARMUP_ITERS = 2
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """One measured configuration.
@@ -49,10 +63,12 @@ class Algorithm:
     Args:
         key: short identifier (JSON key, TensorBoard tag).
         label: the row label in the table.
-        kind: ``"compute"`` (no communication), ``"horovod"`` (``hvd.DistributedOptimizer``) or
-            ``"slowmo"`` (``hvd_slowmo.DistributedOptimizer``).
+        kind: ``"compute"`` (no communication), ``"horovod"`` (``hvd.DistributedOptimizer``),
+            ``"slowmo"`` (``hvd_slowmo.DistributedOptimizer``), or a PyTorch peer over
+            ``torch.distributed`` (Gloo): ``"ddp"`` (``DistributedDataParallel``, AR-SGD) or
+            ``"postlocal"`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager(period=tau)``).
         base: hvd_slowmo base algorithm (``kind == "slowmo"`` only).
-        tau: base steps per outer step.
+        tau: base steps per outer step (the averaging period for ``"postlocal"``).
         options: further ``hvd_slowmo.DistributedOptimizer`` keyword arguments.
         periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is its ideal.
         payload: exact-average volume relative to the parameters (2 when optimizer buffers are averaged too).
@@ -67,7 +83,13 @@ class Algorithm:
     periodic: bool = False
     payload: float = 1.0
 
+    @property
+    def overlap(self) -> int:
+        """Inner steps the exact average runs behind (hvd_slowmo's ``overlap`` option; 0: none)."""
+        return int(self.options.get("overlap", 0))
 
+
+KINDS = ("compute", "horovod", "slowmo", "ddp", "postlocal")
 _SLOWMO = {"slow_lr": 1.0, "slow_momentum": 0.6}
 _PLAIN = {"slow_lr": 1.0, "slow_momentum": 0.0}  # slow update off: the base algorithm alone
 
@@ -75,15 +97,22 @@ _PLAIN = {"slow_lr": 1.0, "slow_momentum": 0.0}  # slow update off: the base alg
 ALGORITHMS: Tuple[Algorithm, ...] = (
     Algorithm("compute", "compute only (no communication)", "compute"),
     Algorithm("horovod_ar", "AR-SGD (hvd.DistributedOptimizer)", "horovod"),
+    Algorithm("torch_ddp", "AR-SGD (torch DistributedDataParallel, Gloo)", "ddp"),
     # tau=1 with buffers kept: momentum must survive every "outer step" to be plain AR-SGD.
     Algorithm("allreduce", "AR-SGD (hvd_slowmo base=allreduce)", "slowmo", "allreduce", 1,
               {**_PLAIN, "buffers": "maintain"}),
     # The same without the per-outer-step NaN/inf check (one small allgather): what that check costs.
     Algorithm("allreduce_nocheck", "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')", "slowmo",
               "allreduce", 1, {**_PLAIN, "buffers": "maintain", "nonfinite": "ignore"}),
+    Algorithm("torch_postlocal", "Local SGD (torch PostLocalSGDOptimizer, Gloo)", "postlocal",
+              tau=12, periodic=True),
     Algorithm("localsgd", "Local SGD", "slowmo", "localsgd", 12, {**_PLAIN, "buffers": "reset"}, periodic=True),
     Algorithm("localsgd_slowmo", "Local SGD + SlowMo", "slowmo", "localsgd", 12, {**_SLOWMO, "buffers": "reset"},
               periodic=True),
+    Algorithm("localsgd_slowmo_overlap1", "Local SGD + SlowMo, overlap=1", "slowmo", "localsgd", 12,
+              {**_SLOWMO, "buffers": "reset", "overlap": 1}, periodic=True),
+    Algorithm("localsgd_slowmo_overlap2", "Local SGD + SlowMo, overlap=2", "slowmo", "localsgd", 12,
+              {**_SLOWMO, "buffers": "reset", "overlap": 2}, periodic=True),
     Algorithm("localsgd_slowmo_nocheck", "Local SGD + SlowMo, nonfinite='ignore'", "slowmo", "localsgd", 12,
               {**_SLOWMO, "buffers": "reset", "nonfinite": "ignore"}, periodic=True),
     Algorithm("double_avg", "double averaging (Local SGD, buffers averaged)", "slowmo", "localsgd", 12,
@@ -99,6 +128,39 @@ ALGORITHM_BY_KEY = {a.key: a for a in ALGORITHMS}
 #: Rows of the paper-shaped table: (label, original, with SlowMo).
 TABLE2_ROWS = (("Local SGD", "localsgd", "localsgd_slowmo"), ("SGP", "sgp", "sgp_slowmo"),
                ("OSGP", "osgp", "osgp_slowmo"))
+#: Rows of the peers table: (family, keys shown side by side), PyTorch's and Horovod's first.
+PEER_ROWS = (("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce")),
+             ("Local SGD (tau=12)", ("torch_postlocal", "localsgd", "localsgd_slowmo",
+                                     "localsgd_slowmo_overlap1", "localsgd_slowmo_overlap2")))
+#: Keys of the rows that come from PyTorch or Horovod rather than hvd_slowmo.
+PEER_KEYS = ("torch_ddp", "horovod_ar", "torch_postlocal")
+#: Overlapped rows and the row they hide the exact average of (the same run with overlap=0).
+OVERLAP_ROWS = (("localsgd_slowmo_overlap1", "localsgd_slowmo"),
+                ("localsgd_slowmo_overlap2", "localsgd_slowmo"))
+#: Names ``--algorithms`` accepts for a list of keys.
+ALGORITHM_SETS = {"all": tuple(a.key for a in ALGORITHMS),
+                  "peers": ("compute",) + tuple(k for _, keys in PEER_ROWS for k in keys)}
+
+
+def select_algorithms(text: str) -> List[str]:
+    """The algorithm keys ``--algorithms`` names, in measuring order, each once.
+
+    Args:
+        text: comma-separated keys of :data:`ALGORITHMS` and/or set names (``all``, ``peers``).
+
+    Raises:
+        ValueError: an unknown name, or nothing selected.
+    """
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    unknown = [n for n in names if n not in ALGORITHM_BY_KEY and n not in ALGORITHM_SETS]
+    if unknown:
+        raise ValueError(f"--algorithms: unknown {unknown}; choose from {sorted(ALGORITHM_SETS)} "
+                         f"or {[a.key for a in ALGORITHMS]}")
+    chosen = {k for n in names for k in ALGORITHM_SETS.get(n, (n,))}
+    if not chosen:
+        raise ValueError("--algorithms selects nothing; give e.g. 'all', 'peers' or "
+                         "'compute,localsgd'")
+    return [a.key for a in ALGORITHMS if a.key in chosen]
 
 
 # --- parsing ---------------------------------------------------------------------------------------
@@ -307,7 +369,8 @@ def hosts_file(plan: ClusterPlan, host: Host, machine_hostname: str) -> str:
 
 
 def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> Dict[str, str]:
-    """The environment Horovod's own Gloo launcher would give ``host``'s worker.
+    """The environment Horovod's own Gloo launcher would give ``host``'s worker, plus where
+    ``torch.distributed`` finds its interface and rank 0 (its port is chosen there at run time).
 
     Args:
         plan: from :func:`plan_cluster`.
@@ -321,6 +384,8 @@ def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> Dict[str,
         "HOROVOD_HOSTNAME": host.hostname, "HOROVOD_RANK": str(host.rank), "HOROVOD_SIZE": n,
         "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": str(host.rank),
         "HOROVOD_CROSS_SIZE": n,
+        # torch.distributed (the PyTorch peers): Gloo on the shaped link, its store on rank 0.
+        "GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": plan.hosts[0].address,
         # One thread per worker: the hosts share the machine's cores.
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
     }
@@ -401,6 +466,25 @@ def ring_bytes(payload_bytes: int, size: int) -> int:
     return int(2 * (size - 1) / size * payload_bytes) if size > 1 else 0
 
 
+def hidden_fraction(t_exposed: Optional[float], t_overlapped: Optional[float],
+                    t_compute: Optional[float]) -> Optional[float]:
+    """The share of some communication that overlapping hides behind compute:
+    ``(t_exposed - t_overlapped) / (t_exposed - t_compute)``.
+
+    1 means the overlapped run reached the compute-only limit, 0 that it gained nothing; load noise
+    can push it past either end. ``None`` when a time is missing or the exposed run shows no
+    communication to hide (``t_exposed <= t_compute``).
+
+    Args:
+        t_exposed: ms/iteration without overlap (e.g. Local SGD + SlowMo, or SGP).
+        t_overlapped: ms/iteration of the same algorithm with overlap (``overlap=d``, or OSGP).
+        t_compute: ms/iteration of compute only.
+    """
+    if t_exposed is None or t_overlapped is None or t_compute is None or t_exposed <= t_compute:
+        return None
+    return (t_exposed - t_overlapped) / (t_exposed - t_compute)
+
+
 def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Ratios of every measured algorithm against AR-SGD and the compute-only limit.
 
@@ -434,7 +518,7 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     def ratio(a: str, b: str) -> Optional[float]:
         return t(a) / t(b) if t(a) is not None and t(b) else None
 
-    targets: Dict[str, Optional[float]] = {
+    targets: Dict[str, Any] = {
         "ar_comm_ms": ar_comm, "ar_comm_fraction": ar_comm / ar if ar_comm is not None and ar else None,
         "localsgd_slowmo_over_ideal": rows.get("localsgd_slowmo", {}).get("over_ideal"),
         "localsgd_slowmo_speedup_vs_ar": rows.get("localsgd_slowmo", {}).get("speedup_vs_ar"),
@@ -449,9 +533,19 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
             phases["slow_update"] / t(slow) if phases and t(slow) else None)
     # The part of SGP's gossip overhead (over compute only) that OSGP's overlap removes.
     for suffix in ("", "_slowmo"):
-        s, o = t("sgp" + suffix), t("osgp" + suffix)
-        targets[f"osgp{suffix}_hidden_fraction"] = (
-            (s - o) / (s - comp) if s is not None and o is not None and comp is not None and s > comp else None)
+        targets[f"osgp{suffix}_hidden_fraction"] = hidden_fraction(
+            t("sgp" + suffix), t("osgp" + suffix), comp)
+    # The part of the exact average (the overhead over compute only) that overlap=d hides.
+    for overlapped, exposed in OVERLAP_ROWS:
+        targets[f"{overlapped}_hidden_fraction"] = hidden_fraction(t(exposed), t(overlapped), comp)
+    # Against the peers: hvd_slowmo's row over PyTorch's same algorithm (< 1: hvd_slowmo faster).
+    targets["localsgd_over_torch_postlocal"] = ratio("localsgd", "torch_postlocal")
+    targets["allreduce_over_torch_ddp"] = ratio("allreduce", "torch_ddp")
+    peers = [k for k in PEER_KEYS if t(k) is not None]
+    fastest = min(peers, key=lambda k: t(k)) if peers else None
+    targets["fastest_peer"] = fastest
+    for overlapped, _ in OVERLAP_ROWS:
+        targets[f"{overlapped}_over_fastest_peer"] = ratio(overlapped, fastest) if fastest else None
     return {"rows": rows, "targets": targets}
 
 
@@ -506,6 +600,7 @@ def render_markdown(run: Dict[str, Any]) -> str:
         over = tg.get(f"{slow}_over_{orig}")
         out.append(f"| {label} | {ALGORITHM_BY_KEY[orig].tau} | {cell(orig)} | {cell(slow)} | "
                    f"{_fmt(None if over is None else 100 * (over - 1), '+.1f', '%')} |")
+    out += _peer_table(results, rows, tg)
     out += ["", "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
                 "bytes sent / worker / it |", "|---|---|---|---|---|---|---|"]
     for key, r in results.items():
@@ -519,27 +614,91 @@ def render_markdown(run: Dict[str, Any]) -> str:
                    f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
                    f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |")
 
-    def pct(x: Optional[float]) -> str:
-        return _fmt(None if x is None else 100 * x, ".1f", "%")
-
     out += ["",
             f"- AR-SGD communication: {_fmt(tg['ar_comm_ms'], '.1f', ' ms')} per iteration, "
-            f"{pct(tg['ar_comm_fraction'])} of its time.",
-            f"- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
-            f"{pct(None if tg['localsgd_slowmo_over_ideal'] is None else tg['localsgd_slowmo_over_ideal'] - 1)} "
-            "(target: within 5%); without the per-outer-step NaN/inf check (nonfinite='ignore'): "
-            f"{pct(None if tg['localsgd_slowmo_nocheck_over_ideal'] is None else tg['localsgd_slowmo_nocheck_over_ideal'] - 1)}.",
-            f"- Local SGD + SlowMo speed-up over AR-SGD: {_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
+            f"{_pct(tg['ar_comm_fraction'])} of its time.",
+            "- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
+            f"{_excess(tg['localsgd_slowmo_over_ideal'])} (target: within 5%); without the "
+            "per-outer-step NaN/inf check (nonfinite='ignore'): "
+            f"{_excess(tg['localsgd_slowmo_nocheck_over_ideal'])}.",
+            "- Local SGD + SlowMo speed-up over AR-SGD: "
+            f"{_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
             "(target: >= 1.45x where AR-SGD spends a third of its time communicating)."]
     for label, orig, slow in TABLE2_ROWS:
         over = tg.get(f"{slow}_over_{orig}")
         own = tg.get(f"{slow}_slow_update_fraction")
-        out.append(f"- SlowMo over {label}: {pct(None if over is None else over - 1)} (target: <= 2%); "
-                   f"its slow-update phase, timed inside the optimizer: {pct(own)} of the iteration.")
+        out.append(f"- SlowMo over {label}: {_excess(over)} (target: <= 2%); its slow-update "
+                   f"phase, timed inside the optimizer: {_pct(own)} of the iteration.")
     for suffix, label in (("", "OSGP"), ("_slowmo", "OSGP + SlowMo")):
-        out.append(f"- {label} hides {pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's communication time "
-                   "(1 - (T_OSGP - T_compute) / (T_SGP - T_compute)).")
+        out.append(f"- {label} hides {_pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's "
+                   "communication time (1 - (T_OSGP - T_compute) / (T_SGP - T_compute)).")
+    out += _peer_bullets(results, rows, tg)
     return "\n".join(out) + "\n"
+
+
+def _pct(x: Optional[float], spec: str = ".1f") -> str:
+    return _fmt(None if x is None else 100 * x, spec, "%")
+
+
+def _excess(ratio: Optional[float], spec: str = "+.1f") -> str:
+    """A time ratio as the percentage it is above (or below) 1."""
+    return _pct(None if ratio is None else ratio - 1, spec)
+
+
+def _peer_table(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, Optional[float]]],
+                tg: Dict[str, Any]) -> List[str]:
+    """The peers table's lines: PyTorch's and Horovod's rows beside hvd_slowmo's, per family
+    (none when no row of :data:`PEER_ROWS` was measured)."""
+    hidden = {o: tg.get(f"{o}_hidden_fraction") for o, _ in OVERLAP_ROWS}
+    out = ["", "Beside the peers (same hosts, workload, run and processes; time per iteration with "
+               "speed-up over Horovod's AR-SGD; exact average hidden = "
+               "(T_no_overlap - T) / (T_no_overlap - T_compute)):",
+           "", "| family | algorithm | ms/it (speed-up) | / compute | exact average hidden |",
+           "|---|---|---|---|---|"]
+    n = len(out)
+    for family, keys in PEER_ROWS:
+        for key in keys:
+            r = results.get(key)
+            if r is None:
+                continue
+            label = ALGORITHM_BY_KEY[key].label
+            if not r.get("available", True):
+                out.append(f"| {family} | {label} | not available | | |")
+                continue
+            ms = f"{r['median_ms']:.0f} ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
+            comp = _fmt(rows[key]["over_compute"], ".3f", "x")
+            out.append(f"| {family} | {label} | {ms} | {comp} | "
+                       f"{_pct(hidden[key], '.0f') if key in hidden else ''} |")
+    return out if len(out) > n else []
+
+
+def _peer_bullets(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, Optional[float]]],
+                  tg: Dict[str, Any]) -> List[str]:
+    """The targets against the peers (issue 14), for the rows that were measured."""
+    out = []
+    if "torch_postlocal" in results or "localsgd" in results:
+        out.append(f"- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): "
+                   f"{_excess(tg['localsgd_over_torch_postlocal'])} (target: <= 0%).")
+    if "torch_ddp" in results or "allreduce" in results:
+        out.append("- hvd_slowmo AR-SGD (base=allreduce) vs torch's DDP: "
+                   f"{_excess(tg['allreduce_over_torch_ddp'])}.")
+    fastest = tg.get("fastest_peer")
+    for overlapped, _ in OVERLAP_ROWS:
+        r = results.get(overlapped)
+        if r is None:
+            continue
+        label = ALGORITHM_BY_KEY[overlapped].label
+        if not r.get("available", True):
+            out.append(f"- {label}: not available (the reason is in its row above).")
+            continue
+        comp = rows[overlapped]["over_compute"]
+        peer = (f"{_excess(tg[f'{overlapped}_over_fastest_peer'])} vs the fastest peer row "
+                f"({ALGORITHM_BY_KEY[fastest].label}; target: < 0%)" if fastest
+                else "no peer row measured")
+        hidden = _pct(tg[f"{overlapped}_hidden_fraction"], ".0f")
+        out.append(f"- {label}: {_excess(comp)} over compute only (target at 1gbit, 10M params, "
+                   f"1 s compute: within 2%); hides {hidden} of the exact average; {peer}.")
+    return out
 
 
 # --- running it (root only) ------------------------------------------------------------------------
@@ -722,8 +881,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="measure the whole list this often, in alternating order (cancels slow drift)")
     p.add_argument("--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads")
-    p.add_argument("--algorithms", default=",".join(a.key for a in ALGORITHMS),
-                   help="comma-separated subset of: " + ", ".join(a.key for a in ALGORITHMS))
+    p.add_argument("--algorithms", default="all",
+                   help="comma-separated keys or sets, measured in the order listed here; sets: "
+                        + ", ".join(ALGORITHM_SETS) + "; keys: "
+                        + ", ".join(a.key for a in ALGORITHMS))
     p.add_argument("--nice", type=int, default=0,
                    help="scheduling priority of the workers (-20..19); negative keeps other load on a shared "
                         "machine from queueing their short CPU bursts")
@@ -744,10 +905,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if any(c < 0 for c in compute):
         p.error("--compute-ms must be >= 0")
     compute = compute * len(sizes) if len(compute) == 1 else compute
-    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGORITHM_BY_KEY]
-    if unknown:
-        p.error(f"--algorithms: unknown {unknown}; choose from {[a.key for a in ALGORITHMS]}")
+    try:
+        algos = select_algorithms(args.algorithms)
+    except ValueError as e:
+        p.error(str(e))
     if not -20 <= args.nice <= 19:
         p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:

@@ -1,10 +1,12 @@
 """One worker of ``benchmarks/cluster.py``: times every algorithm in this process, rank 0 writes JSON.
 
 Started by cluster.py inside an emulated host's network namespace with Horovod's Gloo
-environment set; not meant to be run by hand. ``--spec`` is a JSON object with ``workload``,
+environment set (and ``GLOO_SOCKET_IFNAME``/``MASTER_ADDR`` for ``torch.distributed``, which the
+PyTorch peers use); not meant to be run by hand. ``--spec`` is a JSON object with ``workload``,
 ``params``, ``compute_ms``, ``batch_size``, ``algorithms``, ``iters``, ``windows``, ``output``.
 """
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -12,8 +14,12 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +30,8 @@ import horovod.torch as hvd  # noqa: E402
 
 import hvd_slowmo  # noqa: E402
 from cifar10_resnet18 import ResNet18  # noqa: E402  (the example's model: one definition)
-from cluster import ALGORITHM_BY_KEY, Algorithm, cluster_stamps, pool_repeats, ring_bytes, window_stats  # noqa: E402
+from cluster import (ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm, cluster_stamps,  # noqa: E402
+                     pool_repeats, ring_bytes, window_stats)
 
 Step = Callable[[nn.Module], None]
 
@@ -43,18 +50,22 @@ class Synthetic(nn.Module):
         sizes[-1] += num_params - sum(sizes)
         self.chunks = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.01) for s in sizes)
 
+    def forward(self) -> torch.Tensor:
+        """A cheap loss that gives every parameter a gradient (through ``forward``, so DDP's
+        reducer expects the backward's hooks)."""
+        return sum(p.sum() * (1e-3 * (i + 1)) for i, p in enumerate(self.chunks))
+
 
 def synthetic_step(compute_ms: float) -> Step:
     """Sleep ``compute_ms`` (no CPU used, so co-located hosts do not contend), then a cheap
-    backward that gives every parameter a gradient and fires Horovod's allreduce hooks.
+    backward that gives every parameter a gradient and fires Horovod's (or DDP's) allreduce hooks.
 
     Args:
         compute_ms: the emulated forward/backward time.
     """
     def step(model: nn.Module) -> None:
         time.sleep(compute_ms / 1e3)
-        loss = sum(p.sum() * (1e-3 * (i + 1)) for i, p in enumerate(model.parameters()))
-        loss.backward()
+        model().backward()
     return step
 
 
@@ -109,8 +120,30 @@ def barrier() -> None:
     hvd.allreduce(torch.zeros(1), name="cluster.barrier")
 
 
+#: The kinds of :data:`cluster.ALGORITHMS` that communicate over ``torch.distributed``.
+TORCH_KINDS = ("ddp", "postlocal")
+
+
+def init_torch_distributed() -> None:
+    """Join every worker into one ``torch.distributed`` Gloo group, the PyTorch peers' transport.
+
+    Rank 0 opens the group's store at its own address (``MASTER_ADDR``) on a port the kernel
+    picks, and tells the others over Horovod, so no port is guessed; ``GLOO_SOCKET_IFNAME``
+    (set by the harness) keeps Gloo's traffic on the host's shaped link.
+    """
+    addr, size = os.environ["MASTER_ADDR"], hvd.size()
+    store = (dist.TCPStore(addr, 0, size, is_master=True, wait_for_workers=False)
+             if hvd.rank() == 0 else None)
+    port = hvd.broadcast_object(store.port if store is not None else None, root_rank=0,
+                                name="cluster.torch_store_port")
+    if store is None:
+        store = dist.TCPStore(addr, port, size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=hvd.rank(), world_size=size,
+                            timeout=datetime.timedelta(minutes=30))
+
+
 def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Time ``algo`` over whole outer periods, after two warm-up iterations.
+    """Time ``algo`` over whole outer periods, after ``WARMUP_ITERS`` warm-up iterations.
 
     Args:
         algo: the configuration.
@@ -119,17 +152,34 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
     if algo.kind == "slowmo" and algo.base not in hvd_slowmo.BASES:
         return {"available": False, "reason": f"base {algo.base!r} not in hvd_slowmo.BASES"}
     model, step = build(spec)
+    if algo.kind == "ddp":
+        # DDP's reducer allreduces gradient buckets over Gloo during the backward, as in training.
+        model = DistributedDataParallel(model)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     comm = None
-    if algo.kind == "compute":
+    if algo.kind in ("compute", "ddp"):
         opt: torch.optim.Optimizer = inner
     elif algo.kind == "horovod":
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    elif algo.kind == "postlocal":
+        # torch's documented set-up adds DDP with post_localSGD_hook, which after its warm-up
+        # allreduces gradients only within each host's subgroup: one worker per host here, so
+        # nothing. The honest equivalent is the plain model, and the averager alone communicates:
+        # every `tau` optimizer steps one flat allreduce of all parameters (momentum stays local).
+        opt = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=algo.tau, warmup_steps=0))
     else:
         # BatchNorm running statistics are averaged with the parameters, as in training.
         running_stats = [b for name, b in model.named_buffers() if "running_" in name]
-        opt = hvd_slowmo.DistributedOptimizer(inner, named_parameters=model.named_parameters(), base=algo.base,
-                                              tau=algo.tau, model_buffers=running_stats, **algo.options)
+        try:
+            opt = hvd_slowmo.DistributedOptimizer(
+                inner, named_parameters=model.named_parameters(), base=algo.base, tau=algo.tau,
+                model_buffers=running_stats, **algo.options)
+        except TypeError as e:
+            # A library without the option refuses the keyword before any collective, on every
+            # rank alike; any other TypeError is a bug and propagates.
+            if algo.overlap and "overlap" in str(e):
+                return {"available": False, "reason": f"this hvd_slowmo has no overlap option: {e}"}
+            raise
         comm = opt.comm
 
     def iteration() -> None:
@@ -140,7 +190,7 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
     tau = algo.tau
     n = max(spec["iters"], spec["windows"] * tau)
     n = -(-n // tau) * tau  # whole outer periods: any tau consecutive iterations hold exactly one outer step
-    for _ in range(2):  # warm-up: allocations, Horovod's first negotiation of each tensor
+    for _ in range(WARMUP_ITERS):  # allocations, Horovod's first negotiation of each tensor
         iteration()
     barrier()
     bytes0 = comm.bytes_sent if comm is not None else 0
@@ -161,8 +211,9 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
         out["bytes_per_iter"] = (comm.bytes_sent - bytes0) / n
         out["bytes_computed"] = False
         out["phase_ms_per_iter"] = {k: 1e3 * (v - timings0[k]) / n for k, v in opt.timings.items()}
-    elif algo.kind == "horovod":
-        out["bytes_per_iter"] = ring_bytes(grad_bytes, hvd.size())  # Gloo ring volume, not counted
+    elif algo.kind in ("horovod", "ddp", "postlocal"):
+        # Gloo's ring volume (not counted): every step, or one parameter average per `tau` steps.
+        out["bytes_per_iter"] = ring_bytes(grad_bytes, hvd.size()) / algo.tau
         out["bytes_computed"] = True
     else:
         out["bytes_per_iter"], out["bytes_computed"] = 0, False
@@ -176,6 +227,8 @@ def main() -> None:
     spec = json.loads(parser.parse_args().spec)
     torch.set_num_threads(1)
     hvd.init()
+    if any(ALGORITHM_BY_KEY[key].kind in TORCH_KINDS for key in spec["algorithms"]):
+        init_torch_distributed()
     raw: Dict[str, List[Dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
     unavailable: Dict[str, Dict[str, Any]] = {}
     for rep in range(spec["repeats"]):
@@ -205,6 +258,8 @@ def main() -> None:
         with open(tmp, "w") as f:
             json.dump({"header": header, "results": results}, f, indent=1)
         os.replace(tmp, spec["output"])
+    if dist.is_initialized():
+        dist.destroy_process_group()
     hvd.shutdown()
 
 

@@ -15,7 +15,7 @@ The base step is plain SGD on fixed random gradients (no forward/backward) with 
 every ``step()`` is one outer step; ``opt.timings`` splits out the outer step's time.
 Not measured: the sharded step's transient buffers (a flat copy of the parameters, the
 transport's receive buffer and the gathered anchor, freed when the step ends; see
-hvd_slowmo/sharded.py).
+hvd_slowmo/slow_state/sharded.py).
 """
 import argparse
 import statistics
@@ -46,7 +46,7 @@ def build(shard: bool, reduce_scatter: str = "auto") -> DistributedOptimizer:
 
 
 def state_bytes(opt: DistributedOptimizer) -> int:
-    tensors = opt.sharded.state_tensors() if opt.sharded is not None else opt.anchor + opt.slow_buffer
+    tensors = opt.slow_state.state_tensors()
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     torch.set_num_threads(1)
     opts = {"unsharded": build(False), "sharded (alltoall, the CPU default)": build(True, "alltoall"),
             "sharded (hvd reducescatter)": build(True, "reducescatter")}
-    params = opts["unsharded"]._params
+    params = opts["unsharded"].params
     numel = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     times: Dict[str, List[Tuple[float, float, float]]] = {name: [] for name in opts}
@@ -106,7 +106,7 @@ def main() -> None:
             b0 = opts[name].comm.bytes_sent
             times[name].append(outer_step_s(opts[name]))
             sent[name] = opts[name].comm.bytes_sent - b0
-    micro = collectives_ms(sum(p.numel() for p in opts["unsharded"]._params), args.repeats) if args.micro else {}
+    micro = collectives_ms(sum(p.numel() for p in opts["unsharded"].params), args.repeats) if args.micro else {}
     states = {name: hvd.allgather_object(state_bytes(opt), name=f"bench.state.{i}") for i, (name, opt) in enumerate(opts.items())}
     if hvd.rank() != 0:
         return

@@ -56,7 +56,7 @@ def main() -> None:
     fwd_bwd()
     base_step_ms = median_ms(base.step, args.repeats)
     opt.step()  # captures the anchor
-    anchor, buf = opt.anchor, opt.slow_buffer
+    anchor, buf = opt.slow_state.anchor, opt.slow_state.slow_buffer
 
     def slow_step() -> None:
         slow_momentum_step_([p.detach() for p in params], anchor, buf, 0.1, 1.0, 0.7)

@@ -18,12 +18,32 @@
 #                        holds the key may log in to every other).
 #   HVD_SLOWMO_SSHD      1: also start sshd in the background before COMMAND, for a container that
 #                        both launches and must be reachable (e.g. a job started from a third machine).
+#   HVD_SLOWMO_USER      the image's account (set by the image). A container started as root
+#                        (docker run --user root) hands the mounted keys to this account and runs
+#                        everything (sshd included) as it: keys owned by root, or by any host account,
+#                        then work. HVD_SLOWMO_USER=root keeps everything running as root.
 set -euo pipefail
 
 PORT=${HVD_SLOWMO_SSH_PORT:-2222}
 KEYS=${HVD_SLOWMO_SSH_KEYS:-/etc/hvd_slowmo/ssh}
 SSH_DIR=$HOME/.ssh
 die() { echo "entrypoint: error: $*" >&2; exit 1; }
+
+# Started as root in an image with its own account: stage a copy of the mounted keys that the
+# account can read (a bind mount keeps the host's owner, often root with mode 600), then run this
+# script again as the account.
+ACCOUNT=${HVD_SLOWMO_USER:-root}
+if [ "$(id -u)" = 0 ] && [ "$ACCOUNT" != root ]; then
+  getent passwd "$ACCOUNT" >/dev/null || die "HVD_SLOWMO_USER=$ACCOUNT is not an account of this image"
+  STAGED=$(mktemp -d /tmp/hvd_slowmo_keys.XXXXXX)
+  for name in id_ed25519 id_ecdsa id_rsa authorized_keys; do
+    [ ! -f "$KEYS/$name" ] || install -m 600 "$KEYS/$name" "$STAGED/$name"
+  done
+  chown -R "$ACCOUNT:" "$STAGED"
+  HOME=$(getent passwd "$ACCOUNT" | cut -d: -f6)
+  export HOME USER=$ACCOUNT LOGNAME=$ACCOUNT HVD_SLOWMO_SSH_KEYS=$STAGED
+  exec setpriv --reuid="$ACCOUNT" --regid="$(id -g "$ACCOUNT")" --init-groups "$0" "$@"
+fi
 
 setup_ssh() {
   if ! [[ $PORT =~ ^[0-9]{1,5}$ ]] || [ "$PORT" -lt 1 ] || [ "$PORT" -gt 65535 ]; then

@@ -15,9 +15,13 @@ ACCOUNT_GID=${5:?group id}
 die() { echo "finish_image: error: $*" >&2; exit 1; }
 [ -x "${VIRTUAL_ENV:-}/bin/python" ] || die "VIRTUAL_ENV must name the image's environment (got '${VIRTUAL_ENV:-}')"
 
-# Editable, so that a checkout mounted over REPO runs its own code; the dependencies were installed
-# in the build stage, so this only adds what setup.py's extras list beyond them.
-PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "$VIRTUAL_ENV/bin/python" -m pip install -q -e "${REPO}[examples,mpi]"
+# Editable, so that a checkout mounted over REPO runs its own code. Offline (--no-index): the build
+# stage installed every dependency and the build tools, so this stage needs no network and no
+# extra CA certificates, and fails here if setup.py asks for something the build stage left out.
+# --use-pep517: without it pip 23 runs `setup.py develop`, which in setuptools >= 80 calls pip
+# again, with build isolation, which downloads setuptools.
+PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "$VIRTUAL_ENV/bin/python" -m pip install -q \
+  --no-index --no-build-isolation --use-pep517 -e "${REPO}[examples,mpi]"
 
 if [ "$ACCOUNT" != root ]; then
   getent group "$ACCOUNT_GID" >/dev/null || groupadd --gid "$ACCOUNT_GID" "$ACCOUNT"

@@ -5,14 +5,15 @@
 #   runtime  what a training container needs: Python 3, OpenMPI, sshd/ssh (multi-node launches),
 #            InfiniBand verbs (NCCL's and OpenMPI's IB transports load them at run time, and fall
 #            back to TCP sockets without them), iproute2 (to pick a network interface), tini (PID 1)
-#   build    the runtime set plus compilers, CMake and headers for Horovod and mpi4py
+#   build    the runtime set plus compilers, CMake, headers for Horovod and mpi4py, and venv
 set -euo pipefail
 
-RUNTIME="python3 python3-venv ca-certificates openmpi-bin libopenmpi3 openssh-server openssh-client
+RUNTIME="python3 ca-certificates openmpi-bin libopenmpi3 openssh-server openssh-client
   libibverbs1 ibverbs-providers librdmacm1 iproute2 procps tini"
 # Debian's CMake 3.25 (the one Horovod 0.28.1 was built with here): PyPI's CMake 4 refuses the
 # cmake_minimum_required(2.8.12) of Horovod's bundled Gloo.
-BUILD="build-essential cmake python3-dev libopenmpi-dev"
+# python3-venv creates the environment that the final stage copies (it runs the system's python3).
+BUILD="build-essential cmake python3-dev python3-venv libopenmpi-dev"
 
 case "${1:-}" in
   runtime) PACKAGES=$RUNTIME ;;

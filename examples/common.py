@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hvd_slowmo  # noqa: E402
-from hvd_slowmo.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
+from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
 
 __all__ = [
     "ALGOS", "PROGRESS_MARK", "add_common_args", "describe", "setup", "build_optimizer", "run_name",
@@ -73,6 +73,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum:
     g.add_argument("--slow-momentum", type=float, default=slow_momentum, help="beta")
     g.add_argument("--buffers", default=buffers, choices=("reset", "maintain", "average"),
                    help="base optimizer buffers at each outer step")
+    g.add_argument("--overlap", type=int, default=0,
+                   help="base steps the exact average stays in flight (0: the paper's algorithm)")
     g.add_argument("--no-average", action="store_true",
                    help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)")
     t = parser.add_argument_group("training")
@@ -154,7 +156,7 @@ def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          f"{sorted(hvd_slowmo.BASES)})")
     kwargs: Dict[str, Any] = dict(base=args.algo, tau=args.tau, buffers=args.buffers,
                                   average=not args.no_average, slow_lr=args.slow_lr,
-                                  slow_momentum=args.slow_momentum)
+                                  slow_momentum=args.slow_momentum, overlap=args.overlap)
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":
@@ -186,7 +188,7 @@ def run_name(args: argparse.Namespace) -> str:
         return f"{args.algo}" + (f"_tau{args.tau}" if args.algo == "localsgd" else "")
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
     return (f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
-            f"_{args.buffers}")
+            f"_{args.buffers}" + (f"_overlap{args.overlap}" if args.overlap else ""))
 
 
 def run_config(args: argparse.Namespace, task: str, optimizer_name: str,
@@ -836,7 +838,7 @@ def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, t
 def run_cli(main: Callable[[List[str]], Any], argv: Optional[Sequence[str]] = None) -> int:
     """An example's command line, plus ``--plan FILE``: a JSON list of argument lists, each
     trained in turn inside this one launch after the other arguments (so a launcher pays
-    ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.sweep).
+    ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.tools.sweep).
 
     Args:
         main: the example's ``main(argv)``.

@@ -42,8 +42,8 @@ import mnist1d_cnn  # noqa: E402
 from common import ALGOS, PROGRESS_MARK  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
-from hvd_slowmo import report  # noqa: E402
-from hvd_slowmo.sweep import horovodrun_command  # noqa: E402
+from hvd_slowmo.tools import report  # noqa: E402
+from hvd_slowmo.tools.sweep import horovodrun_command  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
@@ -92,6 +92,7 @@ def run_args(method: str, settings: Dict[str, Any], seed: int,
              "--seed", str(seed), "--run-name", f"{method}/seed{seed}"]
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
+        flags += ["--overlap", str(args.overlap)] if args.overlap else []
     return flags
 
 
@@ -219,6 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     mode.add_argument("--full", action="store_true",
                       help="5 seeds and OSGP too: the paper-like table")
     parser.add_argument("--np", type=int, default=4, help="workers per run")
+    parser.add_argument("--overlap", type=int, default=0,
+                        help="SlowMo runs: base steps the exact average stays in flight")
     parser.add_argument("--algos", default=None, help=f"comma-separated (default: {DEFAULT_ALGOS})")
     parser.add_argument("--seeds", default=None,
                         help="comma-separated (default 0,1,2; --quick 0; --full 0..4)")
@@ -279,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print()
         print(report.table2(runs))
         png = report.plot(runs, args.png or os.path.join(logdir, "compare.png"))
-        print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.report {logdir})")
+        print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.tools.report {logdir})")
     print(f"Total wall time: {time.perf_counter() - t_all:.1f} s")
     return 1 if rc != 0 or failed or not summaries else 0
 

@@ -23,11 +23,23 @@ Usage::
                                           base="localsgd", tau=12, slow_lr=1.0, slow_momentum=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
-from .bases import BASES
+
+from .bases import BASES, BaseAlgorithm
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .config import SlowMoConfig
 from .hierarchy import Hierarchy
 from .optimizer import STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "Hierarchy", "BASES", "STATE_FORMAT",
-           "save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = [
+    "BASES",
+    "STATE_FORMAT",
+    "BaseAlgorithm",
+    "CheckpointError",
+    "DistributedOptimizer",
+    "Hierarchy",
+    "SlowMoConfig",
+    "broadcast_optimizer_state",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 __version__ = "0.1.0"

@@ -5,7 +5,8 @@ start again, and so does Adam's bias-correction step count); ``maintain`` keeps 
 own; ``average`` replaces each per-element buffer with its exact average over workers
 (the double-averaging scheme of Yu et al. 2019 when used with Local SGD).
 """
-from typing import Dict, Iterable, List
+
+from collections.abc import Iterable
 
 from torch import Tensor
 
@@ -14,7 +15,7 @@ __all__ = ["BUFFER_STRATEGIES", "reset_buffers", "averageable_buffers"]
 BUFFER_STRATEGIES = ("reset", "maintain", "average")
 
 
-def reset_buffers(state: Dict[Tensor, dict], params: Iterable[Tensor]) -> None:
+def reset_buffers(state: dict[Tensor, dict], params: Iterable[Tensor]) -> None:
     """Drop the optimizer state of ``params`` so the next step re-creates it as at construction.
 
     Args:
@@ -25,7 +26,7 @@ def reset_buffers(state: Dict[Tensor, dict], params: Iterable[Tensor]) -> None:
         state.pop(p, None)
 
 
-def averageable_buffers(state: Dict[Tensor, dict], params: Iterable[Tensor]) -> List[Tensor]:
+def averageable_buffers(state: dict[Tensor, dict], params: Iterable[Tensor]) -> list[Tensor]:
     """The per-element floating-point buffers of ``params``' optimizer state, in a stable order.
 
     Only tensors shaped like their parameter are per-element buffers (momentum, Adam moments);
@@ -35,7 +36,7 @@ def averageable_buffers(state: Dict[Tensor, dict], params: Iterable[Tensor]) -> 
         state: the wrapped optimizer's ``state`` mapping.
         params: the parameters, in the order used on every rank.
     """
-    out: List[Tensor] = []
+    out: list[Tensor] = []
     for p in params:
         entry = state.get(p)
         if not entry:
@@ -45,4 +46,3 @@ def averageable_buffers(state: Dict[Tensor, dict], params: Iterable[Tensor]) -> 
             if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
                 out.append(value)
     return out
-

@@ -11,6 +11,7 @@ turns every read failure into a :class:`CheckpointError` naming the file and its
 Paper: arXiv 1910.00643 (SlowMo); the optimizer's state layout is
 :meth:`hvd_slowmo.DistributedOptimizer.state_dict`.
 """
+
 import os
 import tempfile
 from typing import Any, Union
@@ -41,7 +42,9 @@ def save_checkpoint(obj: Any, path: PathLike) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"save_checkpoint: directory {directory!r} of {path!r} does not exist; create it first")
+        raise FileNotFoundError(
+            f"save_checkpoint: directory {directory!r} of {path!r} does not exist; create it first"
+        )
     # The temporary file lives in the target's directory so that os.replace is a rename on one
     # file system (atomic), not a copy.
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
@@ -76,17 +79,26 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
         raise FileNotFoundError(f"load_checkpoint: no checkpoint file {path!r}")
     size = os.path.getsize(path)
     if size == 0:
-        raise CheckpointError(f"checkpoint file {path!r} is empty (0 bytes): the job that wrote it probably "
-                              "died while saving; use an earlier checkpoint (save with hvd_slowmo.save_checkpoint, "
-                              "which never leaves a partial file)")
+        raise CheckpointError(
+            f"checkpoint file {path!r} is empty (0 bytes): the job that wrote it probably "
+            "died while saving; use an earlier checkpoint (save with hvd_slowmo.save_checkpoint, "
+            "which never leaves a partial file)"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as e:  # torch.load raises RuntimeError, EOFError, UnpicklingError, ... by format
+    except (
+        Exception
+    ) as e:  # torch.load raises RuntimeError, EOFError, UnpicklingError, ... by format
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        hint = (" If it is intact but holds objects other than tensors and plain containers (the weights-only "
-                "unpickler refused it) and you trust it, pass weights_only=False."
-                if weights_only and "weights_only" in str(e).lower() else "")
-        raise CheckpointError(f"checkpoint file {path!r} ({size} bytes) cannot be read: it is truncated, corrupted "
-                              f"or not a torch checkpoint ({type(e).__name__}: {first}). Use an earlier checkpoint; "
-                              "hvd_slowmo.save_checkpoint writes atomically, so a job that dies while saving keeps "
-                              "the previous file intact." + hint) from e
+        hint = (
+            " If it is intact but holds objects other than tensors and plain containers (the "
+            "weights-only unpickler refused it) and you trust it, pass weights_only=False."
+            if weights_only and "weights_only" in str(e).lower()
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint file {path!r} ({size} bytes) cannot be read: it is truncated, corrupted "
+            f"or not a torch checkpoint ({type(e).__name__}: {first}). Use an earlier checkpoint; "
+            "hvd_slowmo.save_checkpoint writes atomically, so a job that dies while saving keeps "
+            "the previous file intact." + hint
+        ) from e

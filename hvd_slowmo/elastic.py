@@ -1,4 +1,5 @@
-"""Elastic training (``horovodrun --min-np/--max-np`` with ``@hvd.elastic.run``) that keeps SlowMo's state.
+"""Elastic training (``horovodrun --min-np/--max-np``, ``@hvd.elastic.run``) that keeps SlowMo's
+state, and the restart from the anchor that every change of workers goes through.
 
 ``hvd.elastic.TorchState(model=model, optimizer=opt)`` picks a state handler per object from
 Horovod's handler registry. Horovod's optimizer handler re-broadcasts with
@@ -23,7 +24,7 @@ What happens on a membership change (workers lost or added), in Horovod's order:
 2. Horovod shuts down and re-initializes with the new workers; your reset callbacks run.
 3. ``sync`` (every worker, joiners included): the cross-rank configuration check (skipped at
    construction under elastic, because a joiner constructs its optimizer alone), rank 0's full
-   optimizer state is broadcast, then :meth:`DistributedOptimizer._adopt_world` rebuilds the
+   optimizer state is broadcast, then :meth:`DistributedOptimizer.adopt_world` rebuilds the
    base algorithm for the new rank/size (gossip graph and transport) and restarts the current
    outer step from the anchor ``x_{t,0}``, identical on every worker; the base steps taken
    since the anchor are dropped (``opt.num_steps`` goes back with them). One log line on rank 0
@@ -35,16 +36,68 @@ collective is needed: the anchor is already identical everywhere).
 
 Paper: arXiv 1910.00643 (SlowMo); Horovod elastic: ``horovod.torch.elastic``.
 """
-import copy
-import os
-from typing import Any, Dict
 
-__all__ = ["is_elastic_launch", "register_state_handler", "sync_optimizer"]
+import copy
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .buffers import reset_buffers
+
+__all__ = ["is_elastic_launch", "register_state_handler", "restart_from_anchor", "sync_optimizer"]
+
+log = logging.getLogger("hvd_slowmo")
 
 
 def is_elastic_launch() -> bool:
     """True in a worker started by an elastic ``horovodrun`` (it sets ``HOROVOD_ELASTIC=1``)."""
     return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+@torch.no_grad()
+def restart_from_anchor(opt: Any, why: str) -> None:
+    """Continue with the current workers: rebuild the base algorithm and restart the outer step
+    from the anchor, identical on every worker (the base steps since the anchor are dropped,
+    ``opt.num_steps`` goes back with them). One log line on rank 0 says what was done.
+
+    Without an anchor (``slow_lr=1, slow_momentum=0`` and ``nonfinite != "skip"``) there is no
+    common point: the outer step continues from the parameters as they are.
+
+    Args:
+        opt: a :class:`hvd_slowmo.DistributedOptimizer`.
+        why: what changed the workers, for the log line and errors.
+    """
+    comm = opt.comm
+    opt.slow_state.check_world(opt.world, why)
+    old, opt.world = opt.world, (comm.rank, comm.size)
+    opt.reset_base()
+    dropped = 0
+    if opt.slow_state.captured and opt.inner_step > 0:
+        dropped = opt.inner_step
+        opt.slow_state.restore_([p.detach() for p in opt.params])
+        if opt.buffers == "reset":
+            reset_buffers(opt.optimizer.state, opt.params)
+        opt.num_steps -= dropped
+        opt.inner_step = 0
+    if comm.rank == 0 and (old != opt.world or dropped):
+        change = f"{old[1]} -> {comm.size} workers, " if old[1] != comm.size else ""
+        what = (
+            f"outer step {opt.outer_steps} restarts from its anchor ({dropped} base steps "
+            f"dropped, num_steps back to {opt.num_steps})"
+            if dropped
+            else f"continuing at step {opt.num_steps} (inner step {opt.inner_step})"
+        )
+        log.warning(
+            "hvd_slowmo: %s (%sbase %r rebuilt for %d workers): %s. The learning rate is "
+            "yours: rescale it in a reset callback if it depends on the number of workers",
+            why,
+            change,
+            opt.base_name,
+            comm.size,
+            what,
+        )
 
 
 def sync_optimizer(opt: Any) -> None:
@@ -57,12 +110,10 @@ def sync_optimizer(opt: Any) -> None:
     Args:
         opt: a :class:`hvd_slowmo.DistributedOptimizer`.
     """
-    from .optimizer import broadcast_optimizer_state  # here: optimizer.py imports this module
-
-    opt._rebuild_base()  # drop anything of the old world before the first collective
-    opt._check_same_everywhere()
-    broadcast_optimizer_state(opt, root_rank=0)
-    opt._adopt_world("elastic state sync")
+    opt.reset_base()  # drop anything of the old world before the first collective
+    opt.check_consistent()
+    opt.broadcast_state(root_rank=0)
+    opt.adopt_world("elastic state sync")
 
 
 _handler_cls: Any = None
@@ -73,18 +124,20 @@ def register_state_handler(optimizer_cls: type) -> None:
     their full SlowMo state (idempotent).
 
     Args:
-        optimizer_cls: :class:`hvd_slowmo.DistributedOptimizer` (passed in to avoid an import cycle).
+        optimizer_cls: :class:`hvd_slowmo.DistributedOptimizer` (passed in: this module does not
+            import the optimizer, which imports it).
     """
     global _handler_cls
     from horovod.torch.elastic import state as hvd_state  # only reached under Horovod
 
     if _handler_cls is None:
+
         class SlowMoStateHandler(hvd_state.StateHandler):
             """``TorchState`` handler for a :class:`hvd_slowmo.DistributedOptimizer`."""
 
             def __init__(self, opt: Any) -> None:
                 super().__init__(opt)
-                self._saved: Dict[str, Any] = copy.deepcopy(opt.state_dict())
+                self._saved: dict[str, Any] = copy.deepcopy(opt.state_dict())
 
             def save(self) -> None:
                 # state_dict() finishes gossip in flight first, so the copy holds all the mass.
@@ -93,7 +146,7 @@ def register_state_handler(optimizer_cls: type) -> None:
             def restore(self) -> None:
                 # After a failed collective, messages in flight can never complete: drop them
                 # (rebuild the base) before loading, or the load would wait for a dead peer.
-                self.value._rebuild_base()
+                self.value.reset_base()
                 self.value.load_state_dict(copy.deepcopy(self._saved))
 
             def sync(self) -> None:

@@ -7,16 +7,17 @@ average and the slow update run on every rank. Ranks of one node hold identical 
 every step, so averaging among same-local-rank peers equals averaging whole nodes, and every
 inter-node link carries ``local_size`` independent streams at once.
 
-``Hierarchy`` holds the two communicators; :func:`horovod_node_hierarchy` builds them from
-Horovod process sets (arXiv 1910.00643, Section 5 and Appendix A).
+``Hierarchy`` holds the two communicators; :func:`node_groups` is the pure map from the host
+layout to the groups; :func:`hvd_slowmo.comm.factory.horovod_node_hierarchy` builds the two
+communicators from Horovod process sets (arXiv 1910.00643, Section 5 and Appendix A).
 """
-import os
+
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
 
 from .comm.base import Communicator
 
-__all__ = ["Hierarchy", "node_groups", "horovod_node_hierarchy"]
+__all__ = ["Hierarchy", "node_groups"]
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Hierarchy:
     cross: Communicator
 
 
-def node_groups(layout: Sequence[Tuple[int, int]]) -> Tuple[List[List[int]], List[List[int]]]:
+def node_groups(layout: Sequence[tuple[int, int]]) -> tuple[list[list[int]], list[list[int]]]:
     """Group global ranks into nodes and into same-local-rank peer groups.
 
     Args:
@@ -48,58 +49,26 @@ def node_groups(layout: Sequence[Tuple[int, int]]) -> Tuple[List[List[int]], Lis
         ValueError: nodes with different numbers of processes (every node must be one worker of
             the same shape) or a duplicated (node, local rank) pair.
     """
-    by_node: Dict[int, Dict[int, int]] = {}
+    by_node: dict[int, dict[int, int]] = {}
     for rank, (node, local) in enumerate(layout):
         slots = by_node.setdefault(node, {})
         if local in slots:
-            raise ValueError(f"ranks {slots[local]} and {rank} both claim node {node}, local rank {local}")
+            raise ValueError(
+                f"ranks {slots[local]} and {rank} both claim node {node}, local rank {local}"
+            )
         slots[local] = rank
     sizes = {n: len(s) for n, s in by_node.items()}
     if len(set(sizes.values())) != 1:
-        raise ValueError(f"worker='node' needs the same number of processes on every node, got {sizes} "
-                         "(node: processes); launch the same -np per host")
+        raise ValueError(
+            f"worker='node' needs the same number of processes on every node, got {sizes} "
+            "(node: processes); launch the same -np per host"
+        )
     local_size = next(iter(sizes.values()))
     for n, slots in by_node.items():
         if sorted(slots) != list(range(local_size)):
-            raise ValueError(f"node {n} has local ranks {sorted(slots)}, expected 0..{local_size - 1}")
-    nodes = [[by_node[n][l] for l in range(local_size)] for n in sorted(by_node)]
-    peers = [[by_node[n][l] for n in sorted(by_node)] for l in range(local_size)]
+            raise ValueError(
+                f"node {n} has local ranks {sorted(slots)}, expected 0..{local_size - 1}"
+            )
+    nodes = [[by_node[n][local] for local in range(local_size)] for n in sorted(by_node)]
+    peers = [[by_node[n][local] for n in sorted(by_node)] for local in range(local_size)]
     return nodes, peers
-
-
-_PROCESS_SETS: Dict[Tuple[int, ...], object] = {}
-
-
-def _process_set(hvd, ranks: List[int]):
-    """Horovod's process set over ``ranks``, created once per job (creation is collective)."""
-    key = tuple(ranks)
-    if len(ranks) == hvd.size():
-        return hvd.global_process_set
-    if key not in _PROCESS_SETS:
-        _PROCESS_SETS[key] = hvd.add_process_set(list(ranks))
-    return _PROCESS_SETS[key]
-
-
-def horovod_node_hierarchy() -> Hierarchy:
-    """Build the node and cross-node communicators from Horovod's host layout. Collective.
-
-    Needs dynamic process sets: ``hvd.init(process_sets="dynamic")`` (or
-    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before ``hvd.init()``).
-    """
-    import horovod.torch as hvd
-
-    from .comm.horovod import HorovodCommunicator
-
-    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", ""):
-        raise ValueError("worker='node' creates Horovod process sets after hvd.init(): call "
-                         "hvd.init(process_sets='dynamic') (or set HOROVOD_DYNAMIC_PROCESS_SETS=1), or pass "
-                         "worker=Hierarchy(node=..., cross=...) built from your own process sets")
-    layout = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank()), name="hvd_slowmo.layout")
-    nodes, peers = node_groups(layout)
-    # Every rank adds every set in the same order: process-set creation is a collective.
-    node_sets = [_process_set(hvd, ranks) for ranks in nodes]
-    peer_sets = [_process_set(hvd, ranks) for ranks in peers]
-    mine = hvd.rank()
-    node_set = next(ps for ps, ranks in zip(node_sets, nodes) if mine in ranks)
-    peer_set = next(ps for ps, ranks in zip(peer_sets, peers) if mine in ranks)
-    return Hierarchy(node=HorovodCommunicator(process_set=node_set), cross=HorovodCommunicator(process_set=peer_set))

@@ -1,8 +1,8 @@
-"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), as pure tensor math.
+"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), as pure
+tensor math.
 
 No communication happens here: the caller has already put the exact average into ``params``.
 """
-from typing import List
 
 import torch
 from torch import Tensor
@@ -11,9 +11,9 @@ __all__ = ["slow_momentum_step_"]
 
 
 def slow_momentum_step_(
-    params: List[Tensor],
-    anchor: List[Tensor],
-    slow_buffer: List[Tensor],
+    params: list[Tensor],
+    anchor: list[Tensor],
+    slow_buffer: list[Tensor],
     lr: float,
     slow_lr: float,
     slow_momentum: float,
@@ -41,7 +41,9 @@ def slow_momentum_step_(
     if not params:
         return
     if not lr > 0:
-        raise ValueError(f"slow_momentum_step_: lr must be > 0 to scale the pseudo-gradient, got {lr}")
+        raise ValueError(
+            f"slow_momentum_step_: lr must be > 0 to scale the pseudo-gradient, got {lr}"
+        )
     # params <- x_avg - x0 = -lr * pseudo-gradient (exact when the two are close: Sterbenz).
     torch._foreach_sub_(params, anchor)
     torch._foreach_mul_(slow_buffer, slow_momentum)

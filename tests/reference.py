@@ -3,7 +3,8 @@
 Shared by the in-process tests and the horovodrun tests, so both compare against the same
 replay. Nothing here uses hvd_slowmo.
 """
-from typing import Callable, Dict, Iterable, List, Optional
+
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,10 +44,10 @@ def reference_slowmo(
     slow_momentum: float,
     make_opt: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
     buffers: str = "reset",
-    lr_schedule: Optional[Callable[[int], float]] = lr_at,
+    lr_schedule: Callable[[int], float] | None = lr_at,
     average_model_buffers: bool = True,
     outer_nesterov: bool = False,
-) -> List[nn.Module]:
+) -> list[nn.Module]:
     """Replay SlowMo over Local SGD/Adam for ``m`` workers; returns each worker's model.
 
     The slow update is replayed as ``torch.optim.SGD(lr=slow_lr * lr, momentum=slow_momentum)`` on
@@ -101,9 +102,45 @@ def reference_slowmo(
     return models
 
 
-def params_of(model: nn.Module) -> List[torch.Tensor]:
+def reference_allreduce(
+    m: int,
+    steps: int,
+    make_opt: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+    lr_schedule: Callable[[int], float] | None = lr_at,
+) -> list[nn.Module]:
+    """Replay AR-SGD for ``m`` workers (base='allreduce', tau=1, slow update off, buffers
+    'maintain'): every step each worker's gradients are replaced by their mean over workers
+    before its own optimizer step, and the floating-point model buffers are averaged after it
+    (the outer step at every step); returns each worker's model."""
+    models = [make_model() for _ in range(m)]
+    opts = [make_opt(mod.parameters()) for mod in models]
+    for k in range(steps):
+        for w in range(m):
+            if lr_schedule:
+                for g in opts[w].param_groups:
+                    g["lr"] = lr_schedule(k)
+            opts[w].zero_grad()
+            loss_at(models[w], w, k).backward()
+        with torch.no_grad():
+            plist = [list(mod.parameters()) for mod in models]
+            for i in range(len(plist[0])):
+                mean = sum(plist[w][i].grad for w in range(m)) / m
+                for w in range(m):
+                    plist[w][i].grad.copy_(mean)
+        for o in opts:
+            o.step()
+        with torch.no_grad():
+            blist = [[b for b in mod.buffers() if b.is_floating_point()] for mod in models]
+            for i in range(len(blist[0])):
+                mean = sum(blist[w][i] for w in range(m)) / m
+                for w in range(m):
+                    blist[w][i].copy_(mean)
+    return models
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def state_summary(model: nn.Module) -> Dict[str, torch.Tensor]:
+def state_summary(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

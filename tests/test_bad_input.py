@@ -1,4 +1,5 @@
 """Bad input raises an error that names the argument and the fix, and changes nothing."""
+
 import copy
 
 import pytest
@@ -19,11 +20,13 @@ def build(model=None, **kwargs):
 
 BAD = {
     "tau-zero": (dict(tau=0), ValueError, "tau"),
-    "tau-float": (dict(tau=2.5), ValueError, "tau"),
-    "tau-bool": (dict(tau=True), ValueError, "tau"),
+    "tau-float": (dict(tau=2.5), TypeError, "tau"),
+    "tau-bool": (dict(tau=True), TypeError, "tau"),
+    "tau-string": (dict(tau="3"), TypeError, "tau"),
     "slow_lr-negative": (dict(slow_lr=-1.0), ValueError, "slow_lr"),
     "slow_lr-zero": (dict(slow_lr=0.0), ValueError, "slow_lr"),
-    "slow_lr-nan": (dict(slow_lr=float("nan")), TypeError, "slow_lr"),
+    "slow_lr-nan": (dict(slow_lr=float("nan")), ValueError, "slow_lr"),
+    "slow_lr-inf": (dict(slow_lr=float("inf")), ValueError, "slow_lr"),
     "slow_lr-string": (dict(slow_lr="1"), TypeError, "slow_lr"),
     "slow_momentum-one": (dict(slow_momentum=1.0), ValueError, "slow_momentum"),
     "slow_momentum-negative": (dict(slow_momentum=-0.1), ValueError, "slow_momentum"),
@@ -63,24 +66,35 @@ def test_parameters_missing_from_named_parameters():
     model, other = make_model(), make_model()
     opt = torch.optim.SGD(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="named_parameters lacks 1"):
-        DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            opt,
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
     with pytest.raises(ValueError, match="named_parameters lacks"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=other.named_parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=other.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
 
 
 def test_named_parameters_malformed():
     model = make_model()
     with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.parameters(),
-                             communicator=ThreadWorld(1).communicator(0))
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+        )
 
 
 def test_non_floating_parameter():
     p = torch.zeros(3, dtype=torch.int64)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    opt.param_groups[0]["params"].append(p)  # SGD's constructor would refuse; simulate a hand-built group
+    opt.param_groups[0]["params"].append(
+        p
+    )  # SGD's constructor would refuse; simulate a hand-built group
     with pytest.raises(TypeError, match="only floating-point"):
         DistributedOptimizer(opt, communicator=ThreadWorld(1).communicator(0))
 
@@ -105,8 +119,11 @@ def test_mismatched_parameter_shapes_across_ranks():
     def worker(comm):
         model = torch.nn.Linear(3, 2 + comm.rank)
         try:
-            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                 communicator=comm)
+            DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(),
+                communicator=comm,
+            )
         except ValueError as e:
             return str(e)
         return "no error"
@@ -126,7 +143,15 @@ def _trained(tau=3, steps=2):
 
 
 def _snapshot(opt):
-    return copy.deepcopy((opt.inner_step, opt.num_steps, opt.anchor, opt.slow_buffer, opt.optimizer.state_dict()))
+    return copy.deepcopy(
+        (
+            opt.inner_step,
+            opt.num_steps,
+            opt.slow_state.anchor,
+            opt.slow_state.slow_buffer,
+            opt.optimizer.state_dict(),
+        )
+    )
 
 
 def _same(a, b):
@@ -158,8 +183,18 @@ def corrupt(state, case):
     return s
 
 
-@pytest.mark.parametrize("case", ["not-ours", "future-format", "other-model", "bigger-tau", "wrong-shape",
-                                  "missing-anchor-entry", "base-groups"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not-ours",
+        "future-format",
+        "other-model",
+        "bigger-tau",
+        "wrong-shape",
+        "missing-anchor-entry",
+        "base-groups",
+    ],
+)
 def test_load_state_dict_rejects_and_keeps_state(case):
     _, source = _trained()
     _, target = _trained(steps=1)
@@ -167,3 +202,66 @@ def test_load_state_dict_rejects_and_keeps_state(case):
     with pytest.raises(ValueError):
         target.load_state_dict(corrupt(source.state_dict(), case))
     assert _same(_snapshot(target), before)
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"base": "allreduce"}, "saved with base='localsgd', this optimizer has base='allreduce'"),
+        (
+            {"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=0.5)},
+            "outer_optimizer='heavyball'",
+        ),
+    ],
+    ids=["other-base", "custom-outer-optimizer"],
+)
+def test_load_state_dict_checks_the_saved_configuration(settings, match):
+    """A state whose base algorithm or slow-state kind differs is refused, naming both values."""
+    _, source = _trained()
+    model = make_model()
+    target = build(model, tau=3, **settings)
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(source.state_dict())
+    assert _same(_snapshot(target), before)
+
+
+def test_load_state_dict_warns_about_changed_settings():
+    """Hyperparameters may change on resume: the load goes through and says what changed."""
+    _, source = _trained()
+    target = build(make_model(), tau=3, slow_lr=0.5, buffers="maintain")
+    with pytest.warns(UserWarning, match=r"slow_lr: 1\.0 -> 0\.5; buffers: 'reset' -> 'maintain'"):
+        target.load_state_dict(source.state_dict())
+    assert target.num_steps == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(base=3), TypeError, "base must be one of"),
+        (dict(base=torch.optim.SGD), TypeError, "BaseAlgorithm subclass"),
+        (dict(buffers=None), TypeError, "buffers must be one of"),
+        (dict(nonfinite="warn"), ValueError, "nonfinite must be one of"),
+        (dict(outer_optimizer="adam"), ValueError, "outer_optimizer must be one of"),
+        (dict(outer_optimizer=1.0), TypeError, "outer_optimizer must be one of"),
+        (dict(worker=2), TypeError, "worker must be one of"),
+        (
+            dict(communicator="horovod"),
+            TypeError,
+            "communicator must be a hvd_slowmo.comm.Communicator",
+        ),
+    ],
+    ids=[
+        "base-int",
+        "base-not-a-base",
+        "buffers-none",
+        "nonfinite-unknown",
+        "outer-unknown",
+        "outer-float",
+        "worker-int",
+        "communicator-str",
+    ],
+)
+def test_wrong_type_is_typeerror_wrong_value_is_valueerror(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        build(**kwargs)

@@ -126,6 +126,72 @@ def test_worker_env_matches_horovod_gloo_launcher():
     assert env["HOROVOD_LOCAL_RANK"] == "0" and env["HOROVOD_LOCAL_SIZE"] == "1"
     assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.254" and env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4321"
     assert env["HOROVOD_HOSTNAME"] == "th2" and env["HOROVOD_GLOO_IFACE"] == "eth0"
+    # torch.distributed (the PyTorch peers) uses the same shaped link and finds rank 0's host.
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "10.77.0.1"
+
+
+def test_algorithm_plan():
+    keys = [a.key for a in cluster.ALGORITHMS]
+    assert len(set(keys)) == len(keys)
+    assert {a.kind for a in cluster.ALGORITHMS} <= set(cluster.KINDS)
+    listed = [k for _, o, s in cluster.TABLE2_ROWS for k in (o, s)] + list(cluster.PEER_KEYS)
+    listed += [k for _, ks in cluster.PEER_ROWS for k in ks]
+    listed += [k for pair in cluster.OVERLAP_ROWS for k in pair]
+    assert set(listed) <= set(keys)
+    by = cluster.ALGORITHM_BY_KEY
+    # The peers come from PyTorch or Horovod, and compare like with like.
+    assert {by[k].kind for k in cluster.PEER_KEYS} == {"horovod", "ddp", "postlocal"}
+    assert by["torch_postlocal"].tau == by["localsgd"].tau == 12 and by["torch_postlocal"].periodic
+    assert by["torch_ddp"].tau == by["horovod_ar"].tau == by["allreduce"].tau == 1
+    for overlapped, exposed in cluster.OVERLAP_ROWS:
+        a, b = by[overlapped], by[exposed]
+        # Same configuration but the overlap, which the option allows (0 <= d < tau), and which
+        # the warm-up keeps inside one timed window with the outer step that started it.
+        same = ("kind", "base", "tau", "periodic", "payload")
+        assert [getattr(a, f) for f in same] == [getattr(b, f) for f in same]
+        assert {k: v for k, v in a.options.items() if k != "overlap"} == b.options
+        assert b.overlap == 0 and 0 < a.overlap < a.tau and a.overlap <= cluster.WARMUP_ITERS
+    assert [by[o].overlap for o, _ in cluster.OVERLAP_ROWS] == [1, 2]
+    # Peers are measured next to the rows they are compared with.
+    assert keys.index("torch_ddp") == keys.index("horovod_ar") + 1
+    assert keys.index("torch_postlocal") + 1 == keys.index("localsgd")
+
+
+_PEERS = ["compute", "horovod_ar", "torch_ddp", "allreduce", "torch_postlocal", "localsgd",
+          "localsgd_slowmo", "localsgd_slowmo_overlap1", "localsgd_slowmo_overlap2"]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("localsgd,compute", ["compute", "localsgd"]),  # measured in the plan's order
+    ("compute,compute", ["compute"]),
+    ("peers", _PEERS),
+    ("sgp,peers,localsgd", _PEERS + ["sgp"]),
+    ("all", [a.key for a in cluster.ALGORITHMS]),
+], ids=["order", "duplicate", "peers", "set-and-keys", "all"])
+def test_select_algorithms(text, expected):
+    assert cluster.select_algorithms(text) == expected
+
+
+@pytest.mark.parametrize("text", ["localsgd,nope", " , ", "Peers"],
+                         ids=["unknown", "empty", "case"])
+def test_select_algorithms_rejects(text):
+    with pytest.raises(ValueError, match="--algorithms"):
+        cluster.select_algorithms(text)
+
+
+def test_hidden_fraction():
+    # No overlap 1328 ms, compute 1252 ms: the exact average costs 76 ms per iteration.
+    assert cluster.hidden_fraction(1328.0, 1252.0, 1252.0) == 1.0
+    assert cluster.hidden_fraction(1328.0, 1290.0, 1252.0) == pytest.approx(0.5)
+    assert cluster.hidden_fraction(1328.0, 1328.0, 1252.0) == 0.0
+    # Noise can make the overlapped run slower (< 0) or faster than compute only (> 1): shown as is.
+    assert cluster.hidden_fraction(1328.0, 1366.0, 1252.0) == pytest.approx(-0.5)
+    assert cluster.hidden_fraction(1328.0, 1214.0, 1252.0) == pytest.approx(1.5)
+    # Nothing to hide, or a time missing: no figure.
+    assert cluster.hidden_fraction(1250.0, 1240.0, 1252.0) is None
+    assert cluster.hidden_fraction(None, 1240.0, 1252.0) is None
+    assert cluster.hidden_fraction(1328.0, None, 1252.0) is None
+    assert cluster.hidden_fraction(1328.0, 1300.0, None) is None
 
 
 def test_window_stats():
@@ -195,6 +261,23 @@ def test_summarize_ratios():
     assert tg["osgp_slowmo_hidden_fraction"] == pytest.approx((140 - 120) / 40)
 
 
+def test_summarize_peers_and_overlap():
+    res = _results(compute=1000.0, horovod_ar=1600.0, torch_ddp=1500.0, allreduce=1650.0,
+                   torch_postlocal=1060.0, localsgd=1050.0, localsgd_slowmo=1080.0,
+                   localsgd_slowmo_overlap1=1020.0)
+    tg = cluster.summarize(res)["targets"]
+    assert tg["localsgd_slowmo_overlap1_hidden_fraction"] == pytest.approx(60 / 80)
+    assert tg["localsgd_slowmo_overlap2_hidden_fraction"] is None  # not measured
+    assert tg["localsgd_over_torch_postlocal"] == pytest.approx(1050 / 1060)
+    assert tg["allreduce_over_torch_ddp"] == pytest.approx(1650 / 1500)
+    assert tg["fastest_peer"] == "torch_postlocal"
+    assert tg["localsgd_slowmo_overlap1_over_fastest_peer"] == pytest.approx(1020 / 1060)
+    assert tg["localsgd_slowmo_overlap2_over_fastest_peer"] is None
+    # Without any peer row there is no fastest peer.
+    tg = cluster.summarize(_results(compute=1000.0, localsgd_slowmo_overlap1=1020.0))["targets"]
+    assert tg["fastest_peer"] is None and tg["localsgd_slowmo_overlap1_over_fastest_peer"] is None
+
+
 def test_summarize_slow_update_fraction():
     res = _results(localsgd=100.0, localsgd_slowmo=104.0)
     res["localsgd_slowmo"]["phase_ms_per_iter"] = {"base_comm": 0.0, "average": 3.0, "slow_update": 1.04}
@@ -220,6 +303,41 @@ def test_render_markdown_table():
     assert "6.00 MB (computed)" in md
     assert "33.3% of its time" in md
     assert "load average 1.5 before, 2.2 after" in md
+
+
+def test_render_markdown_peers():
+    res = _results(compute=1000.0, horovod_ar=1600.0, torch_ddp=1500.0, torch_postlocal=1060.0,
+                   localsgd=1050.0, localsgd_slowmo=1080.0, localsgd_slowmo_overlap1=1020.0)
+    res["localsgd_slowmo_overlap2"] = {"available": False,
+                                       "reason": "this hvd_slowmo has no overlap option: x"}
+    header = {"workload": "synthetic", "params_human": "10M", "param_bytes": 40_000_000, "hosts": 4,
+              "rate": "100mbit", "compute_ms": 1000.0, "cpu_cores": 2, "horovod": "0.28.1"}
+    md = cluster.render_markdown({"header": header, "results": res})
+    lines = md.splitlines()
+    peer = [line for line in lines if line.startswith(("| AR-SGD |", "| Local SGD (tau=12) |"))]
+    # PyTorch's row first in each family, hvd_slowmo's beside it, in PEER_ROWS order.
+    assert peer == [
+        "| AR-SGD | AR-SGD (torch DistributedDataParallel, Gloo) | 1500 (1.07x) | 1.500x |  |",
+        "| AR-SGD | AR-SGD (hvd.DistributedOptimizer) | 1600 (1.00x) | 1.600x |  |",
+        "| Local SGD (tau=12) | Local SGD (torch PostLocalSGDOptimizer, Gloo) | 1060 (1.51x) | "
+        "1.060x |  |",
+        "| Local SGD (tau=12) | Local SGD | 1050 (1.52x) | 1.050x |  |",
+        "| Local SGD (tau=12) | Local SGD + SlowMo | 1080 (1.48x) | 1.080x |  |",
+        "| Local SGD (tau=12) | Local SGD + SlowMo, overlap=1 | 1020 (1.57x) | 1.020x | 75% |",
+        "| Local SGD (tau=12) | Local SGD + SlowMo, overlap=2 | not available | | |"]
+    assert ("- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): -0.9% "
+            "(target: <= 0%).") in lines
+    overlap1 = [line for line in lines if line.startswith("- Local SGD + SlowMo, overlap=1: ")]
+    assert len(overlap1) == 1
+    assert "+2.0% over compute only" in overlap1[0] and "hides 75%" in overlap1[0]
+    assert "-3.8% vs the fastest peer row (Local SGD (torch PostLocalSGDOptimizer" in overlap1[0]
+    assert "- Local SGD + SlowMo, overlap=2: not available (the reason is in its row above)." in lines
+    assert "| Local SGD + SlowMo, overlap=2 | 12 | not available (this hvd_slowmo has no overlap " \
+           "option: x) | | | | |" in lines
+    # No peer row measured: no peers table, no peer bullets.
+    md = cluster.render_markdown({"header": header,
+                                  "results": _results(compute=1000.0, sgp=1100.0)})
+    assert "Beside the peers" not in md and "post-local" not in md
 
 
 def _cluster_skip_reason():
@@ -256,7 +374,8 @@ def test_end_to_end_two_hosts(tmp_path):
     subprocess.run(["ip", "netns", "add", f"{prefix}-h7"], check=True)
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--rate", "100mbit",
            "--workload", "synthetic", "--params", "100k", "--compute-ms", "5", "--iters", "4", "--windows", "2",
-           "--algorithms", "compute,horovod_ar,allreduce,localsgd_slowmo", "--prefix", prefix, "--subnet", "10.78.0",
+           "--algorithms", "compute,horovod_ar,torch_ddp,allreduce,torch_postlocal,localsgd_slowmo,"
+           "localsgd_slowmo_overlap1", "--prefix", prefix, "--subnet", "10.78.0",
            "--repeats", "2", "--timeout", "150", "--out", str(tmp_path)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
@@ -268,10 +387,22 @@ def test_end_to_end_two_hosts(tmp_path):
     runs = json.loads((tmp_path / "results.json").read_text())
     assert len(runs) == 1
     res = runs[0]["results"]
-    assert set(res) == {"compute", "horovod_ar", "allreduce", "localsgd_slowmo"}
+    assert set(res) == {"compute", "horovod_ar", "torch_ddp", "allreduce", "torch_postlocal",
+                        "localsgd_slowmo", "localsgd_slowmo_overlap1"}
+    # The overlapped row runs exactly when the library has the option; otherwise it says why not.
+    import inspect
+
+    import hvd_slowmo
+    has_overlap = "overlap" in inspect.signature(hvd_slowmo.DistributedOptimizer).parameters
+    overlap = res.pop("localsgd_slowmo_overlap1")
+    assert overlap.get("available", True) == has_overlap, overlap
+    if not has_overlap:
+        assert "overlap" in overlap["reason"]
     # Two repeats of: 2 windows of one outer period (tau=12), and 4 single-iteration windows at tau=1.
     assert res["localsgd_slowmo"]["iterations"] == 48 and res["localsgd_slowmo"]["windows"] == 4
+    assert res["torch_postlocal"]["iterations"] == 48 and res["torch_postlocal"]["windows"] == 4
     assert res["horovod_ar"]["iterations"] == 8 and len(res["horovod_ar"]["repeat_median_ms"]) == 2
+    assert res["torch_ddp"]["iterations"] == 8
     assert all(r_["median_ms"] > 0 for r_ in res.values())
     # The sleep is a floor for every algorithm's iteration time.
     assert res["compute"]["median_ms"] >= 5.0
@@ -279,7 +410,13 @@ def test_end_to_end_two_hosts(tmp_path):
     assert res["allreduce"]["bytes_per_iter"] == pytest.approx(400_000, rel=0.01)
     assert res["localsgd_slowmo"]["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
     assert res["horovod_ar"]["bytes_computed"] is True
-    assert "| Local SGD |" in (tmp_path / "table.md").read_text()
+    # The PyTorch peers' Gloo volume is computed: every step (DDP), every 12 steps (post-local SGD).
+    assert res["torch_ddp"]["bytes_per_iter"] == 400_000
+    assert res["torch_ddp"]["bytes_computed"] is True
+    assert res["torch_postlocal"]["bytes_per_iter"] == pytest.approx(400_000 / 12)
+    table = (tmp_path / "table.md").read_text()
+    assert "| Local SGD |" in table
+    assert "| Local SGD (tau=12) | Local SGD (torch PostLocalSGDOptimizer, Gloo) |" in table
     assert os.listdir(tmp_path / "tensorboard")
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hvd_slowmo
-from hvd_slowmo import report, sweep
+from hvd_slowmo.tools import report, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -102,12 +102,14 @@ def test_compare_parses_algorithms():
 
 
 def test_compare_runs_each_method_at_its_own_settings():
-    ns = SimpleNamespace()
+    ns = SimpleNamespace(overlap=0)
     settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
     flags = compare.run_args("sgp-slowmo", settings, 2, ns)
     assert flags == ["--algo", "sgp", "--slowmo", "--tau", "12", "--lr", "0.05", "--buffers",
                      "reset", "--seed", "2", "--run-name", "sgp-slowmo/seed2", "--slow-lr", "1",
                      "--slow-momentum", "0.6"]
+    assert compare.run_args("sgp-slowmo", settings, 2, SimpleNamespace(overlap=1))[-2:] == [
+        "--overlap", "1"]
     flags = compare.run_args("localsgd", {"lr": 0.1, "buffers": "maintain"}, 0, ns)
     assert flags[:3] == ["--algo", "localsgd", "--no-slowmo"] and "--slow-momentum" not in flags
     # Every default method has tuned settings; SlowMo keeps its base's lr (the paper's protocol).

@@ -6,13 +6,13 @@ Horovod tier (marked ``horovod``): each fault injected under horovodrun -np 2 wi
 reference model, each launch in its own process group, killed (SIGCONT then SIGKILL) when the
 test ends, so a frozen worker never outlives its test. The worker: tests/workers/fault_worker.py.
 """
+
 import json
 import logging
 import os
 import signal
 import subprocess
 import time
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -23,19 +23,25 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
+from conftest import ForwardingCommunicator
 from horovod_launch import ROOT, horovodrun_command, launch_env
 from reference import loss_at, make_model, params_of
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "fault_worker.py")
 GOSSIP_TIMEOUT = 10  # seconds; HVD_SLOWMO_GOSSIP_TIMEOUT for the launches
-GLOO_TIMEOUT = 20  # seconds; HOROVOD_GLOO_TIMEOUT_SECONDS: how long a Gloo collective waits for a peer
+GLOO_TIMEOUT = (
+    20  # seconds; HOROVOD_GLOO_TIMEOUT_SECONDS: how long a Gloo collective waits for a peer
+)
 
 
 # --- in-process tier ------------------------------------------------------------------------
 def _opt(model, comm, **kwargs) -> DistributedOptimizer:
-    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                named_parameters=model.named_parameters(), communicator=comm,
-                                **{"tau": 3, "slow_lr": 1.0, "slow_momentum": 0.5, **kwargs})
+    return DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        communicator=comm,
+        **{"tau": 3, "slow_lr": 1.0, "slow_momentum": 0.5, **kwargs},
+    )
 
 
 def _train(model, opt, rank, steps, start=0):
@@ -52,12 +58,16 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     loaded = load_checkpoint(path)
-    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.anchor[0])
+    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.slow_state.anchor[0])
     assert loaded["opt"]["slowmo"]["world_size"] == 1
     good = path.read_bytes()
 
-    cases = {"truncated": good[: len(good) // 2], "empty": b"", "garbage": b"not a checkpoint at all" * 10,
-             "flipped": good[:64] + bytes(b ^ 0xFF for b in good[64:600]) + good[600:]}
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "empty": b"",
+        "garbage": b"not a checkpoint at all" * 10,
+        "flipped": good[:64] + bytes(b ^ 0xFF for b in good[64:600]) + good[600:],
+    }
     for name, data in cases.items():
         bad = tmp_path / f"{name}.pt"
         bad.write_bytes(data)
@@ -76,30 +86,9 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         save_checkpoint({"model": model.state_dict(), "x": Unpicklable()}, path)
     assert path.read_bytes() == good  # the previous checkpoint is intact
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt.pt"]  # no temp left
-
-
-class MovableComm(Communicator):
-    """A communicator whose world can be replaced, as Horovod's is when hvd.elastic re-initializes."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.bytes_sent = 0
-
-    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
-    size = property(lambda self: self.inner.size)  # type: ignore[assignment]
-
-    def average_(self, tensors, name):
-        self.inner.average_(tensors, name)
-
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
-
-    def broadcast_object(self, obj, root_rank=0):
-        return self.inner.broadcast_object(obj, root_rank)
-
-    def exchange_start(self, sends, recv_from, tag, graph_key=None):
-        return self.inner.exchange_start(sends, recv_from, tag, graph_key)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == [
+        "ckpt.pt"
+    ]  # no temp left
 
 
 def _solo() -> Communicator:
@@ -111,12 +100,16 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     each hvd.elastic-style sync every worker sits bitwise on the anchor of the interrupted outer
     step, with rank 0's counters and slow buffer, and training goes on with exact averages."""
     models = [make_model() for _ in range(4)]
-    opts: Dict[int, DistributedOptimizer] = {}
+    opts: dict[int, DistributedOptimizer] = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm))
-        _train(models[comm.rank], opts[comm.rank], comm.rank, 4)  # outer step at 3, then 1 inner step
-        return [a.clone() for a in opts[comm.rank].anchor], opts[comm.rank].slow_buffer[0].clone()
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm))
+        _train(
+            models[comm.rank], opts[comm.rank], comm.rank, 4
+        )  # outer step at 3, then 1 inner step
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor], opts[
+            comm.rank
+        ].slow_state.slow_buffer[0].clone()
 
     (anchor, slow0), *_ = run_threads(3, start)
     survivors = {0: 0, 1: 2}  # new rank -> old rank (old rank 1 died)
@@ -134,31 +127,50 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     for (params, num_steps, inner, outer, base_size), _ in out:
         assert all(torch.equal(p, a) for p, a in zip(params, anchor))
         assert (num_steps, inner, outer, base_size) == (3, 0, 1, 2)
-    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))  # bitwise equal after the average
+    assert all(
+        torch.equal(a, b) for a, b in zip(out[0][1], out[1][1])
+    )  # bitwise equal after the average
     assert "3 -> 2 workers" in caplog.text and "1 base steps dropped" in caplog.text
 
-    # Grow: a new process builds its optimizer alone (elastic: no construction collective), then syncs.
+    # Grow: a new process builds its optimizer alone (elastic: no construction collective), then
+    # syncs.
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     pytest.importorskip("horovod.torch", reason="the elastic handler registers with Horovod")
-    opts[3] = _opt(models[3], MovableComm(_solo()))
+    opts[3] = _opt(models[3], ForwardingCommunicator(_solo()))
     members = {0: 0, 1: 2, 2: 3}
     # Survivors one step into outer step 2, so the sync restarts that outer step again.
-    run_threads(2, lambda comm: _train(models[members[comm.rank]], opts[members[comm.rank]], comm.rank, 1, start=6))
+    run_threads(
+        2,
+        lambda comm: _train(
+            models[members[comm.rank]], opts[members[comm.rank]], comm.rank, 1, start=6
+        ),
+    )
 
     def grow(comm):
         model, opt = models[members[comm.rank]], opts[members[comm.rank]]
         opt.comm.inner = comm
-        model.load_state_dict(comm.broadcast_object(model.state_dict()))  # TorchState's model handler
+        model.load_state_dict(
+            comm.broadcast_object(model.state_dict())
+        )  # TorchState's model handler
         sync_optimizer(opt)
-        return params_of(model), opt.num_steps, opt.outer_steps, opt.slow_buffer[0].clone(), opt.base.comm.size
+        return (
+            params_of(model),
+            opt.num_steps,
+            opt.outer_steps,
+            opt.slow_state.slow_buffer[0].clone(),
+            opt.base.comm.size,
+        )
 
     res = run_threads(3, grow)
     for params, num_steps, outer, slow, base_size in res:
         assert all(torch.equal(p, q) for p, q in zip(params, res[0][0]))
         assert (num_steps, outer, base_size) == (6, 2, 3)
-        assert torch.equal(slow, res[0][3]) and not torch.equal(slow, slow0)  # rank 0's slow buffer, updated
+        assert torch.equal(slow, res[0][3]) and not torch.equal(
+            slow, slow0
+        )  # rank 0's slow buffer, updated
 
     from horovod.torch.elastic.state import _get_handler  # TorchState's own lookup
+
     assert type(_get_handler(opts[3])).__name__ == "SlowMoStateHandler"
 
 
@@ -171,9 +183,9 @@ def test_elastic_sync_rebuilds_the_gossip_graph(base):
     opts = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), base=base)
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), base=base)
         _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
-        return [a.clone() for a in opts[comm.rank].anchor]
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
 
     anchor = run_threads(3, start)[0]
     survivors = {0: 0, 1: 2}
@@ -183,7 +195,11 @@ def test_elastic_sync_rebuilds_the_gossip_graph(base):
         opt.comm.inner = comm
         sync_optimizer(opt)
         at_anchor = all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
-        graph = (opt.base.graph.size, opt.base.ps_weight, opt.base.graph.out_peers(comm.rank, opt.num_steps))
+        graph = (
+            opt.base.graph.size,
+            opt.base.ps_weight,
+            opt.base.graph.out_peers(comm.rank, opt.num_steps),
+        )
         _train(model, opt, comm.rank, 3, start=opt.num_steps)
         return at_anchor, graph, opt.inner_step, params_of(model)
 
@@ -201,9 +217,11 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
     opts = {}
 
     def start(comm):
-        opts[comm.rank] = _opt(models[comm.rank], MovableComm(comm), buffers="maintain")
-        _train(models[comm.rank], opts[comm.rank], comm.rank, 5)  # outer step at 3, then 2 inner steps
-        return [a.clone() for a in opts[comm.rank].anchor]
+        opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), buffers="maintain")
+        _train(
+            models[comm.rank], opts[comm.rank], comm.rank, 5
+        )  # outer step at 3, then 2 inner steps
+        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
 
     anchor = run_threads(3, start)[0]
 
@@ -212,14 +230,17 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
         opt.comm.inner = comm
         opt.zero_grad()
         model(torch.zeros(8, 4)).sum().backward()
-        opt.step()  # restarts from the anchor, then one SGD step with momentum from the maintained buffers
+        # Restarts from the anchor, then one SGD step with momentum from the maintained buffers.
+        opt.step()
         return opt.num_steps, opt.inner_step, opt.base.comm.size, params_of(model)
 
     with caplog.at_level(logging.WARNING, logger="hvd_slowmo"):
         res = run_threads(2, after)
     for num_steps, inner, size, params in res:
         assert (num_steps, inner, size) == (4, 1, 2)
-        assert not all(torch.equal(p, a) for p, a in zip(params, anchor))  # it stepped from the anchor
+        assert not all(
+            torch.equal(p, a) for p, a in zip(params, anchor)
+        )  # it stepped from the anchor
     assert "without an elastic state sync" in caplog.text and "2 base steps dropped" in caplog.text
 
 
@@ -247,7 +268,9 @@ def test_state_from_another_world_size(tmp_path):
         before = params_of(model)
         with pytest.raises(ValueError, match="saved by 2 workers inside an outer step"):
             plain.load_state_dict(plain_state)
-        assert plain.num_steps == 0 and all(torch.equal(a, b) for a, b in zip(before, params_of(model)))
+        assert plain.num_steps == 0 and all(
+            torch.equal(a, b) for a, b in zip(before, params_of(model))
+        )
         return params_of(model), opt.inner_step, opt.num_steps
 
     for params, inner, num_steps in run_threads(3, load):
@@ -271,7 +294,10 @@ def test_uneven_steps_fail_on_every_rank_in_finish():
         return "no error"
 
     for msg in run_threads(2, lambda c: worker(c, {0: 8, 1: 7})):
-        assert "rank 0 at finish after 8 steps; rank 1 at finish after 7 steps" in msg and "drop_last" in msg, msg
+        assert (
+            "rank 0 at finish after 8 steps; rank 1 at finish after 7 steps" in msg
+            and "drop_last" in msg
+        ), msg
 
     def at_outer(comm):
         try:
@@ -285,17 +311,30 @@ def test_uneven_steps_fail_on_every_rank_in_finish():
 
 
 # --- Horovod tier -----------------------------------------------------------------------------
-def launch(tmp_path, mode: str, controller: str = "gloo", timeout: float = 240) -> Tuple[int, str, float]:
+def launch(
+    tmp_path, mode: str, controller: str = "gloo", timeout: float = 240
+) -> tuple[int, str, float]:
     """Run fault_worker.py MODE under horovodrun -np 2; returns (exit code, output, seconds).
 
     Unlike horovod_launch.horovodrun, a non-zero exit is an expected outcome here.
     """
     cmd = horovodrun_command(2, controller, [WORKER, str(tmp_path), mode])
-    env = launch_env({"HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT),
-                      "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)})
+    env = launch_env(
+        {
+            "HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT),
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT),
+        }
+    )
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -316,7 +355,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
 
 
-def results(tmp_path, mode: str, ranks: List[int]) -> Dict[int, dict]:
+def results(tmp_path, mode: str, ranks: list[int]) -> dict[int, dict]:
     out = {}
     for r in ranks:
         path = tmp_path / f"{mode}.{r}.json"
@@ -348,7 +387,9 @@ def test_errors_raise_on_every_rank(tmp_path):
 
         uneven = res[rank]["uneven"]
         assert uneven["error"] == "RuntimeError", uneven
-        assert "different numbers of times" in uneven["message"] and "drop_last" in uneven["message"], uneven
+        assert (
+            "different numbers of times" in uneven["message"] and "drop_last" in uneven["message"]
+        ), uneven
         assert "rank 1 at finish after 8 steps" in uneven["message"], uneven
         assert "rank 0 at outer step after 9 steps" in uneven["message"], uneven
     # nonfinite="skip": both workers restarted from the same anchor, NaN never reached rank 0.

@@ -2,18 +2,21 @@
 
 The reference is the paper's matrix form (arXiv 1910.00643, Appendix C):
 ``X_{k+1} = (X_k - lr G_k) P_k^T`` with ``G_k`` the gradients at the de-biased ``Z_k = X_k / w_k``,
-replayed by hand in one process with the mixing matrices of :mod:`hvd_slowmo.topology`.
+replayed by hand in one process with the mixing matrices of :mod:`hvd_slowmo.bases.topology`.
 """
+
 import sys
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer
-from hvd_slowmo.comm.base import Communicator, PendingExchange
+from hvd_slowmo.bases.topology import GossipGraph
+from hvd_slowmo.comm.base import PendingExchange
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.topology import GossipGraph
+
+from conftest import ForwardingCommunicator
 
 DIM = 4
 LR = 0.3
@@ -32,8 +35,15 @@ def initial(rank: int) -> torch.Tensor:
     return torch.linspace(-1, 1, DIM, dtype=torch.float64) * (rank + 2)
 
 
-def reference(m: int, steps: int, topology="exponential", peers_per_step: int = 1, undirected: bool = False,
-              zero_grad: bool = False, same_start: bool = False) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def reference(
+    m: int,
+    steps: int,
+    topology="exponential",
+    peers_per_step: int = 1,
+    undirected: bool = False,
+    zero_grad: bool = False,
+    same_start: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per step ``(Z, X, w)``: de-biased parameters and numerators (columns of ``DIM x m``
     matrices) and the push-sum weights."""
     graph = GossipGraph(topology, m, peers_per_step, undirected=undirected)
@@ -42,8 +52,11 @@ def reference(m: int, steps: int, topology="exponential", peers_per_step: int = 
     out = []
     for k in range(steps):
         z = x / w
-        g = torch.zeros_like(x) if zero_grad else torch.stack(
-            [curvature(i) * (z[:, i] - centre(i)) for i in range(m)], dim=1)
+        g = (
+            torch.zeros_like(x)
+            if zero_grad
+            else torch.stack([curvature(i) * (z[:, i] - centre(i)) for i in range(m)], dim=1)
+        )
         p = graph.mixing_matrix(k)
         x = (x - LR * g) @ p.T
         w = w @ p.T
@@ -51,16 +64,32 @@ def reference(m: int, steps: int, topology="exponential", peers_per_step: int = 
     return out
 
 
-def train(m: int, steps: int, base: str, zero_grad: bool = False, tau: int = 1000,
-          hook: Optional[Callable] = None, same_start: bool = False, wrap: Optional[Callable] = None, **kwargs):
-    """Run ``steps`` steps of ``base`` on ``m`` thread workers; per rank, the params after each step."""
+def train(
+    m: int,
+    steps: int,
+    base: str,
+    zero_grad: bool = False,
+    tau: int = 1000,
+    hook: Callable | None = None,
+    same_start: bool = False,
+    wrap: Callable | None = None,
+    **kwargs,
+):
+    """Run ``steps`` steps of ``base`` on ``m`` thread workers; per rank, the params after each
+    step."""
 
     def worker(comm):
         if wrap:
             comm = wrap(comm)
         p = torch.nn.Parameter(initial(0 if same_start else comm.rank).clone())
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=LR), named_parameters=[("p", p)], base=base, tau=tau,
-                                   communicator=comm, **{"slow_lr": 1.0, "slow_momentum": 0.0, **kwargs})
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p], lr=LR),
+            named_parameters=[("p", p)],
+            base=base,
+            tau=tau,
+            communicator=comm,
+            **{"slow_lr": 1.0, "slow_momentum": 0.0, **kwargs},
+        )
         snaps = []
         for k in range(steps):
             opt.zero_grad()
@@ -75,7 +104,7 @@ def train(m: int, steps: int, base: str, zero_grad: bool = False, tau: int = 100
     return run_threads(m, worker)
 
 
-def star_then_ring(rank: int, size: int, step: int) -> List[int]:
+def star_then_ring(rank: int, size: int, step: int) -> list[int]:
     """A custom time-varying graph with uneven in-degrees (rank 0 hears everyone on even steps),
     so push-sum weights move. (On the circulant exponential and ring graphs every in-degree
     equals every out-degree, so weights stay exactly 1 for any peers_per_step.)"""
@@ -86,7 +115,9 @@ def assert_matches(results, ref, tol=1e-12):
     for k, (z, _, _) in enumerate(ref):
         for rank, (snaps, _) in enumerate(results):
             err = (snaps[k] - z[:, rank]).abs().max().item()
-            assert err <= tol, f"rank {rank} step {k}: differs from the matrix reference by {err:.3g}"
+            assert err <= tol, (
+                f"rank {rank} step {k}: differs from the matrix reference by {err:.3g}"
+            )
 
 
 @pytest.mark.parametrize("m", range(2, 9), ids=lambda m: f"m{m}")
@@ -107,11 +138,23 @@ def test_sgp_on_custom_topology_matches_matrix_reference():
     assert_matches(results, reference(4, 6, topology=star_then_ring))
 
 
-@pytest.mark.parametrize("m,topology,p", [(2, "ring", 1), (3, "ring", 1), (5, "ring", 1), (6, "exponential", 1),
-                                          (8, "exponential", 2), (5, "ring", 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "m,topology,p",
+    [
+        (2, "ring", 1),
+        (3, "ring", 1),
+        (5, "ring", 1),
+        (6, "exponential", 1),
+        (8, "exponential", 2),
+        (5, "ring", 2),
+    ],
+    ids=lambda v: str(v),
+)
 def test_dpsgd_matches_matrix_reference(m, topology, p):
-    assert_matches(train(m, 7, "dpsgd", topology=topology, peers_per_step=p),
-                   reference(m, 7, topology=topology, peers_per_step=p, undirected=True))
+    assert_matches(
+        train(m, 7, "dpsgd", topology=topology, peers_per_step=p),
+        reference(m, 7, topology=topology, peers_per_step=p, undirected=True),
+    )
 
 
 def test_one_message_per_dtype_carries_every_parameter():
@@ -123,36 +166,98 @@ def test_one_message_per_dtype_carries_every_parameter():
     def worker(comm):
         p64 = torch.nn.Parameter(initial(comm.rank).clone())
         p32 = torch.nn.Parameter(initial(comm.rank).float())
-        opt = DistributedOptimizer(torch.optim.SGD([p32, p64], lr=LR), named_parameters=[("a", p32), ("b", p64)],
-                                   base="sgp", tau=1000, slow_lr=1.0, slow_momentum=0.0, communicator=comm,
-                                   topology=star_then_ring)
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p32, p64], lr=LR),
+            named_parameters=[("a", p32), ("b", p64)],
+            base="sgp",
+            tau=1000,
+            slow_lr=1.0,
+            slow_momentum=0.0,
+            communicator=comm,
+            topology=star_then_ring,
+        )
         before = comm.bytes_sent
         for _ in range(steps):
             opt.zero_grad()
             for p in (p32, p64):
-                (0.5 * curvature(comm.rank) * ((p - centre(comm.rank).to(p.dtype)) ** 2).sum()).backward()
+                (
+                    0.5 * curvature(comm.rank) * ((p - centre(comm.rank).to(p.dtype)) ** 2).sum()
+                ).backward()
             opt.step()
         return p32.detach().clone(), p64.detach().clone(), comm.bytes_sent - before, opt.base.groups
 
     for rank, (p32, p64, sent, groups) in enumerate(run_threads(m, worker)):
         z = ref[-1][0][:, rank]
         assert (p64 - z).abs().max() < 1e-12 and (p32.double() - z).abs().max() < 1e-5
-        assert [(g.params[0].dtype, g.carries_weight) for g in groups] == [(torch.float32, False), (torch.float64, True)]
+        assert [(g.params[0].dtype, g.carries_weight) for g in groups] == [
+            (torch.float32, False),
+            (torch.float64, True),
+        ]
         assert sent == steps * (DIM * 4 + (DIM + 1) * 8)  # one peer per step: one message per dtype
 
 
 def test_reference_catches_a_wrong_mixing():
     # The comparison has teeth: SGP differs from D-PSGD's reference on the same graph.
     with pytest.raises(AssertionError, match="differs from the matrix reference"):
-        assert_matches(train(4, 3, "sgp", topology="ring"), reference(4, 3, topology="ring", undirected=True))
+        assert_matches(
+            train(4, 3, "sgp", topology="ring"), reference(4, 3, topology="ring", undirected=True)
+        )
 
 
 @pytest.mark.parametrize("p", [1, 2], ids=["one-peer", "two-peers"])
 def test_osgp_staleness_zero_is_sgp_bitwise(p):
+    """OSGP with staleness 0 mixes every message within the step that sent it, even when no
+    message ever looks arrived early (SlowArrivals): the SGP matrix reference, and bitwise the
+    trajectory of base='sgp' on an ordinary communicator."""
+    osgp = train(5, 6, "osgp", staleness=0, peers_per_step=p, wrap=SlowArrivals)
+    assert_matches(osgp, reference(5, 6, peers_per_step=p))
     sgp = train(5, 6, "sgp", peers_per_step=p)
-    osgp = train(5, 6, "osgp", staleness=0, peers_per_step=p)
     for (a, _), (b, _) in zip(sgp, osgp):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def osgp_reference(
+    m: int, steps: int, staleness: int, topology="exponential"
+) -> list[torch.Tensor]:
+    """OSGP in matrix form when every message arrives exactly ``staleness`` steps late: with
+    ``Y_k = X_k - lr G_k`` and ``P_k = D_k + O_k`` (its diagonal and off-diagonal parts),
+    ``X_{k+1} = Y_k D_k^T + Y_{k-s} O_{k-s}^T`` and ``w_{k+1} = w_k D_k^T + w_{k-s} O_{k-s}^T``
+    (a message carries the sender's stepped numerator and weight of the step that sent it).
+    Returns the de-biased ``Z_{k+1}`` after each step."""
+    graph = GossipGraph(topology, m)
+    x = torch.stack([initial(i) for i in range(m)], dim=1)
+    w = torch.ones(m, dtype=torch.float64)
+    sent = []  # (Y_k, w_k, O_k) of every step
+    out = []
+    for k in range(steps):
+        z = x / w
+        y = x - LR * torch.stack([curvature(i) * (z[:, i] - centre(i)) for i in range(m)], dim=1)
+        p = graph.mixing_matrix(k)
+        diag = torch.diag(torch.diagonal(p))
+        sent.append((y, w, p - diag))
+        x, w = y @ diag.T, w @ diag.T
+        if k >= staleness:
+            y_old, w_old, off = sent[k - staleness]
+            x, w = x + y_old @ off.T, w + w_old @ off.T
+        out.append(x / w)
+    return out
+
+
+@pytest.mark.parametrize("staleness", [1, 2], ids=["staleness1", "staleness2"])
+def test_osgp_trajectory_matches_delayed_matrix_reference(staleness):
+    """With messages that never look arrived early (SlowArrivals), OSGP mixes each one exactly
+    ``staleness`` steps after it was sent: every step's parameters follow the delayed matrix
+    reference, and the push-sum weights really move."""
+    m, steps = 5, 9
+    results = train(m, steps, "osgp", staleness=staleness, wrap=SlowArrivals)
+    ref = osgp_reference(m, steps, staleness)
+    for k, z in enumerate(ref):
+        for rank, (snaps, _) in enumerate(results):
+            err = (snaps[k] - z[:, rank]).abs().max().item()
+            assert err <= 1e-12, (
+                f"rank {rank} step {k}: differs from the delayed reference by {err:.3g}"
+            )
+    assert any(opt.base.ps_weight != 1.0 for _, opt in results)
 
 
 def _mass_cases():
@@ -174,7 +279,9 @@ def test_push_sum_conserves_mass_every_step(m, base, opts):
         w = opt.base.ps_weight
         x = opt.base.params[0].detach() * w
         grad = opt.base.params[0].grad.detach().clone()
-        everyone = comm.allgather_object((x.clone(), w, grad))  # lockstep: all sends of step k are posted
+        everyone = comm.allgather_object(
+            (x.clone(), w, grad)
+        )  # lockstep: all sends of step k are posted
         if comm.rank == 0:
             mail = list(comm.world._mail.values())
             log.append((everyone, [t.clone() for t in mail]))
@@ -187,33 +294,53 @@ def test_push_sum_conserves_mass_every_step(m, base, opts):
         weights = sum(w for _, w, _ in everyone) + sum(float(t[-1]) for t in mail)
         assert abs(weights - m) < 1e-12, f"step {k}: total push-sum weight {weights} != {m}"
         total = total - LR * sum(g for _, _, g in everyone)
-        mass = sum(x for x, _, _ in everyone) + sum((t[:-1] for t in mail), torch.zeros(DIM, dtype=torch.float64))
-        assert torch.allclose(mass, total, atol=1e-11, rtol=0), f"step {k}: numerator mass {mass} != {total}"
+        mass = sum(x for x, _, _ in everyone) + sum(
+            (t[:-1] for t in mail), torch.zeros(DIM, dtype=torch.float64)
+        )
+        assert torch.allclose(mass, total, atol=1e-11, rtol=0), (
+            f"step {k}: numerator mass {mass} != {total}"
+        )
         moved |= any(w != 1.0 for _, w, _ in everyone)
     assert moved, "the weights never moved: this case does not test de-biasing"
     assert all(not opt.base._inflight or base == "osgp" for _, opt in results)
 
 
-@pytest.mark.parametrize("base,opts", [("sgp", {}), ("sgp", {"peers_per_step": 2}), ("osgp", {"staleness": 1}),
-                                       ("dpsgd", {"topology": "ring"}), ("dpsgd", {})], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "base,opts",
+    [
+        ("sgp", {}),
+        ("sgp", {"peers_per_step": 2}),
+        ("osgp", {"staleness": 1}),
+        ("dpsgd", {"topology": "ring"}),
+        ("dpsgd", {}),
+    ],
+    ids=lambda v: str(v),
+)
 def test_zero_gradients_converge_to_the_initial_average(base, opts):
     m, steps = 5, 60
     results = train(m, steps, base, zero_grad=True, **opts)
     for _, opt in results:
         opt.base.flush()
     target = sum(initial(i) for i in range(m)) / m
-    dev = [max((snaps[k] - target).abs().max().item() for snaps, _ in results) for k in range(steps)]
-    # Geometric: a fixed contraction factor over every window of 6 steps (>= one period of each graph).
+    dev = [
+        max((snaps[k] - target).abs().max().item() for snaps, _ in results) for k in range(steps)
+    ]
+    # Geometric: a fixed contraction factor over every 6-step window (>= a period of each graph).
     for k in range(0, steps - 12, 6):
-        assert dev[k + 6] <= 0.7 * dev[k] or dev[k + 6] < 1e-13, f"{base}: deviation {dev[k]} -> {dev[k + 6]}"
+        assert dev[k + 6] <= 0.7 * dev[k] or dev[k + 6] < 1e-13, (
+            f"{base}: deviation {dev[k]} -> {dev[k + 6]}"
+        )
     assert dev[-1] < 1e-9
-    for snaps, opt in results:
+    for _, opt in results:
         assert torch.allclose(opt.base.params[0].detach(), target, atol=1e-9, rtol=0)
 
 
 # --- SlowMo over gossip --------------------------------------------------------------------
-@pytest.mark.parametrize("base,opts", [("sgp", {}), ("osgp", {"staleness": 2, "peers_per_step": 2}),
-                                       ("dpsgd", {})], ids=["sgp", "osgp-moving-weights", "dpsgd"])
+@pytest.mark.parametrize(
+    "base,opts",
+    [("sgp", {}), ("osgp", {"staleness": 2, "peers_per_step": 2}), ("dpsgd", {})],
+    ids=["sgp", "osgp-moving-weights", "dpsgd"],
+)
 def test_slowmo_average_makes_workers_bitwise_identical_and_keeps_mass(base, opts):
     """With zero gradients and the slow update off, each outer step's exact average must equal
     the initial average: mass in flight or mis-weighted numerators would move it."""
@@ -222,31 +349,73 @@ def test_slowmo_average_makes_workers_bitwise_identical_and_keeps_mass(base, opt
     results = train(m, 9, base, zero_grad=True, tau=tau, **opts)
     for k in (tau - 1, 2 * tau - 1, 3 * tau - 1):
         ps = [snaps[k] for snaps, _ in results]
-        assert all(torch.equal(ps[0], q) for q in ps[1:]), f"step {k}: workers differ after the exact average"
+        assert all(torch.equal(ps[0], q) for q in ps[1:]), (
+            f"step {k}: workers differ after the exact average"
+        )
         assert torch.allclose(ps[0], target, atol=1e-12, rtol=0)
     for _, opt in results:
         assert opt.base.ps_weight == 1.0 and not opt.base._inflight
 
 
-def test_slowmo_over_sgp_matches_reference_with_slow_momentum():
-    """SGP-SlowMo (average=True) and SGP-SlowMo-noaverage against the matrix reference followed by
-    the slow update by hand: u = (anchor - x) / lr; x = anchor - alpha lr u (first outer step).
-    The exact average is over the numerators X (their mean is the push-sum consensus value);
-    noaverage uses each worker's own de-biased z."""
-    m, tau, alpha, beta = 4, 3, 0.8, 0.6
-    anchor = initial(0)
-    for average in (True, False):
-        results = train(m, tau, "sgp", tau=tau, slow_lr=alpha, slow_momentum=beta, average=average,
-                        topology=star_then_ring, same_start=True)
-        z, x, w = reference(m, tau, topology=star_then_ring, same_start=True)[-1]
-        assert not torch.allclose(x.mean(1), z.mean(1))  # weights moved: the two averages differ
-        for rank, (snaps, opt) in enumerate(results):
-            avg = x.mean(1) if average else z[:, rank]
-            expected = anchor - alpha * LR * ((anchor - avg) / LR)
-            assert torch.allclose(snaps[-1], expected, atol=1e-12, rtol=0), f"average={average} rank {rank}"
-            assert opt.base.ps_weight == (1.0 if average else w[rank].item())
-        if average:
-            assert all(torch.equal(snaps[-1], results[0][0][-1]) for snaps, _ in results)
+def slowmo_over_sgp_reference(m, steps, tau, alpha, beta, average, topology):
+    """SGP in matrix form with SlowMo's outer step by hand every ``tau`` steps, per worker:
+    ``u = beta u + (anchor - x_avg) / lr``, ``anchor -= alpha lr u``. With the exact average,
+    ``x_avg`` is the mean of the numerators X (the push-sum consensus value) and weights reset
+    to 1; without it (noaverage), each worker's own de-biased z, and weights are kept.
+    Returns ``(Z after each step, final weights)``."""
+    graph = GossipGraph(topology, m)
+    x = torch.stack([initial(0) for _ in range(m)], dim=1)
+    w = torch.ones(m, dtype=torch.float64)
+    anchor = [initial(0) for _ in range(m)]
+    u = [torch.zeros(DIM, dtype=torch.float64) for _ in range(m)]
+    out = []
+    for k in range(steps):
+        z = x / w
+        g = torch.stack([curvature(i) * (z[:, i] - centre(i)) for i in range(m)], dim=1)
+        p = graph.mixing_matrix(k)
+        x, w = (x - LR * g) @ p.T, w @ p.T
+        if (k + 1) % tau == 0:
+            targets = [x.mean(1) if average else x[:, i] / w[i] for i in range(m)]
+            for i in range(m):
+                u[i] = beta * u[i] + (anchor[i] - targets[i]) / LR
+                anchor[i] = anchor[i] - alpha * LR * u[i]
+            if average:
+                w = torch.ones(m, dtype=torch.float64)
+            x = torch.stack([anchor[i] * w[i] for i in range(m)], dim=1)
+        out.append(x / w)
+    return out, w
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["average", "noaverage"])
+def test_slowmo_over_sgp_matches_reference_with_slow_momentum(average):
+    """SGP-SlowMo and SGP-SlowMo-noaverage over three outer steps (so the slow momentum carries
+    over from one outer step to the next) against the matrix reference with the slow update by
+    hand, at every step. Uneven in-degrees make the weights move, so the exact average of the
+    numerators and the average of the de-biased models differ."""
+    m, tau, alpha, beta, steps = 4, 3, 0.8, 0.6, 9
+    results = train(
+        m,
+        steps,
+        "sgp",
+        tau=tau,
+        slow_lr=alpha,
+        slow_momentum=beta,
+        average=average,
+        topology=star_then_ring,
+        same_start=True,
+    )
+    ref, w = slowmo_over_sgp_reference(m, steps, tau, alpha, beta, average, star_then_ring)
+    z, x, _ = reference(m, tau, topology=star_then_ring, same_start=True)[-1]
+    assert not torch.allclose(x.mean(1), z.mean(1))  # weights moved: the two averages differ
+    for k, zk in enumerate(ref):
+        for rank, (snaps, _) in enumerate(results):
+            err = (snaps[k] - zk[:, rank]).abs().max().item()
+            assert err <= 1e-12, f"average={average} rank {rank} step {k}: off by {err:.3g}"
+    for rank, (_, opt) in enumerate(results):
+        assert opt.base.ps_weight == pytest.approx(w[rank].item(), abs=1e-15)
+    if average:
+        for k in (tau - 1, 2 * tau - 1, steps - 1):
+            assert all(torch.equal(snaps[k], results[0][0][k]) for snaps, _ in results)
 
 
 # --- checkpoints ---------------------------------------------------------------------------
@@ -265,12 +434,19 @@ def test_state_dict_carries_ps_weight_and_resumes_exactly():
     def resumed(comm):
         state, p0 = saved[comm.rank]
         p = torch.nn.Parameter(p0.clone())
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=LR), named_parameters=[("p", p)], base="sgp",
-                                   tau=1000, slow_lr=1.0, slow_momentum=0.0, communicator=comm,
-                                   topology=star_then_ring)
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p], lr=LR),
+            named_parameters=[("p", p)],
+            base="sgp",
+            tau=1000,
+            slow_lr=1.0,
+            slow_momentum=0.0,
+            communicator=comm,
+            topology=star_then_ring,
+        )
         opt.load_state_dict(state)
         assert opt.base.ps_weight == state["slowmo"]["base_algorithm"]["ps_weight"]
-        for k in range(cut, steps):
+        for _ in range(cut, steps):
             opt.zero_grad()
             (0.5 * curvature(comm.rank) * ((p - centre(comm.rank)) ** 2).sum()).backward()
             opt.step()
@@ -281,23 +457,10 @@ def test_state_dict_carries_ps_weight_and_resumes_exactly():
     assert any(s["slowmo"]["base_algorithm"]["ps_weight"] != 1.0 for s, _ in saved.values())
 
 
-class SlowArrivals(Communicator):
+class SlowArrivals(ForwardingCommunicator):
     """A thread communicator whose messages never look arrived to OSGP's opportunistic check
     (a ``done()`` called from ``_mix``), so OSGP mixes only what staleness forces: deterministic
     messages in flight. The timed wait (``_wait``) still sees the truth."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.rank, self.size = inner, inner.rank, inner.size
-        self.world = inner.world
-
-    def average_(self, tensors, name):
-        self.inner.average_(tensors, name)
-
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
-
-    def broadcast_object(self, obj, root_rank=0):
-        return self.inner.broadcast_object(obj, root_rank)
 
     def exchange_start(self, sends, recv_from, tag, graph_key=None):
         pending = self.inner.exchange_start(sends, recv_from, tag, graph_key)
@@ -329,13 +492,17 @@ def test_osgp_state_dict_finishes_messages_in_flight():
     assert sum(opt.base.ps_weight for _, opt in results) == pytest.approx(3, abs=1e-14)
 
 
-@pytest.mark.parametrize("bad", [{}, {"ps_weight": 0.0}, {"ps_weight": float("nan")}, {"ps_weight": "1"}],
-                         ids=["missing", "zero", "nan", "string"])
+@pytest.mark.parametrize(
+    "bad",
+    [{}, {"ps_weight": 0.0}, {"ps_weight": float("nan")}, {"ps_weight": "1"}],
+    ids=["missing", "zero", "nan", "string"],
+)
 def test_bad_ps_weight_in_state_is_refused(bad):
     def worker(comm):
         p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)], base="sgp",
-                                   communicator=comm)
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)], base="sgp", communicator=comm
+        )
         state = opt.state_dict()
         state["slowmo"]["base_algorithm"] = bad
         with pytest.raises(ValueError, match="ps_weight"):
@@ -349,8 +516,9 @@ def test_bad_ps_weight_in_state_is_refused(bad):
 def _build(m, **kwargs):
     def worker(comm):
         p = torch.nn.Parameter(torch.zeros(2))
-        return DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)], communicator=comm,
-                                    **kwargs)
+        return DistributedOptimizer(
+            torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)], communicator=comm, **kwargs
+        )
 
     return run_threads(m, worker)
 
@@ -359,20 +527,35 @@ def _islands(rank, size, step):
     return [rank ^ 1]
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    ({"base": "gossip"}, ValueError, "base must be one of"),
-    ({"base": "osgp", "staleness": -1}, ValueError, "staleness"),
-    ({"base": "osgp", "staleness": 1.5}, ValueError, "staleness"),
-    ({"base": "sgp", "staleness": 1}, TypeError, "unknown argument"),
-    ({"base": "sgp", "topology": _islands}, ValueError, "not strongly connected"),
-    ({"base": "dpsgd", "topology": "torus"}, ValueError, "topology must be"),
-    ({"base": "sgp", "peers_per_step": 5}, ValueError, "peers_per_step"),
-    ({"base": "sgp", "gossip_transport": "nccl"}, ValueError, "gossip_transport"),
-    ({"base": "sgp", "gossip_transport": "horovod"}, ValueError, "Horovod communicator"),
-    ({"base": "sgp", "gossip_transport": "mpi"}, ValueError, "MPI launch"),
-    ({"base": "sgp", "gossip_timeout": 0}, ValueError, "gossip_timeout"),
-], ids=["unknown-base", "negative-staleness", "float-staleness", "staleness-on-sgp", "islands", "unknown-topology",
-        "too-many-peers", "unknown-transport", "horovod-transport-without-horovod", "mpi-without-mpi", "zero-timeout"])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        ({"base": "gossip"}, ValueError, "base must be one of"),
+        ({"base": "osgp", "staleness": -1}, ValueError, "staleness"),
+        ({"base": "osgp", "staleness": 1.5}, TypeError, "staleness"),
+        ({"base": "sgp", "staleness": 1}, TypeError, "unknown argument"),
+        ({"base": "sgp", "topology": _islands}, ValueError, "not strongly connected"),
+        ({"base": "dpsgd", "topology": "torus"}, ValueError, "topology must be"),
+        ({"base": "sgp", "peers_per_step": 5}, ValueError, "peers_per_step"),
+        ({"base": "sgp", "gossip_transport": "nccl"}, ValueError, "gossip_transport"),
+        ({"base": "sgp", "gossip_transport": "horovod"}, ValueError, "Horovod communicator"),
+        ({"base": "sgp", "gossip_transport": "mpi"}, ValueError, "MPI launch"),
+        ({"base": "sgp", "gossip_timeout": 0}, ValueError, "gossip_timeout"),
+    ],
+    ids=[
+        "unknown-base",
+        "negative-staleness",
+        "float-staleness",
+        "staleness-on-sgp",
+        "islands",
+        "unknown-topology",
+        "too-many-peers",
+        "unknown-transport",
+        "horovod-transport-without-horovod",
+        "mpi-without-mpi",
+        "zero-timeout",
+    ],
+)
 def test_bad_gossip_options(kwargs, err, match):
     with pytest.raises(err, match=match):
         _build(4, **kwargs)
@@ -387,13 +570,20 @@ def test_world_size_one_is_refused(base):
 def test_a_missing_peer_times_out_naming_rank_and_step():
     def worker(comm):
         p = torch.nn.Parameter(torch.zeros(2))
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)], base="sgp",
-                                   communicator=comm, gossip_timeout=0.3)
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p], lr=0.1),
+            named_parameters=[("p", p)],
+            base="sgp",
+            communicator=comm,
+            gossip_timeout=0.3,
+        )
         if comm.rank == 0:  # rank 1 never steps: rank 0 must fail, not hang
             p.grad = torch.ones(2)
             opt.step()
 
-    with pytest.raises(TimeoutError, match=r"rank 0 waited 0s for the step-0 message from rank\(s\) \[1\]"):
+    with pytest.raises(
+        TimeoutError, match=r"rank 0 waited 0s for the step-0 message from rank\(s\) \[1\]"
+    ):
         run_threads(2, worker, timeout=10)
 
 
@@ -405,9 +595,16 @@ def test_double_averaging_equals_hand_written_reference():
 
     def worker(comm):
         p = torch.nn.Parameter(initial(comm.rank).clone())
-        opt = DistributedOptimizer(torch.optim.SGD([p], lr=lr, momentum=mu), named_parameters=[("p", p)],
-                                   base="localsgd", tau=tau, buffers="average", slow_lr=1.0, slow_momentum=0.0,
-                                   communicator=comm)
+        opt = DistributedOptimizer(
+            torch.optim.SGD([p], lr=lr, momentum=mu),
+            named_parameters=[("p", p)],
+            base="localsgd",
+            tau=tau,
+            buffers="average",
+            slow_lr=1.0,
+            slow_momentum=0.0,
+            communicator=comm,
+        )
         for _ in range(steps):
             opt.zero_grad()
             (0.5 * curvature(comm.rank) * ((p - centre(comm.rank)) ** 2).sum()).backward()

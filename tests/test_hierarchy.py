@@ -1,4 +1,5 @@
 """Hierarchical SlowMo (worker = node) on in-process thread workers."""
+
 import pytest
 import torch
 from torch import nn
@@ -41,15 +42,22 @@ def test_node_workers_equal_flat_run_over_nodes(case):
     """4 ranks as 2 nodes x 2 equals 2 flat workers fed each node's concatenated batches."""
     kwargs, steps, nodes, local = CASES[case], 7, 2, 2
     models = [mlp() for _ in range(nodes * local)]
-    groups_nodes = [[n * local + l for l in range(local)] for n in range(nodes)]
-    groups_peers = [[n * local + l for n in range(nodes)] for l in range(local)]
+    groups_nodes = [[n * local + i for i in range(local)] for n in range(nodes)]
+    groups_peers = [[n * local + i for n in range(nodes)] for i in range(local)]
 
     def hier(comm):
         r = comm.rank
-        h = Hierarchy(node=comm.world.split(groups_nodes)[r], cross=comm.world.split(groups_peers)[r])
+        h = Hierarchy(
+            node=comm.world.split(groups_nodes)[r], cross=comm.world.split(groups_peers)[r]
+        )
         model = models[r]
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-                                   named_parameters=model.named_parameters(), communicator=comm, worker=h, **kwargs)
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+            named_parameters=model.named_parameters(),
+            communicator=comm,
+            worker=h,
+            **kwargs,
+        )
         per_step = []
         for k in range(steps):
             opt.zero_grad()
@@ -63,8 +71,12 @@ def test_node_workers_equal_flat_run_over_nodes(case):
     def flat(comm):
         n = comm.rank
         model = flat_models[n]
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-                                   named_parameters=model.named_parameters(), communicator=comm, **kwargs)
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+            named_parameters=model.named_parameters(),
+            communicator=comm,
+            **kwargs,
+        )
         for k in range(steps):
             xs, ys = zip(*[batch(r, k) for r in groups_nodes[n]])
             opt.zero_grad()
@@ -87,8 +99,14 @@ def test_worker_argument_is_checked():
     from hvd_slowmo.comm.local import ThreadWorld
 
     with pytest.raises(ValueError, match="worker must be"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), communicator=ThreadWorld(1).communicator(0),
-                             worker="gpu")
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            communicator=ThreadWorld(1).communicator(0),
+            worker="gpu",
+        )
     with pytest.raises(ValueError, match="Hierarchy"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), communicator=ThreadWorld(1).communicator(0),
-                             worker="node")
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            communicator=ThreadWorld(1).communicator(0),
+            worker="node",
+        )

@@ -1,11 +1,12 @@
 """The core optimizer for real, under horovodrun with Gloo and with MPI."""
+
 import os
 
 import pytest
 import torch
 
 from horovod_launch import horovodrun
-from reference import reference_slowmo
+from reference import reference_allreduce, reference_slowmo
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "core_worker.py")
 pytestmark = pytest.mark.horovod
@@ -17,6 +18,7 @@ REFS = {
     "sgd-reset": lambda m: reference_slowmo(m, 9, 3, 0.7, 0.6, SGD, buffers="reset"),
     "adam-average": lambda m: reference_slowmo(m, 9, 2, 1.0, 0.5, ADAM, buffers="average"),
     "sgd-fp16": lambda m: reference_slowmo(m, 9, 3, 1.0, 0.5, SGD, buffers="reset"),
+    "allreduce": lambda m: reference_allreduce(m, 9, SGD),
 }
 
 
@@ -36,7 +38,9 @@ def test_ranks_bitwise_equal_and_match_replay(tmp_path, np_, controller):
             for rank, want in enumerate(REFS[name](np_)):
                 got = results[rank][name]["final"]
                 for key, value in want.state_dict().items():
-                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=atol, msg=f"{name} {key} rank {rank}")
+                    torch.testing.assert_close(
+                        got[key], value, rtol=1e-4, atol=atol, msg=f"{name} {key} rank {rank}"
+                    )
 
 
 def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path):

@@ -1,5 +1,7 @@
-"""shard_slow_state=True (hvd_slowmo/sharded.py) on in-process thread workers: bitwise equal to the
-unsharded optimizer on the same inputs, ~2/m of the slow-state memory per rank, exact resume, bad input."""
+"""shard_slow_state=True (hvd_slowmo/slow_state/sharded.py) on in-process thread workers: bitwise
+equal to the unsharded optimizer on the same inputs, ~2/m of the slow-state memory per rank, exact
+resume, bad input."""
+
 import importlib.util
 import io
 import os
@@ -9,23 +11,31 @@ import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer, broadcast_optimizer_state
-from hvd_slowmo.comm.base import Communicator
+from hvd_slowmo.comm.base import Communicator, shard_range, shard_sizes
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
-from hvd_slowmo.sharded import Bucket, make_buckets, shard_range, shard_sizes
+from hvd_slowmo.slow_state.sharded import Bucket, ShardedSlowState, make_buckets
 
+from conftest import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of
 
 pytestmark = pytest.mark.timeout(120)
 
-GROUP_LR = (1.0, 0.5)  # two param groups with different lr: one bucket each, each with its own 1/lr scaling
+GROUP_LR = (
+    1.0,
+    0.5,
+)  # two param groups with different lr: one bucket each, each with its own 1/lr scaling
 
 
 def two_groups(model, lr=0.05):
     """SGD with Nesterov momentum over two param groups: the first Linear layer, and the rest."""
     first = list(model[0].parameters())
     rest = [p for p in model.parameters() if all(p is not q for q in first)]
-    return torch.optim.SGD([{"params": first}, {"params": rest, "lr": lr * GROUP_LR[1]}], lr=lr, momentum=0.9,
-                           nesterov=True)
+    return torch.optim.SGD(
+        [{"params": first}, {"params": rest, "lr": lr * GROUP_LR[1]}],
+        lr=lr,
+        momentum=0.9,
+        nesterov=True,
+    )
 
 
 def set_lr(opt, k):
@@ -44,8 +54,13 @@ def train(opt, model, rank, start, stop, snaps=None):
 
 
 def build(comm, model, **kwargs):
-    return DistributedOptimizer(two_groups(model), named_parameters=model.named_parameters(),
-                                model_buffers=model.buffers(), communicator=comm, **kwargs)
+    return DistributedOptimizer(
+        two_groups(model),
+        named_parameters=model.named_parameters(),
+        model_buffers=model.buffers(),
+        communicator=comm,
+        **kwargs,
+    )
 
 
 def run(m, steps, **kwargs):
@@ -75,7 +90,9 @@ def assert_same_runs(got, want):
 def assert_ranks_equal(results):
     for per_rank in zip(*[snaps for _, snaps, _ in results]):
         for tensors in zip(*per_rank):
-            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "ranks differ after an outer step"
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), (
+                "ranks differ after an outer step"
+            )
 
 
 def tensor_bytes(tensors):
@@ -83,9 +100,11 @@ def tensor_bytes(tensors):
 
 
 # --- shard-range math ---------------------------------------------------------------------
-@pytest.mark.parametrize("numel,size,want", [(10, 4, [3, 3, 2, 2]), (47, 3, [16, 16, 15]), (2, 3, [1, 1, 0]),
-                                             (0, 2, [0, 0]), (8, 1, [8])],
-                         ids=["10-over-4", "47-over-3", "fewer-elements-than-ranks", "empty", "one-rank"])
+@pytest.mark.parametrize(
+    "numel,size,want",
+    [(10, 4, [3, 3, 2, 2]), (47, 3, [16, 16, 15]), (2, 3, [1, 1, 0]), (0, 2, [0, 0]), (8, 1, [8])],
+    ids=["10-over-4", "47-over-3", "fewer-elements-than-ranks", "empty", "one-rank"],
+)
 def test_shard_sizes_follow_horovod(numel, size, want):
     # Horovod 0.28.1 ReducescatterOp::ComputeOutputShapeForRank: n // m, one more for ranks < n % m.
     assert shard_sizes(numel, size) == want
@@ -121,7 +140,10 @@ def test_buckets_per_group_and_dtype():
 # --- communicator methods -----------------------------------------------------------------
 @pytest.mark.parametrize("m", [2, 3, 4], ids=["m2", "m3", "m4"])
 def test_thread_reduce_scatter_is_a_slice_of_average(m):
-    data = [[torch.randn(11, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)] for r in range(m)]
+    data = [
+        [torch.randn(11, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
+        for r in range(m)
+    ]
 
     def worker(comm):
         full = [t.clone() for t in data[comm.rank]]
@@ -140,7 +162,9 @@ def test_thread_reduce_scatter_is_a_slice_of_average(m):
 OUTER = {
     "heavyball": dict(slow_lr=0.7, slow_momentum=0.6),
     "nesterov": dict(slow_lr=1.0, slow_momentum=0.6, outer_optimizer="nesterov"),
-    "custom-sgd": dict(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+    "custom-sgd": dict(
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+    ),
     "custom-adam": dict(outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01)),
     "allreduce-base": dict(base="allreduce", slow_lr=1.0, slow_momentum=0.5),
 }
@@ -149,16 +173,20 @@ CASES = [(m, name) for m in (2, 3, 4) for name in OUTER]
 
 @pytest.mark.parametrize("m,outer", CASES, ids=[f"m{m}-{name}" for m, name in CASES])
 def test_sharded_equals_unsharded_bitwise(m, outer):
-    # The model has 25 + 22 parameters in its two groups: not divisible by 2, 3 or 4 (uneven shards).
+    # The model has 25 + 22 parameters in its two groups: not divisible by 2, 3 or 4 (uneven
+    # shards).
     kwargs = dict(tau=3, buffers="maintain", **OUTER[outer])
     sharded = run(m, 10, shard_slow_state=True, **kwargs)
     plain = run(m, 10, **kwargs)
     assert_ranks_equal(sharded)
     assert_same_runs(sharded, plain)
     assert len(sharded[0][1]) == 3
-    assert not torch.equal(sharded[0][1][-1][0], make_model().state_dict()["0.weight"])  # it trained
+    assert not torch.equal(
+        sharded[0][1][-1][0], make_model().state_dict()["0.weight"]
+    )  # it trained
     for _, _, opt in sharded:
-        assert opt.anchor is None and opt.slow_buffer is None and opt.sharded.captured
+        assert isinstance(opt.slow_state, ShardedSlowState) and opt.slow_state.captured
+        assert all(a.dim() == 1 for a in opt.slow_state.anchor)  # shards of flat buckets
 
 
 def test_sharded_sends_the_bytes_of_one_allreduce():
@@ -175,8 +203,11 @@ def test_slow_state_memory_is_two_over_m(m):
     plain = run(m, 3, tau=3, slow_lr=1.0, slow_momentum=0.5)
     model, _, opt = sharded[0]
     param_bytes = tensor_bytes(list(model.parameters()))
-    assert tensor_bytes(plain[0][2].anchor + plain[0][2].slow_buffer) == 2 * param_bytes
-    per_rank = [tensor_bytes(o.sharded.state_tensors()) for _, _, o in sharded]
+    assert (
+        tensor_bytes(plain[0][2].slow_state.anchor + plain[0][2].slow_state.slow_buffer)
+        == 2 * param_bytes
+    )
+    per_rank = [tensor_bytes(o.slow_state.state_tensors()) for _, _, o in sharded]
     assert sum(per_rank) == 2 * param_bytes  # the shards tile the state: nothing kept twice
     numels = [sum(p.numel() for p in g["params"]) for g in opt.param_groups]
     ceil_bytes = 2 * 4 * sum(-(-n // m) for n in numels)  # float32; rounding up per bucket
@@ -190,32 +221,14 @@ def test_resume_sharded_mid_inner_loop_equals_uninterrupted(outer):
     m, steps, stop = 3, 11, 5
     kwargs = dict(tau=3, buffers="maintain", shard_slow_state=True, **OUTER[outer])
     full = run(m, steps, **kwargs)
-    models = [make_model() for _ in range(m)]
 
-    def first_half(comm):
-        model = models[comm.rank]
-        opt = build(comm, model, **kwargs)
-        train(opt, model, comm.rank, 0, stop)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-        return buf.getvalue()
+    def check(opt):
+        assert opt.inner_step == stop % 3 and opt.slow_state.captured
 
-    saved = run_threads(m, first_half)
-    fresh = [make_model(seed=123) for _ in range(m)]  # different init: everything must come from the file
-
-    def second_half(comm):
-        model = fresh[comm.rank]
-        ckpt = torch.load(io.BytesIO(saved[comm.rank]), weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt = build(comm, model, **kwargs)
-        opt.load_state_dict(ckpt["opt"])
-        assert opt.inner_step == stop % 3 and opt.sharded.captured
-        train(opt, model, comm.rank, stop, steps)
-        return model
-
-    for model, (want, _, _) in zip(run_threads(m, second_half), full):
-        for a, b in zip(model.state_dict().values(), want.state_dict().values()):
-            assert torch.equal(a, b)
+    resumed = resume_in_fresh_workers(
+        m, lambda comm, model: build(comm, model, **kwargs), train, stop, steps, check
+    )
+    assert_same_models(resumed, [model for model, _, _ in full])
 
 
 def _saved_states(m, shard):
@@ -234,21 +247,28 @@ def _saved_states(m, shard):
 
 
 def _try_load(m, shard, state_for_rank):
-    """Build fresh optimizers, load ``state_for_rank(rank)``; per rank (error message, unchanged?)."""
+    """Build fresh optimizers, load ``state_for_rank(rank)``; per rank (error message,
+    unchanged?)."""
     models = [make_model() for _ in range(m)]
 
     def worker(comm):
         model = models[comm.rank]
         opt = build(comm, model, tau=3, shard_slow_state=shard)
         train(opt, model, comm.rank, 0, 1)
-        snapshot = (opt.inner_step, opt.num_steps, [t.clone() for t in (opt.sharded.state_tensors() if shard else opt.anchor)])
+        snapshot = (
+            opt.inner_step,
+            opt.num_steps,
+            [t.clone() for t in opt.slow_state.state_tensors()],
+        )
         try:
             opt.load_state_dict(state_for_rank(comm.rank))
             msg = ""
         except ValueError as e:
             msg = str(e)
-        after = (opt.inner_step, opt.num_steps, opt.sharded.state_tensors() if shard else opt.anchor)
-        unchanged = snapshot[:2] == after[:2] and all(torch.equal(a, b) for a, b in zip(snapshot[2], after[2]))
+        after = (opt.inner_step, opt.num_steps, opt.slow_state.state_tensors())
+        unchanged = snapshot[:2] == after[:2] and all(
+            torch.equal(a, b) for a, b in zip(snapshot[2], after[2])
+        )
         return msg, unchanged
 
     return run_threads(m, worker)
@@ -296,7 +316,15 @@ def _poisoned(m, shard):
 
     def worker(comm):
         model = models[comm.rank]
-        opt = build(comm, model, tau=2, slow_lr=0.8, slow_momentum=0.6, nonfinite="skip", shard_slow_state=shard)
+        opt = build(
+            comm,
+            model,
+            tau=2,
+            slow_lr=0.8,
+            slow_momentum=0.6,
+            nonfinite="skip",
+            shard_slow_state=shard,
+        )
         snaps = []
         for k in range(6):
             set_lr(opt, k)
@@ -320,7 +348,9 @@ def test_nonfinite_skip_restores_the_gathered_anchor():
     sharded, plain = _poisoned(3, True), _poisoned(3, False)
     assert_ranks_equal(sharded)
     assert_same_runs(sharded, plain)
-    for a, b in zip(sharded[0][1][1], sharded[0][1][0]):  # the skipped outer step restarted from the anchor
+    for a, b in zip(
+        sharded[0][1][1], sharded[0][1][0]
+    ):  # the skipped outer step restarted from the anchor
         assert torch.equal(a, b)
 
 
@@ -351,8 +381,12 @@ def test_add_param_group_after_capture_matches_unsharded():
 # --- bad input ----------------------------------------------------------------------------
 def _make(**kwargs):
     model = make_model()
-    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                communicator=kwargs.pop("communicator", ThreadWorld(1).communicator(0)), **kwargs)
+    return DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        communicator=kwargs.pop("communicator", ThreadWorld(1).communicator(0)),
+        **kwargs,
+    )
 
 
 def test_shard_slow_state_must_be_bool():
@@ -374,13 +408,13 @@ def test_shard_slow_state_needs_a_capable_communicator():
     class AverageOnly(Communicator):
         rank, size = 0, 1
 
-        def average_(self, tensors, name):
-            pass
+        def _average_(self, tensors, name):
+            return 0
 
-        def allgather_object(self, obj):
+        def _allgather_object(self, obj):
             return [obj]
 
-        def broadcast_object(self, obj, root_rank=0):
+        def _broadcast_object(self, obj, root_rank):
             return obj
 
     with pytest.raises(TypeError, match="needs a communicator with reduce_scatter_mean"):
@@ -421,31 +455,49 @@ def test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded(tmp_path, np
             assert len(sharded[0]["snaps"]) == 3
             for per_rank in zip(*[s["snaps"] for s in sharded]):  # after every outer step
                 for tensors in zip(*per_rank):
-                    assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), f"{what}: ranks differ"
-            # Not bitwise in general: Horovod's allreduce (unsharded) and the reduce-scatter add the
-            # workers' values in different orders (Gloo's ring or halving-doubling vs rank order), so
-            # the averages can differ in the last bit, and three outer steps carry that on.
-            bitwise = all(torch.equal(a, b) for sa, sb in zip(sharded[0]["snaps"], plain[0]["snaps"])
-                          for a, b in zip(sa, sb))
+                    assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), (
+                        f"{what}: ranks differ"
+                    )
+            # Not bitwise in general: Horovod's allreduce (unsharded) and the reduce-scatter add
+            # the workers' values in different orders (Gloo's ring or halving-doubling vs rank
+            # order), so the averages can differ in the last bit, and three outer steps carry that.
+            bitwise = all(
+                torch.equal(a, b)
+                for sa, sb in zip(sharded[0]["snaps"], plain[0]["snaps"])
+                for a, b in zip(sa, sb)
+            )
             print(f"{what}: sharded vs unsharded bitwise equal: {bitwise}")
             for s, p in zip(sharded, plain):
                 for a, b in zip(s["final"], p["final"]):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: sharded vs unsharded")
-            assert sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]  # shards tile the state
+                    torch.testing.assert_close(
+                        a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: sharded vs unsharded"
+                    )
+            assert (
+                sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]
+            )  # shards tile the state
             assert max(s["state_bytes"] for s in sharded) < plain[0]["state_bytes"] / np_ + 64
-            # Reduce-scatter + all-gather move what one allreduce does (up to int rounding per call).
+            # Reduce-scatter + all-gather move what one allreduce does (up to int rounding).
             assert sharded[0]["bytes_sent"] == pytest.approx(plain[0]["bytes_sent"], abs=32)
-        # The alltoall transport sums in rank order, as the thread communicator does: the same run on
-        # in-process threads must give the same parameters bit for bit.
+        # The alltoall transport sums in rank order, as the thread communicator does: the same run
+        # on in-process threads must give the same parameters bit for bit.
         models = [make_model() for _ in range(np_)]
-        threads = run_threads(np_, lambda comm: replay.run(replay.CONFIGS[name], comm, True, models[comm.rank]))
+
+        def replayed(comm, cfg=replay.CONFIGS[name], models=models):
+            return replay.run(cfg, comm, True, models[comm.rank])
+
+        threads = run_threads(np_, replayed)
         for rank, want in enumerate(threads):
             for a, b in zip(results[rank][name]["sharded-alltoall"]["snaps"], want["snaps"]):
-                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"np={np_} {name}: alltoall vs threads"
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (
+                    f"np={np_} {name}: alltoall vs threads"
+                )
 
 
 def test_horovod_communicator_rejects_unknown_reduce_scatter():
     from hvd_slowmo.comm.horovod import HorovodCommunicator
 
-    with pytest.raises(ValueError, match="reduce_scatter must be 'auto', 'reducescatter' or 'alltoall', got 'ring'"):
+    with pytest.raises(
+        ValueError,
+        match="reduce_scatter must be one of 'auto', 'reducescatter', 'alltoall', got 'ring'",
+    ):
         HorovodCommunicator(reduce_scatter="ring")

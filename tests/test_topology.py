@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from hvd_slowmo.topology import (GossipGraph, exponential_out_peers, metropolis_weights, num_exponential_phases,
-                                 push_sum_weights)
+from hvd_slowmo.bases.topology import (
+    GossipGraph,
+    exponential_out_peers,
+    metropolis_weights,
+    num_exponential_phases,
+    push_sum_weights,
+)
 
 SIZES = range(2, 9)
 
@@ -39,6 +44,12 @@ def _cases():
                     yield size, name, p
 
 
+def _uncached(name, size, p, step):
+    """The mixing matrix at ``step`` from a graph that has computed nothing before: its cache
+    cannot answer, so the out-peer function itself runs at ``step``."""
+    return GossipGraph(name, size, peers_per_step=p).mixing_matrix(step)
+
+
 @pytest.mark.parametrize("size,name,p", list(_cases()), ids=lambda v: str(v))
 def test_push_sum_matrix_is_column_stochastic_and_periodic(size, name, p):
     graph = GossipGraph(name, size, peers_per_step=p)
@@ -47,8 +58,14 @@ def test_push_sum_matrix_is_column_stochastic_and_periodic(size, name, p):
         mat = graph.mixing_matrix(k)
         assert torch.allclose(mat.sum(0), torch.ones(size, dtype=torch.float64), atol=1e-15, rtol=0)
         assert (mat >= 0).all()
-        assert torch.equal(mat, graph.mixing_matrix(k + graph.period))
-        assert torch.allclose(torch.diagonal(mat), torch.full((size,), 1.0 / (p + 1), dtype=torch.float64))
+        # The graph repeats after `period` steps: computed afresh one and two periods later,
+        # and as the cache (keyed by step % period) answers there.
+        for later in (k + graph.period, k + 2 * graph.period):
+            assert torch.equal(_uncached(name, size, p, later), mat), f"step {later} != step {k}"
+            assert torch.equal(graph.mixing_matrix(later), _uncached(name, size, p, later))
+        assert torch.allclose(
+            torch.diagonal(mat), torch.full((size,), 1.0 / (p + 1), dtype=torch.float64)
+        )
         union += (mat > 0).float()
     # Strongly connected over one period: (I + A)^(m-1) has no zero entry.
     reach = torch.linalg.matrix_power((union > 0).double(), size - 1)
@@ -68,11 +85,21 @@ def test_dpsgd_matrix_is_symmetric_doubly_stochastic(size, name, p):
 def test_ring_dpsgd_weights_by_hand():
     mat = GossipGraph("ring", 4, undirected=True).mixing_matrix(0)
     third = 1.0 / 3
-    expected = torch.tensor([[third, third, 0, third], [third, third, third, 0],
-                             [0, third, third, third], [third, 0, third, third]], dtype=torch.float64)
+    expected = torch.tensor(
+        [
+            [third, third, 0, third],
+            [third, third, third, 0],
+            [0, third, third, third],
+            [third, 0, third, third],
+        ],
+        dtype=torch.float64,
+    )
     assert torch.allclose(mat, expected, atol=1e-15, rtol=0)
     # Two workers: one neighbour, a 1/2 pairwise exchange.
-    assert torch.equal(GossipGraph("ring", 2, undirected=True).mixing_matrix(0), torch.full((2, 2), 0.5, dtype=torch.float64))
+    assert torch.equal(
+        GossipGraph("ring", 2, undirected=True).mixing_matrix(0),
+        torch.full((2, 2), 0.5, dtype=torch.float64),
+    )
 
 
 def test_metropolis_weights_on_an_irregular_graph():
@@ -94,7 +121,9 @@ def test_custom_topology_is_used_and_symmetrized_for_dpsgd():
     u = GossipGraph(star_then_ring, 4, undirected=True)
     assert u.graph(0) == ((1, 2, 3), (0,), (0,), (0,))
     mat = u.mixing_matrix(0)
-    assert torch.equal(mat, mat.T) and torch.allclose(mat.sum(1), torch.ones(4, dtype=torch.float64))
+    assert torch.equal(mat, mat.T) and torch.allclose(
+        mat.sum(1), torch.ones(4, dtype=torch.float64)
+    )
 
 
 @pytest.mark.parametrize("bad", ["hypercube", 3], ids=["unknown-name", "not-callable"])
@@ -119,15 +148,21 @@ def test_not_strongly_connected_custom_topology_is_refused():
         GossipGraph(one_way_chain, 3)
 
 
-@pytest.mark.parametrize("peers", [[0], [5], [1, 1], []], ids=["self", "out-of-range", "duplicate", "empty"])
+@pytest.mark.parametrize(
+    "peers", [[0], [5], [1, 1], []], ids=["self", "out-of-range", "duplicate", "empty"]
+)
 def test_invalid_custom_peers_are_refused(peers):
     with pytest.raises(ValueError, match="out-peers"):
         GossipGraph(lambda rank, size, step: peers if rank == 0 else [0], 4)
 
 
-@pytest.mark.parametrize("p", [0, 3, True], ids=["zero", "too-many", "bool"])
-def test_bad_peers_per_step(p):
-    with pytest.raises(ValueError, match="peers_per_step"):
+@pytest.mark.parametrize(
+    "p,err",
+    [(0, ValueError), (3, ValueError), (True, TypeError), (1.0, TypeError)],
+    ids=["zero", "too-many", "bool", "float"],
+)
+def test_bad_peers_per_step(p, err):
+    with pytest.raises(err, match="peers_per_step"):
         GossipGraph("exponential", 4, peers_per_step=p)  # 4 workers: hops 1, 2 only
 
 

@@ -1,7 +1,7 @@
 """Gossip base algorithms: SGP, OSGP (push-sum) and D-PSGD (arXiv 1910.00643, Appendix C).
 
 Matrix form (plain SGD, parameters stacked as columns, ``P_k`` from
-:meth:`hvd_slowmo.topology.GossipGraph.mixing_matrix`)::
+:meth:`hvd_slowmo.bases.topology.GossipGraph.mixing_matrix`)::
 
     X_{k+1} = (X_k - lr * G_k) P_k^T,    G_k = gradients at the de-biased Z_k = X_k / w_k
 
@@ -28,19 +28,23 @@ Local SGD instead would hide a launch mistake.
 
 One message per step and dtype: all parameters (and the weight) packed in one flat buffer.
 """
+
 import logging
 import os
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingExchange
-from ..comm.horovod import HorovodCommunicator
-from ..topology import GossipGraph, TopologyFn, metropolis_weights, push_sum_weights
-from . import BaseAlgorithm
+from ..comm.factory import GOSSIP_TRANSPORTS, gossip_transport
+from ..validation import check_choice, check_int, check_number
+from .base import BaseAlgorithm
+from .localsgd import LocalSGD
+from .topology import GossipGraph, TopologyFn, metropolis_weights, push_sum_weights
 
 __all__ = ["GossipBase", "SGP", "OSGP", "DPSGD", "DEFAULT_GOSSIP_TIMEOUT"]
 
@@ -49,24 +53,26 @@ log = logging.getLogger("hvd_slowmo")
 #: Seconds a blocking gossip wait lasts before failing (override: ``gossip_timeout`` or the
 #: ``HVD_SLOWMO_GOSSIP_TIMEOUT`` environment variable).
 DEFAULT_GOSSIP_TIMEOUT = 300.0
-_TRANSPORTS = ("auto", "mpi", "horovod")
-_logged_choice = False
 
 
 class _FlatGroup:
     """The parameters of one (device, dtype) and their layout in one flat message."""
 
-    def __init__(self, params: List[Tensor], carries_weight: bool) -> None:
+    def __init__(self, params: list[Tensor], carries_weight: bool) -> None:
         self.params = params
         self.carries_weight = carries_weight
         self.numel = sum(p.numel() for p in params)
         self.length = self.numel + (1 if carries_weight else 0)
-        self._free: List[Tensor] = []  # send buffers whose exchange has completed
+        self._free: list[Tensor] = []  # send buffers whose exchange has completed
 
     def pack(self, scale: float, weight: float) -> Tensor:
         """A flat buffer ``[params..., weight] * scale`` (a buffer no exchange is still using)."""
         p0 = self.params[0]
-        buf = self._free.pop() if self._free else torch.empty(self.length, dtype=p0.dtype, device=p0.device)
+        buf = (
+            self._free.pop()
+            if self._free
+            else torch.empty(self.length, dtype=p0.dtype, device=p0.device)
+        )
         torch._foreach_copy_(self.views(buf), [p.detach() for p in self.params])
         if self.carries_weight:
             buf[-1] = weight
@@ -78,11 +84,11 @@ class _FlatGroup:
         """Return a send buffer for reuse once its exchange has completed."""
         self._free.append(buf)
 
-    def views(self, flat: Tensor) -> List[Tensor]:
+    def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views into a flat message."""
         out, off = [], 0
         for p in self.params:
-            out.append(flat[off:off + p.numel()].view_as(p))
+            out.append(flat[off : off + p.numel()].view_as(p))
             off += p.numel()
         return out
 
@@ -90,14 +96,16 @@ class _FlatGroup:
 class _InFlight:
     """One started exchange: its step, group, handle, send buffer and expected senders."""
 
-    def __init__(self, step: int, group: int, pending: PendingExchange, buf: Tensor, senders: Sequence[int]) -> None:
-        self.step, self.group, self.pending, self.buf, self.senders = step, group, pending, buf, tuple(senders)
-
-
-def _horovod_mpi_enabled() -> bool:
-    import horovod.torch as hvd  # only reached with a Horovod communicator, so Horovod is there
-
-    return bool(hvd.mpi_enabled())
+    def __init__(
+        self, step: int, group: int, pending: PendingExchange, buf: Tensor, senders: Sequence[int]
+    ) -> None:
+        self.step, self.group, self.pending, self.buf, self.senders = (
+            step,
+            group,
+            pending,
+            buf,
+            tuple(senders),
+        )
 
 
 def _default_timeout() -> float:
@@ -107,7 +115,9 @@ def _default_timeout() -> float:
     try:
         return float(env)
     except ValueError:
-        raise ValueError(f"HVD_SLOWMO_GOSSIP_TIMEOUT must be a number of seconds, got {env!r}") from None
+        raise ValueError(
+            f"HVD_SLOWMO_GOSSIP_TIMEOUT must be a number of seconds, got {env!r}"
+        ) from None
 
 
 class GossipBase(BaseAlgorithm):
@@ -129,77 +139,69 @@ class GossipBase(BaseAlgorithm):
             with one worker), or an invalid option.
     """
 
-    OPTIONS: Tuple[str, ...] = ("topology", "peers_per_step", "gossip_transport", "gossip_timeout")
+    OPTIONS: tuple[str, ...] = ("topology", "peers_per_step", "gossip_transport", "gossip_timeout")
     communicates_every_step = True
     needs_exact_average = True
     #: D-PSGD mixes over the undirected graph; push-sum over the directed one.
     undirected = False
 
-    def __init__(self, comm: Communicator, topology: Union[str, TopologyFn] = "exponential",
-                 peers_per_step: int = 1, gossip_transport: str = "auto",
-                 gossip_timeout: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        topology: str | TopologyFn = "exponential",
+        peers_per_step: int = 1,
+        gossip_transport: str = "auto",
+        gossip_timeout: float | None = None,
+    ) -> None:
         super().__init__(comm)
         if comm.size < 2:
-            raise ValueError(f"base={self.name!r} needs at least 2 workers, got {comm.size}: with one worker "
-                             "there is nobody to gossip with; use base='localsgd' (Lookahead with one worker)")
-        if gossip_transport not in _TRANSPORTS:
-            raise ValueError(f"gossip_transport must be one of {list(_TRANSPORTS)}, got {gossip_transport!r}")
-        timeout = _default_timeout() if gossip_timeout is None else gossip_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"gossip_timeout must be a positive number of seconds, got {gossip_timeout!r}")
+            raise ValueError(
+                f"base={self.name!r} needs at least 2 workers, got {comm.size}: with one "
+                f"worker there is nobody to gossip with; use base={LocalSGD.name!r} "
+                "(Lookahead with one worker)"
+            )
+        self.gossip_transport = check_choice(
+            "gossip_transport", gossip_transport, GOSSIP_TRANSPORTS
+        )
+        self.timeout = check_number(
+            "gossip_timeout",
+            _default_timeout() if gossip_timeout is None else gossip_timeout,
+            low=0.0,
+            low_open=True,
+            finite=False,
+            fix="the seconds a gossip wait may last, e.g. 300",
+        )
         self.graph = GossipGraph(topology, comm.size, peers_per_step, undirected=self.undirected)
-        self.gossip_transport = gossip_transport
-        self.timeout = float(timeout)
-        self.transport: Optional[Communicator] = None
-        self.groups: List[_FlatGroup] = []
-        self._inflight: Deque[_InFlight] = deque()
+        self.transport: Communicator | None = None
+        self.groups: list[_FlatGroup] = []
+        self._inflight: deque[_InFlight] = deque()
 
     # --- setup ----------------------------------------------------------------------------
-    def attach(self, params: List[Tensor]) -> None:
+    def attach(self, params: list[Tensor]) -> None:
         if self._inflight:
             self.flush()
         super().attach(params)
-        by_kind: Dict[Tuple[str, torch.dtype], List[Tensor]] = {}
+        by_kind: dict[tuple[str, torch.dtype], list[Tensor]] = {}
         for p in params:
             by_kind.setdefault((str(p.device), p.dtype), []).append(p)
         kinds = list(by_kind)
         # The push-sum weight rides in the group with the widest float type (fp16 would round it).
-        widest = max(range(len(kinds)), key=lambda i: torch.finfo(kinds[i][1]).bits) if kinds else -1
-        self.groups = [_FlatGroup(by_kind[k], carries_weight=(i == widest and not self.undirected))
-                       for i, k in enumerate(kinds)]
+        widest = (
+            max(range(len(kinds)), key=lambda i: torch.finfo(kinds[i][1]).bits) if kinds else -1
+        )
+        self.groups = [
+            _FlatGroup(by_kind[k], carries_weight=(i == widest and not self.undirected))
+            for i, k in enumerate(kinds)
+        ]
         if self.transport is None:
-            self.transport = self._choose_transport(any(p.is_cuda for p in params))
-
-    def _choose_transport(self, cuda: bool) -> Communicator:
-        from ..comm.mpi import MPICommunicator
-
-        choice = self.gossip_transport
-        if isinstance(self.comm, MPICommunicator):
-            if choice == "horovod":
-                raise ValueError("gossip_transport='horovod' needs the Horovod communicator, but an "
-                                 "MPICommunicator was passed; use gossip_transport='mpi' or 'auto'")
-            return self.comm
-        is_hvd = isinstance(self.comm, HorovodCommunicator)
-        mpi_launch = is_hvd and _horovod_mpi_enabled()
-        if choice == "horovod" and not is_hvd:
-            raise ValueError(f"gossip_transport='horovod' needs the Horovod communicator, got "
-                             f"{type(self.comm).__name__}; use gossip_transport='auto'")
-        if choice == "mpi" and not mpi_launch:
-            raise ValueError("gossip_transport='mpi' needs an MPI launch (horovodrun --mpi or mpirun): under "
-                             "Gloo mpi4py sees a world of one process; use gossip_transport='auto' or 'horovod'")
-        use_mpi = choice == "mpi" or (choice == "auto" and mpi_launch and not cuda)
-        transport: Communicator = MPICommunicator.for_horovod(self.comm) if use_mpi else self.comm
-        global _logged_choice
-        if choice == "auto" and not _logged_choice and self.comm.rank == 0:
-            why = ("an MPI launch with CPU tensors" if use_mpi else
-                   "CUDA tensors" if mpi_launch else "no MPI launch" if is_hvd else "the given communicator")
-            log.info("hvd_slowmo: gossip for base=%r goes over %s (%s)", self.name,
-                     "MPI neighbour collectives" if use_mpi else type(transport).__name__, why)
-            _logged_choice = True
-        return transport
+            self.transport = gossip_transport(
+                self.comm, self.gossip_transport, any(p.is_cuda for p in params), self.name
+            )
 
     # --- exchanges ------------------------------------------------------------------------
-    def _start(self, step: int, sends_to: Sequence[int], recv_from: Sequence[int], scale: float) -> None:
+    def _start(
+        self, step: int, sends_to: Sequence[int], recv_from: Sequence[int], scale: float
+    ) -> None:
         """Pack every group, scaled, and start one exchange per group."""
         assert self.transport is not None, "attach() first"
         key = self.graph.key(step)
@@ -207,24 +209,30 @@ class GossipBase(BaseAlgorithm):
             buf = group.pack(scale, self.ps_weight)
             before = self.transport.bytes_sent
             # tag: unique per exchange (Horovod names its collectives by it).
-            pending = self.transport.exchange_start({d: buf for d in sends_to}, recv_from,
-                                                    tag=step * len(self.groups) + g, graph_key=key)
+            pending = self.transport.exchange_start(
+                {d: buf for d in sends_to},
+                recv_from,
+                tag=step * len(self.groups) + g,
+                graph_key=key,
+            )
             if self.transport is not self.comm:
                 # Keep opt.comm.bytes_sent the one counter of everything this worker sent.
                 self.comm.bytes_sent += self.transport.bytes_sent - before
             self._inflight.append(_InFlight(step, g, pending, buf, recv_from))
 
-    def _wait(self, item: _InFlight) -> Dict[int, Tensor]:
-        """Wait for one exchange with a deadline (polling ``done()``, which also drives MPI progress)."""
+    def _wait(self, item: _InFlight) -> dict[int, Tensor]:
+        """Wait for one exchange with a deadline (polling ``done()``, which drives MPI progress)."""
         if not item.pending.done():
             deadline = time.monotonic() + self.timeout
             delay = 0.0
             while not item.pending.done():
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"hvd_slowmo gossip: rank {self.comm.rank} waited {self.timeout:.0f}s for the step-{item.step} "
-                        f"message from rank(s) {list(item.senders)} ({self.name}); a peer has died, stalled, or "
-                        "takes different steps. Raise gossip_timeout / HVD_SLOWMO_GOSSIP_TIMEOUT if it is just slow")
+                        f"hvd_slowmo gossip: rank {self.comm.rank} waited {self.timeout:.0f}s for "
+                        f"the step-{item.step} message from rank(s) {list(item.senders)} "
+                        f"({self.name}); a peer has died, stalled, or takes different steps. Raise "
+                        "gossip_timeout / HVD_SLOWMO_GOSSIP_TIMEOUT if it is just slow"
+                    )
                 time.sleep(delay)
                 delay = min(max(2 * delay, 2e-5), 5e-4)
         received = item.pending.wait()
@@ -266,14 +274,14 @@ class OSGP(GossipBase):
     """
 
     name = "osgp"
+    label = "OSGP"
     OPTIONS = GossipBase.OPTIONS + ("staleness",)
 
     def __init__(self, comm: Communicator, staleness: int = 1, **options: Any) -> None:
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an integer >= 0 (steps a gossip message may stay in flight; "
-                             f"0 is SGP), got {staleness!r}")
         super().__init__(comm, **options)
-        self.staleness = staleness
+        self.staleness = check_int(
+            "staleness", staleness, 0, "the steps a gossip message may stay in flight (0 is SGP)"
+        )
         self.ps_weight = 1.0
 
     def flush(self) -> None:
@@ -298,7 +306,7 @@ class OSGP(GossipBase):
         self._mix(until=step - self.staleness)
         self._debias()
 
-    def _mix(self, until: Optional[int]) -> None:
+    def _mix(self, until: int | None) -> None:
         """Add received shares in issue order: every message from steps ``<= until`` (all if
         None, blocking), then any later one that has already arrived. Params hold numerators."""
         while self._inflight:
@@ -327,17 +335,25 @@ class OSGP(GossipBase):
         else:
             self._debias()  # noaverage: each worker keeps its own z and its weight
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         self.flush()  # a message in flight would lose a peer's share of the mass on resume
         return {"ps_weight": self.ps_weight}
 
-    def check_state_dict(self, state: Dict[str, Any]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
         w = state.get("ps_weight")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w != w or w == float("inf"):
-            raise ValueError(f"load_state_dict: base {self.name!r} needs a positive finite 'ps_weight' in the "
-                             f"base-algorithm state, got {w!r}; was the state saved with another base?")
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, (int, float))
+            or not w > 0
+            or w != w
+            or w == float("inf")
+        ):
+            raise ValueError(
+                f"load_state_dict: base {self.name!r} needs a positive finite 'ps_weight' in the "
+                f"base-algorithm state, got {w!r}; was the state saved with another base?"
+            )
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.flush()
         self.ps_weight = float(state["ps_weight"])
 
@@ -353,6 +369,7 @@ class SGP(OSGP):
     """
 
     name = "sgp"
+    label = "SGP"
     OPTIONS = GossipBase.OPTIONS
 
     def __init__(self, comm: Communicator, **options: Any) -> None:
@@ -370,6 +387,7 @@ class DPSGD(GossipBase):
     """
 
     name = "dpsgd"
+    label = "D-PSGD"
     undirected = True
 
     @torch.no_grad()

@@ -1,15 +1,61 @@
-"""The communicator interface that the algorithms talk to.
+"""The communicator interface that the algorithms talk to (SlowMo, arXiv 1910.00643).
 
-The optimizer never calls Horovod or MPI directly: it is handed a :class:`Communicator`, so the
-same algorithm runs over Horovod (:mod:`hvd_slowmo.comm.horovod`), MPI neighbour collectives
-(:mod:`hvd_slowmo.comm.mpi`) or in-process threads (:mod:`hvd_slowmo.comm.local`, for tests).
+Nothing outside :mod:`hvd_slowmo.comm` calls Horovod or MPI: the optimizer, the base algorithms
+and the slow state are handed a :class:`Communicator`, so the same algorithm runs over Horovod
+(:mod:`~hvd_slowmo.comm.horovod`), MPI neighbour collectives (:mod:`~hvd_slowmo.comm.mpi`) or
+in-process threads (:mod:`~hvd_slowmo.comm.local`, for tests).
+
+The public methods here hold what every transport shares: the one-worker shortcuts, the checks
+on their arguments and the byte counting. A transport implements the ``_``-prefixed hooks and
+declares which optional operations it has (:attr:`Communicator.supports_sharding`,
+:attr:`Communicator.supports_exchange`).
 """
+
 import abc
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Communicator", "PendingExchange"]
+__all__ = ["Communicator", "PendingAverage", "PendingExchange", "shard_range", "shard_sizes"]
+
+
+def shard_sizes(numel: int, size: int) -> list[int]:
+    """Elements per rank when a flat vector of ``numel`` is split over ``size`` ranks.
+
+    The split of Horovod 0.28.1's reducescatter (``ReducescatterOp::ComputeOutputShapeForRank``):
+    ``numel // size`` each, one more for ranks ``0 .. numel % size - 1``.
+
+    Args:
+        numel: the flat vector's length (>= 0).
+        size: the number of ranks (>= 1).
+    """
+    if numel < 0 or size < 1:
+        raise ValueError(
+            f"shard_sizes: need numel >= 0 and size >= 1, got numel={numel}, size={size}"
+        )
+    base, extra = divmod(numel, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """The half-open element range ``[start, end)`` of rank ``rank``'s shard (as
+    :func:`shard_sizes` splits).
+
+    Args:
+        numel: the flat vector's length.
+        rank: the rank, in ``[0, size)``.
+        size: the number of ranks.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"shard_range: rank {rank} is outside [0, {size})")
+    base, extra = divmod(numel, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class PendingExchange(abc.ABC):
@@ -20,8 +66,35 @@ class PendingExchange(abc.ABC):
         """True once every expected message has arrived (never blocks)."""
 
     @abc.abstractmethod
-    def wait(self) -> Dict[int, Tensor]:
+    def wait(self) -> dict[int, Tensor]:
         """Block until complete; returns ``{source rank: received flat tensor}``."""
+
+
+class PendingAverage:
+    """An exact average that may still be in flight (see :meth:`Communicator.average_start`).
+
+    Args:
+        finish: completes the average in place (waits for it); None when it is already done.
+        started: False when ``finish`` runs the whole collective (nothing is in flight yet).
+
+    Attributes:
+        started: whether the collective is running (or done): False for a deferred average.
+    """
+
+    def __init__(self, finish: Callable[[], None] | None = None, started: bool = True) -> None:
+        self._finish = finish
+        self.started = started or finish is None
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`wait` has completed (or there was nothing to wait for)."""
+        return self._finish is None
+
+    def wait(self) -> None:
+        """Block until the tensors hold their averages (at most once; later calls return)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
 class Communicator(abc.ABC):
@@ -30,15 +103,21 @@ class Communicator(abc.ABC):
     Attributes:
         rank: this worker's index in ``[0, size)``.
         size: the number of workers ``m``.
-        bytes_sent: payload bytes this worker has handed to the transport so far (allreduce
-            payloads count at the ring volume ``2 (m-1)/m`` times their size).
+        bytes_sent: payload bytes this worker has handed to the transport so far. An allreduce
+            counts at the ring volume ``2 (m-1)/m`` times its payload, a reduce-scatter and an
+            all-gather at ``(m-1)/m`` each, a neighbour exchange at its messages' size.
+        supports_sharding: :meth:`reduce_scatter_mean` and :meth:`allgather_flat` work
+            (``shard_slow_state=True`` needs them).
+        supports_exchange: :meth:`exchange_start` works (the gossip bases need it).
     """
 
     rank: int
     size: int
     bytes_sent: int = 0
+    supports_sharding: bool = False
+    supports_exchange: bool = False
 
-    @abc.abstractmethod
+    # --- the operations every communicator has -------------------------------------------
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:
         """Replace each tensor, in place, by its exact average over all workers.
 
@@ -48,39 +127,94 @@ class Communicator(abc.ABC):
             tensors: the tensors, in the same order and shapes on every worker.
             name: a label for the operation (used by Horovod's timeline).
         """
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return
+        wire = self._average_(tensors, name)
+        self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
 
     @abc.abstractmethod
-    def allgather_object(self, obj: Any) -> List[Any]:
+    def _average_(self, tensors: list[Tensor], name: str) -> int:
+        """:meth:`average_` for two or more workers and a non-empty list.
+
+        Returns:
+            The payload bytes handed to the transport (after any compression).
+        """
+
+    def average_start(self, tensors: Sequence[Tensor], name: str) -> PendingAverage:
+        """Start :meth:`average_` without waiting for it: the tensors hold their averages once
+        the returned handle's ``wait()`` returns, and must not be touched until then.
+
+        A transport without background progress (threads, MPI) averages here and returns a
+        finished handle; Horovod's runs in its background thread, so compute overlaps it.
+
+        Args:
+            tensors: the tensors, in the same order and shapes on every worker.
+            name: a label for the operation (Horovod matches collectives by it).
+        """
+        tensors = list(tensors)
+        if self.size == 1 or not tensors:
+            return PendingAverage()
+        pending, wire = self._average_start(tensors, name)
+        self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
+        return pending
+
+    def _average_start(self, tensors: list[Tensor], name: str) -> tuple[PendingAverage, int]:
+        """:meth:`average_start` for two or more workers; returns (handle, payload bytes)."""
+        return PendingAverage(), self._average_(tensors, name)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every worker, in rank order.
 
         Args:
             obj: this worker's object.
         """
+        return [obj] if self.size == 1 else self._allgather_object(obj)
 
     @abc.abstractmethod
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        """:meth:`allgather_object` for two or more workers."""
+
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Return ``root_rank``'s object on every worker.
 
         Args:
             obj: the object (only the root's is used).
-            root_rank: the worker whose object is sent.
+            root_rank: the worker whose object is sent (its rank in this communicator).
         """
+        return obj if self.size == 1 else self._broadcast_object(obj, root_rank)
 
-    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> List[Tensor]:
+    @abc.abstractmethod
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        """:meth:`broadcast_object` for two or more workers."""
+
+    # --- sharding (supports_sharding) ----------------------------------------------------
+    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> list[Tensor]:
         """Average flat tensors over all workers and return this worker's shard of each average.
 
-        Each 1-D tensor of ``n`` elements is split as Horovod 0.28.1 splits a reducescatter:
-        worker ``r`` gets ``[start, end)`` of :func:`hvd_slowmo.sharded.shard_range` (``n // m``
-        elements, one more for ranks below ``n % m``). Used by ``shard_slow_state=True``.
+        Each 1-D tensor of ``n`` elements is split as :func:`shard_range` says (Horovod's
+        reducescatter split). Used by ``shard_slow_state=True``.
 
         Args:
             flats: 1-D tensors, in the same order, dtypes and lengths on every worker.
             name: a label for the operation (used by Horovod's timeline).
         """
+        flats = list(flats)
+        if not flats:
+            return []
+        if self.size == 1:
+            return [f.clone() for f in flats]
+        out, wire = self._reduce_scatter_mean(flats, name)
+        self.bytes_sent += int((self.size - 1) / self.size * wire)
+        return out
+
+    def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
+        """:meth:`reduce_scatter_mean` for two or more workers; returns (shards, payload bytes)."""
         raise NotImplementedError(f"{type(self).__name__} does not support reduce_scatter_mean")
 
-    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> List[Tensor]:
-        """Concatenate every worker's 1-D shards in rank order: the inverse of :meth:`reduce_scatter_mean`.
+    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> list[Tensor]:
+        """Concatenate every worker's 1-D shards in rank order (the inverse of
+        :meth:`reduce_scatter_mean`).
 
         Every worker gets bitwise identical results.
 
@@ -88,17 +222,36 @@ class Communicator(abc.ABC):
             shards: this worker's 1-D shard of each flat tensor (lengths may differ across workers).
             name: a label for the operation.
         """
+        shards = list(shards)
+        if not shards:
+            return []
+        if self.size == 1:
+            return [s.clone() for s in shards]
+        out = self._allgather_flat(shards, name)
+        # Ring all-gather: each worker forwards everyone's shards but its successor's.
+        self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
+        return out
+
+    def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
+        """:meth:`allgather_flat` for two or more workers."""
         raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                       graph_key: Optional[Hashable] = None) -> PendingExchange:
-        """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive from ``recv_from``.
+    # --- neighbour exchanges (supports_exchange) -----------------------------------------
+    def exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None = None,
+    ) -> PendingExchange:
+        """Start a neighbour exchange: send ``sends[dst]`` to each ``dst``, receive one message
+        from each rank of ``recv_from``.
 
         All messages of one exchange are flat 1-D tensors of the same dtype and length.
 
         Args:
-            sends: ``{destination rank: flat tensor}``; the tensors must not change until
-                the exchange completes.
+            sends: ``{destination rank: flat tensor}``, at least one; the tensors must not change
+                until the exchange completes.
             recv_from: the ranks this worker receives one message from.
             tag: unique per exchange (the gossip bases use ``step * groups + group``),
                 identical on every worker for one exchange.
@@ -106,9 +259,39 @@ class Communicator(abc.ABC):
                 transports that build per-graph state (MPI distributed-graph communicators)
                 cache it under this key, the others ignore it.
         """
+        if not sends:
+            # Horovod's alltoall and MPI's neighbour collectives are entered by every rank with
+            # a buffer of the message dtype; with nothing to send this rank would not know it.
+            raise ValueError(
+                f"{type(self).__name__}.exchange_start: sends is empty; every rank must "
+                "send at least one message per exchange"
+            )
+        lengths = {t.numel() for t in sends.values()}
+        if len(lengths) != 1:
+            raise ValueError(
+                "exchange_start: all messages of one exchange must have one length, "
+                f"got {sorted(lengths)}"
+            )
+        pending = self._exchange_start(sends, recv_from, tag, graph_key)
+        self.bytes_sent += _nbytes(list(sends.values()))
+        return pending
+
+    def _exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None,
+    ) -> PendingExchange:
+        """:meth:`exchange_start` with checked arguments."""
         raise NotImplementedError(f"{type(self).__name__} does not support gossip exchanges")
 
-    def exchange(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                 graph_key: Optional[Hashable] = None) -> Dict[int, Tensor]:
+    def exchange(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None = None,
+    ) -> dict[int, Tensor]:
         """Blocking form of :meth:`exchange_start`."""
         return self.exchange_start(sends, recv_from, tag, graph_key).wait()

@@ -3,14 +3,15 @@
 Averages are summed in rank order by every worker, so all workers get bitwise identical
 results, as with a real allreduce.
 """
+
 import threading
-from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..sharded import shard_range
-from .base import Communicator, PendingExchange
+from .base import Communicator, PendingExchange, shard_range
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "run_threads"]
 
@@ -30,16 +31,16 @@ class ThreadWorld:
         self.size = size
         self.timeout = timeout
         self._barrier = threading.Barrier(size, timeout=timeout)
-        self._slots: List[Any] = [None] * size
-        self._mail: Dict[Tuple[int, int, int], Tensor] = {}
+        self._slots: list[Any] = [None] * size
+        self._mail: dict[tuple[int, int, int], Tensor] = {}
         self._mail_cv = threading.Condition()
-        self._splits: Dict[Tuple[Tuple[int, ...], ...], Dict[int, "ThreadCommunicator"]] = {}
+        self._splits: dict[tuple[tuple[int, ...], ...], dict[int, ThreadCommunicator]] = {}
 
     def communicator(self, rank: int) -> "ThreadCommunicator":
         """The communicator of worker ``rank``."""
         return ThreadCommunicator(self, rank)
 
-    def split(self, groups: Sequence[Sequence[int]]) -> Dict[int, "ThreadCommunicator"]:
+    def split(self, groups: Sequence[Sequence[int]]) -> dict[int, "ThreadCommunicator"]:
         """Sub-worlds, like process sets: ``groups`` partitions the ranks.
 
         Args:
@@ -54,7 +55,7 @@ class ThreadWorld:
             raise ValueError(f"split: groups {groups} must partition ranks 0..{self.size - 1}")
         with self._mail_cv:
             if key not in self._splits:
-                out: Dict[int, ThreadCommunicator] = {}
+                out: dict[int, ThreadCommunicator] = {}
                 for g in key:
                     sub = ThreadWorld(len(g), self.timeout)
                     for local, rank in enumerate(g):
@@ -62,7 +63,7 @@ class ThreadWorld:
                 self._splits[key] = out
             return self._splits[key]
 
-    def _gather(self, rank: int, value: Any) -> List[Any]:
+    def _gather(self, rank: int, value: Any) -> list[Any]:
         self._slots[rank] = value
         self._barrier.wait()
         out = list(self._slots)
@@ -78,12 +79,15 @@ class _ThreadExchange(PendingExchange):
         with self._world._mail_cv:
             return self._arrived()
 
-    def wait(self) -> Dict[int, Tensor]:
+    def wait(self) -> dict[int, Tensor]:
         w = self._world
         with w._mail_cv:
             if not w._mail_cv.wait_for(self._arrived, timeout=w.timeout):
                 missing = [s for s in self._recv_from if (s, self._rank, self._tag) not in w._mail]
-                raise TimeoutError(f"rank {self._rank}: no gossip message from rank(s) {missing} for step {self._tag}")
+                raise TimeoutError(
+                    f"rank {self._rank}: no gossip message from rank(s) {missing} "
+                    f"for step {self._tag}"
+                )
             return {src: w._mail.pop((src, self._rank, self._tag)) for src in self._recv_from}
 
     def _arrived(self) -> bool:  # caller holds the lock
@@ -98,30 +102,31 @@ class ThreadCommunicator(Communicator):
         rank: this worker's rank.
     """
 
+    supports_sharding = True
+    supports_exchange = True
+
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
         self.size = world.size
         self.bytes_sent = 0
 
-    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
-        if self.size == 1 or not tensors:
-            return
+    def _average_(self, tensors: list[Tensor], name: str) -> int:
         everyone = self.world._gather(self.rank, [t.detach().clone() for t in tensors])
         for i, t in enumerate(tensors):
             total = everyone[0][i].clone()
             for r in range(1, self.size):
                 total += everyone[r][i]
             t.copy_(total / self.size)
-            self.bytes_sent += int(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def allgather_object(self, obj: Any) -> List[Any]:
+    def _allgather_object(self, obj: Any) -> list[Any]:
         return self.world._gather(self.rank, obj)
 
-    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
         return self.world._gather(self.rank, obj)[root_rank]
 
-    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> List[Tensor]:
+    def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
         everyone = self.world._gather(self.rank, [f.detach().clone() for f in flats])
         out = []
         for i, f in enumerate(flats):
@@ -132,27 +137,30 @@ class ThreadCommunicator(Communicator):
             for r in range(1, self.size):
                 total += everyone[r][i][start:end]
             out.append(total / self.size)
-            self.bytes_sent += int((self.size - 1) / self.size * f.numel() * f.element_size())
-        return out
+        return out, sum(f.numel() * f.element_size() for f in flats)
 
-    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> List[Tensor]:
+    def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         everyone = self.world._gather(self.rank, [s.detach().clone() for s in shards])
-        out = [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
-        self.bytes_sent += int(sum((self.size - 1) / self.size * o.numel() * o.element_size() for o in out))
-        return out
+        return [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
 
-    def exchange_start(self, sends: Mapping[int, Tensor], recv_from: Sequence[int], tag: int,
-                       graph_key: Optional[Hashable] = None) -> PendingExchange:
+    def _exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None,
+    ) -> PendingExchange:
         w = self.world
         with w._mail_cv:
             for dst, t in sends.items():
                 w._mail[(self.rank, dst, tag)] = t.detach().clone()
-                self.bytes_sent += t.numel() * t.element_size()
             w._mail_cv.notify_all()
         return _ThreadExchange(w, self.rank, recv_from, tag)
 
 
-def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: float = 60.0) -> List[Any]:
+def run_threads(
+    size: int, fn: Callable[[ThreadCommunicator], Any], timeout: float = 60.0
+) -> list[Any]:
     """Run ``fn(communicator)`` on ``size`` thread workers and return their results in rank order.
 
     The first exception raised by any worker is re-raised here.
@@ -163,8 +171,8 @@ def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: flo
         timeout: seconds before a stuck collective fails.
     """
     world = ThreadWorld(size, timeout)
-    results: List[Any] = [None] * size
-    errors: List[Optional[BaseException]] = [None] * size
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
 
     def target(rank: int) -> None:
         torch.set_num_threads(1)
@@ -179,7 +187,10 @@ def run_threads(size: int, fn: Callable[[ThreadCommunicator], Any], timeout: flo
         t.start()
     for t in threads:
         t.join(timeout * 4)
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = next(
+        (e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+        None,
+    )
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first

@@ -3,6 +3,7 @@
 Usage: hierarchy_worker.py OUT_DIR BASE
 Writes, per rank, its (cross_rank, local_rank) and its parameters after every step.
 """
+
 import os
 import sys
 
@@ -10,9 +11,10 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-import hvd_slowmo  # noqa: E402
-from reference import batch  # noqa: E402
-from test_hierarchy import CASES, loss, mlp  # noqa: E402
+import hvd_slowmo
+
+from reference import batch
+from test_hierarchy import CASES, loss, mlp
 
 
 def main():
@@ -20,8 +22,12 @@ def main():
     hvd.init(process_sets="dynamic")
     torch.set_num_threads(1)
     model = mlp()
-    opt = hvd_slowmo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-                                          named_parameters=model.named_parameters(), worker="node", **CASES[case])
+    opt = hvd_slowmo.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+        named_parameters=model.named_parameters(),
+        worker="node",
+        **CASES[case],
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     per_step = []
     for k in range(7):
@@ -29,8 +35,19 @@ def main():
         loss(model, *batch(hvd.rank(), k)).backward()
         opt.step()
         per_step.append([p.detach().clone() for p in model.parameters()])
-    torch.save({"layout": (hvd.cross_rank(), hvd.local_rank()), "steps": per_step, "bytes": opt.bytes_sent},
-               os.path.join(out, f"{case}.{hvd.rank()}.pt"))
+    gathers = {
+        "node_gather": opt.node_comm.allgather_object(hvd.rank()),
+        "cross_gather": opt.base.comm.allgather_object(hvd.rank()),
+    }
+    torch.save(
+        {
+            "layout": (hvd.cross_rank(), hvd.local_rank()),
+            "steps": per_step,
+            "bytes": opt.bytes_sent,
+            **gathers,
+        },
+        os.path.join(out, f"{case}.{hvd.rank()}.pt"),
+    )
 
 
 if __name__ == "__main__":

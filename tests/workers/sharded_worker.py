@@ -7,6 +7,7 @@ three param groups (the third a 2-element extra parameter: with 3 ranks one shar
 writes, per rank, OUT_DIR/sharded.RANK.pt with the parameters after every outer step, the final
 parameters, the slow-state bytes this rank keeps and the bytes it sent.
 """
+
 import os
 import sys
 
@@ -14,13 +15,16 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import hvd_slowmo  # noqa: E402
-from hvd_slowmo.comm.horovod import HorovodCommunicator  # noqa: E402
-from reference import loss_at, lr_at, make_model, params_of  # noqa: E402
+import hvd_slowmo
+from hvd_slowmo.comm.horovod import HorovodCommunicator
+
+from reference import loss_at, lr_at, make_model, params_of
 
 CONFIGS = {
     "heavyball": dict(slow_lr=0.7, slow_momentum=0.6),
-    "custom-sgd": dict(outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+    "custom-sgd": dict(
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+    ),
 }
 STEPS, TAU = 9, 3
 
@@ -29,33 +33,46 @@ VARIANTS = {"plain": None, "sharded-reducescatter": "reducescatter", "sharded-al
 
 
 def run(cfg, comm, shard, model):
-    """Train ``model`` on ``comm``'s rank; pure in the communicator, so tests replay it on threads."""
+    """Train ``model`` on ``comm``'s rank; pure in the communicator, so tests replay it on
+    threads."""
     extra = torch.nn.Parameter(torch.ones(2))
     first = list(model[0].parameters())
     rest = [p for p in model.parameters() if all(p is not q for q in first)]
-    base = torch.optim.SGD([{"params": first}, {"params": rest}, {"params": [extra]}], lr=0.05, momentum=0.9,
-                           nesterov=True)
-    opt = hvd_slowmo.DistributedOptimizer(base, named_parameters=[*model.named_parameters(), ("extra", extra)],
-                                          model_buffers=model.buffers(), tau=TAU, buffers="maintain",
-                                          shard_slow_state=shard, communicator=comm, **cfg)
+    base = torch.optim.SGD(
+        [{"params": first}, {"params": rest}, {"params": [extra]}],
+        lr=0.05,
+        momentum=0.9,
+        nesterov=True,
+    )
+    opt = hvd_slowmo.DistributedOptimizer(
+        base,
+        named_parameters=[*model.named_parameters(), ("extra", extra)],
+        model_buffers=model.buffers(),
+        tau=TAU,
+        buffers="maintain",
+        shard_slow_state=shard,
+        communicator=comm,
+        **cfg,
+    )
     snaps = []
     for k in range(STEPS):
         opt.param_groups[0]["lr"] = lr_at(k)
-        opt.param_groups[1]["lr"] = opt.param_groups[2]["lr"] = lr_at(k) / 2  # each group's own 1/lr scaling
+        opt.param_groups[1]["lr"] = opt.param_groups[2]["lr"] = (
+            lr_at(k) / 2
+        )  # each group's own 1/lr scaling
         opt.zero_grad()
         loss_at(model, comm.rank, k).backward()
         extra.grad = torch.tensor([0.1, -0.2]) * (comm.rank + 1) * (k + 1)
         opt.step()
         if opt.inner_step == 0:
             snaps.append(params_of(model) + [extra.detach().clone()])
-    if shard:
-        kept = opt.sharded.state_tensors()
-    elif opt.outer_optimizer is not None:
-        kept = opt.anchor + [v for e in opt.outer_optimizer.state.values() for v in e.values() if torch.is_tensor(v)]
-    else:
-        kept = opt.anchor + opt.slow_buffer
-    return {"snaps": snaps, "final": snaps[-1], "state_bytes": sum(t.numel() * t.element_size() for t in kept),
-            "bytes_sent": opt.comm.bytes_sent}
+    kept = opt.slow_state.state_tensors()
+    return {
+        "snaps": snaps,
+        "final": snaps[-1],
+        "state_bytes": sum(t.numel() * t.element_size() for t in kept),
+        "bytes_sent": opt.comm.bytes_sent,
+    }
 
 
 def main():

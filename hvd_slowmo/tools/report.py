@@ -1,7 +1,7 @@
 """The paper's tables from TensorBoard runs (arXiv 1910.00643, Tables 1 and 2), as mean ± std
 over seeds.
 
-    python -m hvd_slowmo.report runs/ [--png report.png]
+    python -m hvd_slowmo.tools.report runs/ [--png report.png]
 
 Reads every run folder under the given paths with TensorBoard's own reader. Runs whose
 ``config.json`` differ only in ``seed`` are repeats of one *setting*; every figure below is the
@@ -31,15 +31,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..bases import BASES
 from .metrics import CONFIG_FILE, TAGS
 
 __all__ = ["Run", "Setting", "load_runs", "summarize", "group_settings", "best_settings",
            "mean_std", "fmt_mean_std", "text_table", "table1", "table2", "settings_table",
            "runs_table", "plot", "main"]
 
-_ORDER = ("localsgd", "osgp", "sgp", "dpsgd", "allreduce")
-_LABELS = {"localsgd": "Local {opt}", "osgp": "OSGP", "sgp": "SGP", "dpsgd": "D-PSGD",
-           "allreduce": "AR-{opt}"}
+_ORDER = tuple(BASES)  # the registry's order is the paper's
+_LABELS = {name: cls.label or name for name, cls in BASES.items()}
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Run:
         return bool(self.config.get("slowmo", False))
 
     def values(self, key: str) -> List[float]:
-        """The values of one of :data:`hvd_slowmo.metrics.TAGS`' keys, in step order."""
+        """The values of one of :data:`hvd_slowmo.tools.metrics.TAGS`' keys, in step order."""
         return [v for _, v in self.scalars.get(TAGS[key], [])]
 
 

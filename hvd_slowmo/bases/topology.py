@@ -8,20 +8,28 @@ Topologies are given as *out-peers*: ``out_peers(rank, size, step)`` lists the r
 ``rank`` sends to at ``step``. Push-sum (SGP, OSGP) uses the directed graph as is; D-PSGD uses
 its undirected version (``i ~ j`` when either sends to the other).
 """
+
 import math
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from ..validation import check_int
+
 __all__ = [
-    "TopologyFn", "exponential_out_peers", "ring_out_peers", "TOPOLOGIES", "GossipGraph",
-    "push_sum_weights", "metropolis_weights",
+    "TopologyFn",
+    "exponential_out_peers",
+    "ring_out_peers",
+    "TOPOLOGIES",
+    "GossipGraph",
+    "push_sum_weights",
+    "metropolis_weights",
 ]
 
 #: A custom topology: ``(rank, size, step) -> out-peers`` (distinct ranks other than ``rank``).
 TopologyFn = Callable[[int, int, int], Sequence[int]]
 #: One step's whole graph: the out-peers of every rank, in rank order.
-Graph = Tuple[Tuple[int, ...], ...]
+Graph = tuple[tuple[int, ...], ...]
 
 
 def num_exponential_phases(size: int) -> int:
@@ -33,8 +41,9 @@ def num_exponential_phases(size: int) -> int:
     return int(math.floor(math.log2(size - 1))) + 1 if size >= 2 else 0
 
 
-def exponential_out_peers(rank: int, size: int, step: int, peers_per_step: int = 1) -> List[int]:
-    """Time-varying directed exponential graph of SGP (arXiv 1910.00643, Appendix C; Assran et al. 2019).
+def exponential_out_peers(rank: int, size: int, step: int, peers_per_step: int = 1) -> list[int]:
+    """Time-varying directed exponential graph of SGP (arXiv 1910.00643, Appendix C; Assran et al.
+    2019).
 
     In rank order, ``rank`` sends to ``(rank + 2^j) mod size`` where ``j`` cycles over
     ``0 .. floor(log2(size-1))`` with the step; with ``peers_per_step = p`` it sends to ``p``
@@ -47,10 +56,12 @@ def exponential_out_peers(rank: int, size: int, step: int, peers_per_step: int =
         peers_per_step: out-peers per step (at most the number of phases).
     """
     phases = num_exponential_phases(size)
-    return [(rank + 2 ** ((step * peers_per_step + q) % phases)) % size for q in range(peers_per_step)]
+    return [
+        (rank + 2 ** ((step * peers_per_step + q) % phases)) % size for q in range(peers_per_step)
+    ]
 
 
-def ring_out_peers(rank: int, size: int, step: int, peers_per_step: int = 1) -> List[int]:
+def ring_out_peers(rank: int, size: int, step: int, peers_per_step: int = 1) -> list[int]:
     """Directed ring: ``rank`` sends to the next ``peers_per_step`` ranks (time-invariant).
 
     Args:
@@ -64,19 +75,26 @@ def ring_out_peers(rank: int, size: int, step: int, peers_per_step: int = 1) -> 
 
 #: Built-in topologies: name -> (out-peer function, period in steps as a function of
 #: ``(size, peers_per_step)``, the most peers per step it supports).
-TOPOLOGIES: Dict[str, Tuple[Callable[[int, int, int, int], List[int]], Callable[[int, int], int],
-                            Callable[[int], int]]] = {
-    "exponential": (exponential_out_peers,
-                    lambda size, p: num_exponential_phases(size) // math.gcd(num_exponential_phases(size), p),
-                    num_exponential_phases),
+TOPOLOGIES: dict[
+    str,
+    tuple[
+        Callable[[int, int, int, int], list[int]], Callable[[int, int], int], Callable[[int], int]
+    ],
+] = {
+    "exponential": (
+        exponential_out_peers,
+        lambda size, p: num_exponential_phases(size) // math.gcd(num_exponential_phases(size), p),
+        num_exponential_phases,
+    ),
     "ring": (ring_out_peers, lambda size, p: 1, lambda size: size - 1),
 }
 
 
-def _strongly_connected(size: int, edges: Sequence[Tuple[int, int]]) -> bool:
-    """Whether the directed graph on ``0..size-1`` is strongly connected (reach all from 0, both ways)."""
-    fwd: List[List[int]] = [[] for _ in range(size)]
-    bwd: List[List[int]] = [[] for _ in range(size)]
+def _strongly_connected(size: int, edges: Sequence[tuple[int, int]]) -> bool:
+    """Whether the directed graph on ``0..size-1`` is strongly connected (all reached from 0 and
+    reaching 0)."""
+    fwd: list[list[int]] = [[] for _ in range(size)]
+    bwd: list[list[int]] = [[] for _ in range(size)]
     for a, b in edges:
         fwd[a].append(b)
         bwd[b].append(a)
@@ -92,7 +110,7 @@ def _strongly_connected(size: int, edges: Sequence[Tuple[int, int]]) -> bool:
     return True
 
 
-def push_sum_weights(out_peers: Sequence[int]) -> Tuple[float, float]:
+def push_sum_weights(out_peers: Sequence[int]) -> tuple[float, float]:
     """Uniform column-stochastic push-sum weights of a sender with these out-peers.
 
     The sender keeps ``1/(d+1)`` of its numerator and weight and sends ``1/(d+1)`` to each of its
@@ -108,7 +126,9 @@ def push_sum_weights(out_peers: Sequence[int]) -> Tuple[float, float]:
     return share, share
 
 
-def metropolis_weights(rank: int, neighbors: Sequence[Sequence[int]]) -> Tuple[float, Dict[int, float]]:
+def metropolis_weights(
+    rank: int, neighbors: Sequence[Sequence[int]]
+) -> tuple[float, dict[int, float]]:
     """Metropolis-Hastings weights of an undirected graph: symmetric and doubly stochastic.
 
     ``P_ij = 1 / (1 + max(d_i, d_j))`` for neighbours, ``P_ii = 1 - sum_j P_ij``. On a regular
@@ -139,33 +159,46 @@ class GossipGraph:
     Raises:
         ValueError: a bad ``peers_per_step``, a custom topology that returns invalid peers, or
             one that is not strongly connected over its first ``size`` steps (union of edges).
-        TypeError: a topology that is neither a known name nor callable.
+        TypeError: a topology that is neither a known name nor callable, a ``peers_per_step``
+            that is not an integer.
     """
 
-    def __init__(self, topology: Union[str, TopologyFn], size: int, peers_per_step: int = 1,
-                 undirected: bool = False) -> None:
-        if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, int) or peers_per_step < 1:
-            raise ValueError(f"peers_per_step must be an integer >= 1, got {peers_per_step!r}")
+    def __init__(
+        self,
+        topology: str | TopologyFn,
+        size: int,
+        peers_per_step: int = 1,
+        undirected: bool = False,
+    ) -> None:
+        check_int(
+            "peers_per_step", peers_per_step, 1, "the out-peers each worker sends to per step"
+        )
         self.size = size
         self.peers_per_step = peers_per_step
         self.undirected = undirected
-        self._cache: Dict[int, Graph] = {}
-        self.period: Optional[int]
+        self._cache: dict[int, Graph] = {}
+        self.period: int | None
         if isinstance(topology, str):
             if topology not in TOPOLOGIES:
-                raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)} or a callable "
-                                 f"(rank, size, step) -> out-peers, got {topology!r}")
+                raise ValueError(
+                    f"topology must be one of {sorted(TOPOLOGIES)} or a callable "
+                    f"(rank, size, step) -> out-peers, got {topology!r}"
+                )
             fn, period, max_peers = TOPOLOGIES[topology]
             if peers_per_step > max_peers(size):
-                raise ValueError(f"peers_per_step={peers_per_step} exceeds the {max_peers(size)} distinct "
-                                 f"peer(s) a {topology!r} graph has per step with {size} workers; lower it")
+                raise ValueError(
+                    f"peers_per_step={peers_per_step} exceeds the {max_peers(size)} distinct "
+                    f"peer(s) a {topology!r} graph has per step with {size} workers; lower it"
+                )
             self.name = topology
             self._fn: TopologyFn = lambda r, m, k: fn(r, m, k, peers_per_step)
             self.period = period(size, peers_per_step)
         elif callable(topology):
             if peers_per_step != 1:
-                raise ValueError("peers_per_step applies to the built-in topologies; a custom topology "
-                                 "returns its own out-peers: leave peers_per_step=1")
+                raise ValueError(
+                    "peers_per_step applies to the built-in topologies; a custom topology "
+                    "returns its own out-peers: leave peers_per_step=1"
+                )
             self.name = getattr(topology, "__name__", "custom")
             self._fn = topology
             self.period = None  # unknown: graphs are cached per step instead of per phase
@@ -174,12 +207,16 @@ class GossipGraph:
             if undirected:
                 edges |= {(j, i) for i, j in edges}
             if not _strongly_connected(size, sorted(edges)):
-                raise ValueError(f"topology {self.name!r} is not strongly connected over its first {size} "
-                                 "steps (the union of their edges): some worker would never hear from "
-                                 "another; add edges (e.g. use 'exponential')")
+                raise ValueError(
+                    f"topology {self.name!r} is not strongly connected over its first {size} "
+                    "steps (the union of their edges): some worker would never hear from "
+                    "another; add edges (e.g. use 'exponential')"
+                )
         else:
-            raise TypeError(f"topology must be 'exponential', 'ring' or a callable (rank, size, step) -> "
-                            f"out-peers, got {type(topology).__name__}")
+            raise TypeError(
+                f"topology must be 'exponential', 'ring' or a callable (rank, size, step) -> "
+                f"out-peers, got {type(topology).__name__}"
+            )
 
     def graph(self, step: int) -> Graph:
         """Every rank's out-peers at ``step`` (sorted); identical on every rank.
@@ -192,7 +229,7 @@ class GossipGraph:
         if g is None:
             g = tuple(self._checked_peers(r, step) for r in range(self.size))
             if self.undirected:
-                nbrs: List[set] = [set(outs) for outs in g]
+                nbrs: list[set] = [set(outs) for outs in g]
                 for i, outs in enumerate(g):
                     for j in outs:
                         nbrs[j].add(i)
@@ -204,17 +241,26 @@ class GossipGraph:
                 self._cache = {key: g}
         return g
 
-    def _checked_peers(self, rank: int, step: int) -> Tuple[int, ...]:
+    def _checked_peers(self, rank: int, step: int) -> tuple[int, ...]:
         peers = self._fn(rank, self.size, step)
         try:
             out = tuple(sorted(int(p) for p in peers))
         except (TypeError, ValueError):
-            raise ValueError(f"topology {self.name!r} returned {peers!r} for rank {rank} at step {step}; "
-                             "it must return a sequence of ranks") from None
-        if not out or len(set(out)) != len(out) or rank in out or not all(0 <= p < self.size for p in out):
-            raise ValueError(f"topology {self.name!r} returned out-peers {list(out)} for rank {rank} at step "
-                             f"{step}; they must be distinct ranks in [0, {self.size}) other than the rank "
-                             "itself, at least one")
+            raise ValueError(
+                f"topology {self.name!r} returned {peers!r} for rank {rank} at step {step}; "
+                "it must return a sequence of ranks"
+            ) from None
+        if (
+            not out
+            or len(set(out)) != len(out)
+            or rank in out
+            or not all(0 <= p < self.size for p in out)
+        ):
+            raise ValueError(
+                f"topology {self.name!r} returned out-peers {list(out)} for rank {rank} at step "
+                f"{step}; they must be distinct ranks in [0, {self.size}) other than the rank "
+                "itself, at least one"
+            )
         return out
 
     def key(self, step: int) -> Hashable:
@@ -226,7 +272,7 @@ class GossipGraph:
         """
         return self.graph(step)
 
-    def out_peers(self, rank: int, step: int) -> Tuple[int, ...]:
+    def out_peers(self, rank: int, step: int) -> tuple[int, ...]:
         """Ranks that ``rank`` sends to (its neighbours when undirected).
 
         Args:
@@ -235,7 +281,7 @@ class GossipGraph:
         """
         return self.graph(step)[rank]
 
-    def in_peers(self, rank: int, step: int) -> Tuple[int, ...]:
+    def in_peers(self, rank: int, step: int) -> tuple[int, ...]:
         """Ranks that send to ``rank`` at ``step`` (sorted).
 
         Args:

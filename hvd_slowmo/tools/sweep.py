@@ -2,13 +2,13 @@
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
 best setting per algorithm (mean over seeds).
 
-    python -m hvd_slowmo.sweep examples/digits.py --ablation tau --np 4    # tau in {12, 24, 48, 96}
-    python -m hvd_slowmo.sweep examples/digits.py --ablation alpha-beta --dry-run  # commands only
-    python -m hvd_slowmo.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp --seeds 100,101 \\
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau --np 4    # tau in {12, 24, 48, 96}
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta --dry-run  # commands only
+    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp --seeds 100,101 \\
         --one-launch -- --validation        # the base lr from the paper's grid, SGP alone
-    python -m hvd_slowmo.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
+    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
         --seeds 100,101 --one-launch -- --validation   # then beta in {0.4, ..., 0.8} at that lr
-    python -m hvd_slowmo.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
+    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
         --slow-momentums 0.5,0.7 --baseline -- --data data --epochs 50   # after "--": every run
 
 The paper's protocol for a fair comparison (its Appendix B): tune the base learning rate per
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
+
+from ..bases import BASES
 
 __all__ = ["ABLATIONS", "horovodrun_command", "sweep_points", "point_args", "sweep_commands",
            "main"]
@@ -175,13 +177,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.sweep", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.tools.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("script",
                         help="training script taking the examples' flags, e.g. examples/digits.py")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="tau",
                         help="the paper's grid to start from")
-    parser.add_argument("--algo", default="localsgd", help="base algorithm")
+    parser.add_argument("--algo", default="localsgd", choices=list(BASES), help="base algorithm")
     parser.add_argument("--lrs", default=None,
                         help="base learning rates, comma-separated, overrides the ablation's")
     parser.add_argument("--taus", default=None, help="comma-separated, overrides the ablation's")

@@ -1,0 +1,206 @@
+"""Gradient communication and mixed precision: Horovod's AMP protocol (``synchronize``,
+``skip_synchronize``) and the ``torch.amp.GradScaler`` verdict, made the same on every worker
+(SlowMo, arXiv 1910.00643).
+
+``DistributedOptimizer`` declares ``_step_supports_amp_scaling``, so ``GradScaler.step(opt)``
+always calls ``opt.step()`` and hands over its verdict as ``opt.found_inf`` (and
+``opt.grad_scale`` when ``scaler.unscale_(opt)`` was not called). :class:`GradientSync` then
+makes the skip decision the same on every worker, so an overflow on one rank never leaves the
+ranks one step apart (see :meth:`hvd_slowmo.DistributedOptimizer.step`).
+"""
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .bases import grads_or_zeros
+from .comm.base import Communicator
+
+__all__ = ["GradientSync", "any_nonfinite", "on_backward", "overflow_anywhere", "unscale_grads_"]
+
+
+def _by_device_and_dtype(
+    tensors: list[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+@torch.no_grad()
+def unscale_grads_(grads: list[Tensor], grad_scale: Tensor) -> bool:
+    """Divide gradients by the loss scale in place, as ``GradScaler.unscale_`` does, and say
+    whether any of them holds inf/NaN.
+
+    Args:
+        grads: the (already communicated) gradients.
+        grad_scale: the scaler's current loss scale (a one-element tensor).
+
+    Returns:
+        True if any gradient is non-finite.
+    """
+    # The reciprocal in float64, then float32: GradScaler's own rounding of 1/scale.
+    inv_scale = grad_scale.double().reciprocal().float()
+    found = []
+    for (device, _), group in _by_device_and_dtype(grads).items():
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale.to(device))
+        found.append(found_inf)
+    return bool(sum(float(f) for f in found))
+
+
+@torch.no_grad()
+def any_nonfinite(grads: list[Tensor]) -> bool:
+    """True if any gradient holds inf/NaN (one fused max-norm pass per device and dtype).
+
+    Args:
+        grads: the gradients.
+    """
+    for group in _by_device_and_dtype(grads).values():
+        if not bool(torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()):
+            return True
+    return False
+
+
+def overflow_anywhere(
+    comm: Communicator, grads_averaged: bool, grads: list[Tensor], overflow: bool
+) -> bool:
+    """Whether any worker's gradients overflowed this step: the same answer on every worker.
+
+    Args:
+        comm: the communicator over all workers.
+        grads_averaged: every worker holds the same averaged gradients (the base's
+            ``averages_gradients``): an inf/NaN on any worker is non-finite in the average, so
+            a local check agrees everywhere with no collective (the scaler may have checked
+            this worker's gradients before averaging).
+        grads: this worker's (communicated) gradients.
+        overflow: whether this worker's gradients held inf/NaN, as the scaler saw them.
+    """
+    if grads_averaged:
+        return any_nonfinite(grads)
+    flag = torch.tensor([1.0 if overflow else 0.0], dtype=torch.float64)
+    comm.average_([flag], name="hvd_slowmo.amp_overflow")
+    return flag.item() > 0
+
+
+def on_backward(params: list[Tensor], owner: Any, callback: Callable[[Any], None]) -> list[Any]:
+    """Call ``callback(owner)`` whenever a backward pass accumulates a gradient into any of
+    ``params``; the hooks hold ``owner`` weakly, so the parameters do not keep it alive.
+
+    Args:
+        params: the parameters to watch.
+        owner: the object the callback acts on.
+        callback: what to do.
+
+    Returns:
+        The hook handles.
+    """
+    ref = weakref.ref(owner)
+
+    def fresh_gradient(_: Tensor) -> None:
+        obj = ref()
+        if obj is not None:
+            callback(obj)
+
+    return [p.register_post_accumulate_grad_hook(fresh_gradient) for p in params]
+
+
+class GradientSync:
+    """The gradient side of :class:`hvd_slowmo.DistributedOptimizer`: communicate each backward
+    pass's gradients once (inside the node, then the base algorithm's), and decide under a
+    ``GradScaler`` whether this step happens, the same way on every worker.
+
+    A mixin: the optimizer provides ``params``, ``node_comm``, ``base``, ``comm`` and
+    ``timings``, and calls :meth:`_watch_gradients` for its parameters.
+    """
+
+    #: ``torch.amp.GradScaler.step`` always calls ``step()`` and passes its verdict, so the
+    #: decision to skip an overflowed step is made the same on every worker.
+    _step_supports_amp_scaling = True
+    _synchronized = False  # this backward's gradients are communicated
+    _skip_synchronize = False
+    #: Steps skipped on every worker because a GradScaler found inf/NaN gradients on any worker.
+    skipped_steps = 0
+
+    def _watch_gradients(self, params: list[Tensor]) -> None:
+        """Mark the gradients as not yet communicated whenever a backward pass accumulates into
+        any of ``params``: a step skipped after :meth:`synchronize` (an AMP overflow) must not
+        make the next step reuse that synchronization with fresh, uncommunicated gradients."""
+        hooks = on_backward(params, self, _gradients_changed)
+        self._grad_hooks: list[Any] = getattr(self, "_grad_hooks", []) + hooks
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``.
+
+        Args:
+            set_to_none: drop the gradient tensors instead of zeroing them.
+        """
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        self._synchronized = False
+
+    def synchronize(self) -> None:
+        """Run this step's gradient communication now (Horovod's recipe for ``GradScaler``:
+        ``synchronize()``, ``scaler.unscale_(opt)``, then
+        ``with opt.skip_synchronize(): scaler.step(opt)``).
+
+        It touches gradients only, so a step skipped after it changes nothing; it runs once per
+        backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
+        """
+        if not self._synchronized:
+            t0 = time.perf_counter()
+            if self.node_comm is not None and self.node_comm.size > 1:
+                self.node_comm.average_(
+                    grads_or_zeros(self.params), name="hvd_slowmo.node_grad_average"
+                )
+            self.base.communicate_gradients()
+            self.timings["base_comm"] += time.perf_counter() - t0
+            self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context, ``step()`` does not run :meth:`synchronize` again."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    def _gradients_ready(self) -> bool:
+        """Communicate the gradients (unless already done) and apply the scaler's verdict.
+
+        Returns:
+            False when any worker's gradients overflowed (under a ``GradScaler``): every worker
+            then skips the step.
+        """
+        # Set by GradScaler.step around the step() call (see _step_supports_amp_scaling).
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        overflow = found_inf is not None and bool(found_inf.sum().item())
+        if grad_scale is not None and not self._synchronized:
+            # scaler.step(opt) without scaler.unscale_(opt): unscale before communicating, since
+            # the workers' loss scales differ once one of them has backed off from an overflow.
+            overflow = unscale_grads_(self._grads(), grad_scale) or overflow
+            grad_scale = None
+        if not self._skip_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        if found_inf is None:
+            return True
+        if grad_scale is not None:  # communicated by an explicit synchronize(), still scaled
+            overflow = unscale_grads_(self._grads(), grad_scale) or overflow
+        return not overflow_anywhere(
+            self.comm, self.base.averages_gradients, self._grads(), overflow
+        )
+
+    def _grads(self) -> list[Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+
+def _gradients_changed(opt: GradientSync) -> None:
+    opt._synchronized = False

@@ -1,0 +1,343 @@
+"""The optimizer's configuration: one frozen dataclass, validated in one place.
+
+Every setting of :class:`hvd_slowmo.DistributedOptimizer` that decides the algorithm (SlowMo,
+arXiv 1910.00643, Algorithm 1) is checked here, before any state exists: a wrong type raises
+``TypeError``, a wrong value ``ValueError``, each naming the argument and the fix. The
+configuration is compared across ranks at construction (:func:`check_same_everywhere`), saved in
+the optimizer's state and compared with the running one on load (:func:`saved_config_changes`).
+"""
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .bases import BASES, resolve_base
+from .buffers import BUFFER_STRATEGIES
+from .comm.base import Communicator
+from .validation import check_bool, check_choice, check_int, check_number
+
+__all__ = [
+    "NONFINITE",
+    "OUTER_OPTIMIZERS",
+    "SlowMoConfig",
+    "check_same_everywhere",
+    "param_names",
+    "saved_config_changes",
+]
+
+#: What an outer step does with non-finite parameters (``nonfinite=``).
+NONFINITE = ("raise", "skip", "ignore")
+#: The built-in slow updates (``outer_optimizer=``); a callable is the third kind.
+OUTER_OPTIMIZERS = ("heavyball", "nesterov")
+#: The paper's defaults (Section 5): alpha = 1, beta = 0.5.
+DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM = 1.0, 0.5
+
+OuterFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class SlowMoConfig:
+    """SlowMo's settings (arXiv 1910.00643, Algorithm 1), checked on construction: the
+    arguments of :class:`hvd_slowmo.DistributedOptimizer` that decide the algorithm. ``base`` is
+    stored as the base algorithm's class, ``slow_lr`` and ``slow_momentum`` with the paper's
+    defaults filled in.
+
+    Args:
+        base: the base algorithm: a name from :data:`hvd_slowmo.bases.BASES` (``"localsgd"``,
+            ``"allreduce"``, ``"sgp"``, ``"osgp"``, ``"dpsgd"``) or a
+            :class:`~hvd_slowmo.bases.base.BaseAlgorithm` subclass (its protocol is documented
+            there).
+        base_options: the base algorithm's own keyword options (its ``OPTIONS``: the gossip
+            bases' ``topology``, ``peers_per_step``, ``gossip_transport``, ``gossip_timeout``,
+            and OSGP's ``staleness``).
+        tau: base steps per outer step (>= 1).
+        slow_lr: ``alpha`` (> 0); None: 1.0, the paper's default.
+        slow_momentum: ``beta`` in ``[0, 1)``; None: 0.5, the paper's default.
+        buffers: the base optimizer's state at each outer step: ``"reset"``, ``"maintain"``
+            or ``"average"``.
+        average: False skips the exact average (SGP-SlowMo-noaverage): the slow update then
+            acts on each worker's own parameters.
+        nonfinite: what an outer step does when any worker's parameters hold NaN/inf, checked
+            before anything is averaged: ``"raise"`` a ``FloatingPointError`` naming the ranks and
+            the step on every rank; ``"skip"`` the outer step, restarting every worker from the
+            previous anchor with reset base buffers (keeps an anchor even without slow momentum);
+            ``"ignore"`` skips the check and its one tiny collective per outer step.
+        outer_optimizer: the slow update: ``"heavyball"`` (the paper's), ``"nesterov"`` (Nesterov
+            slow momentum, same ``slow_lr``/``slow_momentum``), or a callable that builds any torch
+            optimizer over a list of anchor tensors, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7,
+            momentum=0.9, nesterov=True)`` (DiLoCo). A custom outer optimizer is applied to the
+            *unscaled* pseudo-gradient ``x0 - x_avg`` with its own learning rate (so it does not
+            follow the base LR schedule); ``slow_lr`` and ``slow_momentum`` are then unused.
+        shard_slow_state: keep only this rank's ~1/m shard of the anchor and slow state (ZeRO-1
+            style, :mod:`hvd_slowmo.slow_state.sharded`): the exact average becomes a
+            reduce-scatter, the slow update runs on the shard and an all-gather returns the new
+            anchor (same bytes on the wire). Each rank saves and loads its own shard, in a job of
+            the same size.
+        overlap: ``d``, the base steps the exact average stays in flight (``0 <= d < tau``): at
+            each outer-step boundary the average of a snapshot starts in the background, the
+            workers take ``d`` more base steps, then the slow step is applied and each worker
+            keeps its progress since the snapshot (:mod:`hvd_slowmo.overlap`). 0 (default) is
+            the paper's algorithm, bit for bit.
+    """
+
+    base: Any = "localsgd"
+    base_options: Mapping[str, Any] = field(default_factory=dict)
+    tau: int = 12
+    slow_lr: float | None = None
+    slow_momentum: float | None = None
+    buffers: str = "reset"
+    average: bool = True
+    nonfinite: str = "raise"
+    outer_optimizer: str | OuterFactory = "heavyball"
+    shard_slow_state: bool = False
+    overlap: int = 0
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)  # frozen: normalized values are set once, here
+
+        base = resolve_base(self.base)
+        put("base", base)
+        extra = sorted(set(self.base_options) - set(base.OPTIONS))
+        if extra:
+            raise TypeError(
+                f"unknown argument(s) {extra} for DistributedOptimizer with "
+                f"base={base.display_name()!r} (its options: {list(base.OPTIONS) or 'none'})"
+            )
+        put("base_options", dict(self.base_options))
+        check_int("tau", self.tau, 1, "the base steps per outer step, e.g. tau=12")
+        custom = callable(self.outer_optimizer)
+        if not custom:
+            check_choice(
+                "outer_optimizer",
+                self.outer_optimizer,
+                OUTER_OPTIMIZERS,
+                "or a callable building a torch optimizer from a list of tensors",
+            )
+        elif self.slow_lr is not None or self.slow_momentum is not None:
+            warnings.warn(
+                "slow_lr and slow_momentum are not used with a custom outer_optimizer: set "
+                "the outer optimizer's own lr and momentum instead",
+                stacklevel=4,
+            )
+        put(
+            "slow_lr",
+            check_number(
+                "slow_lr",
+                DEFAULT_SLOW_LR if self.slow_lr is None else self.slow_lr,
+                low=0.0,
+                low_open=True,
+                fix=f"slow_lr={DEFAULT_SLOW_LR} is the paper's default",
+            ),
+        )
+        put(
+            "slow_momentum",
+            check_number(
+                "slow_momentum",
+                DEFAULT_SLOW_MOMENTUM if self.slow_momentum is None else self.slow_momentum,
+                low=0.0,
+                high=1.0,
+                high_open=True,
+                fix="the paper tunes it in [0.4, 0.8]; 0 disables slow momentum",
+            ),
+        )
+        check_int("overlap", self.overlap, 0, "base steps the exact average stays in flight")
+        if self.overlap >= self.tau:
+            raise ValueError(
+                f"overlap must be smaller than tau={self.tau} (the average must land before the "
+                f"next outer step starts), got overlap={self.overlap}; e.g. overlap=1"
+            )
+        check_choice("buffers", self.buffers, BUFFER_STRATEGIES)
+        check_bool("average", self.average)
+        check_choice("nonfinite", self.nonfinite, NONFINITE)
+        check_bool("shard_slow_state", self.shard_slow_state)
+        if self.shard_slow_state and not self.slow_enabled:
+            raise ValueError(
+                "shard_slow_state=True with the slow update disabled (slow_lr=1, "
+                "slow_momentum=0): there is no slow state to shard; drop shard_slow_state"
+            )
+        if self.shard_slow_state and not self.average:
+            raise ValueError(
+                "shard_slow_state=True needs the exact average (its reduce-scatter is "
+                "the average); use average=True or shard_slow_state=False"
+            )
+        if not self.average and not base.communicates_every_step:
+            talkers = ", ".join(n for n, c in BASES.items() if c.communicates_every_step)
+            raise ValueError(
+                f"average=False with base={base.display_name()!r} would never "
+                "synchronize workers; use average=False only with a base that "
+                f"communicates every step ({talkers})"
+            )
+        if not base.needs_exact_average and self.buffers == "average":
+            warnings.warn(
+                f"buffers='average' with base={base.display_name()!r} averages buffers that "
+                "are already identical on every worker; use buffers='maintain'",
+                stacklevel=4,
+            )
+
+    # --- what the settings imply -------------------------------------------------------------
+    @property
+    def base_name(self) -> str:
+        """The base algorithm's name (its registry name, or its class name)."""
+        return self.base.display_name()
+
+    @property
+    def custom_outer(self) -> bool:
+        """A user-built outer optimizer replaces the built-in slow update."""
+        return callable(self.outer_optimizer)
+
+    @property
+    def nesterov(self) -> bool:
+        """Nesterov slow momentum instead of the paper's heavy-ball."""
+        return self.outer_optimizer == "nesterov"
+
+    @property
+    def slow_enabled(self) -> bool:
+        """False for ``slow_lr=1, slow_momentum=0``: plain periodic averaging, no slow state."""
+        return self.custom_outer or (self.slow_lr, self.slow_momentum) != (1.0, 0.0)
+
+    @property
+    def keeps_anchor(self) -> bool:
+        """An anchor is kept: for the slow update, or to restart a skipped outer step."""
+        return self.slow_enabled or self.nonfinite == "skip"
+
+    @property
+    def exact_average(self) -> bool:
+        """The outer step averages the parameters (a base like AR-SGD keeps them identical)."""
+        return self.average and self.base.needs_exact_average
+
+    def summary(self) -> dict[str, Any]:
+        """The settings as plain values: saved in the state, compared across ranks and on load."""
+        outer = "custom" if self.custom_outer else self.outer_optimizer
+        return {
+            "base": self.base_name,
+            "tau": self.tau,
+            "slow_lr": self.slow_lr,
+            "slow_momentum": self.slow_momentum,
+            "buffers": self.buffers,
+            "average": self.average,
+            "nonfinite": self.nonfinite,
+            "shard_slow_state": self.shard_slow_state,
+            "outer_optimizer": outer,
+            "overlap": self.overlap,
+        }
+
+
+def check_same_everywhere(comm: Communicator, mine: dict[str, Any]) -> None:
+    """Raise on every rank if any rank's configuration differs from rank 0's. Collective.
+
+    One allgather at construction, so a mismatch fails with a message instead of a hang later.
+
+    Args:
+        comm: the communicator over all ranks.
+        mine: this rank's settings (:meth:`SlowMoConfig.summary` plus layout facts) and, under
+            ``"params"``, each parameter's ``(name, shape, dtype)``.
+    """
+    everyone = comm.allgather_object(mine)
+    first = everyone[0]
+    problems = []
+    for rank, theirs in enumerate(everyone):
+        if theirs == first:
+            continue
+        diffs = [
+            f"{k}={theirs.get(k)!r} (rank 0: {first.get(k)!r})"
+            for k in sorted(set(theirs) | set(first))
+            if k != "params" and theirs.get(k) != first.get(k)
+        ]
+        if theirs["params"] != first["params"]:
+            pairs = list(zip(theirs["params"], first["params"]))
+            what = next(
+                (f"{a} vs rank 0 {b}" for a, b in pairs if a != b),
+                f"{len(theirs['params'])} parameters vs rank 0's {len(first['params'])}",
+            )
+            diffs.append(f"parameters differ: {what}")
+        problems.append(f"rank {rank}: " + "; ".join(diffs))
+    if problems:
+        raise ValueError(
+            "hvd_slowmo.DistributedOptimizer is configured differently across ranks: "
+            + " | ".join(problems)
+            + ". Build the same model and optimizer on every rank."
+        )
+
+
+def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
+    """Compare a saved configuration with the running one: refuse a state whose slow state is
+    laid out differently; list every other setting that changed (the caller warns).
+
+    Args:
+        saved: the ``"config"`` entry of a saved state (ignored if absent).
+        running: this optimizer's settings, as it saves them.
+
+    Raises:
+        ValueError: another base algorithm, another sharding, or a custom outer optimizer on one
+            side only.
+    """
+    if not isinstance(saved, dict):
+        return []
+
+    def differs(key: str) -> bool:
+        return key in saved and saved[key] != running.get(key)
+
+    for key in ("base", "shard_slow_state"):
+        if differs(key):
+            raise ValueError(
+                f"load_state_dict: the state was saved with {key}={saved[key]!r}, this "
+                f"optimizer has {key}={running[key]!r}; build it with {key}={saved[key]!r} "
+                "to resume, or load only the model's weights to start a new run"
+            )
+    custom = [c.get("outer_optimizer") == "custom" for c in (saved, running)]
+    if "outer_optimizer" in saved and custom[0] != custom[1]:
+        raise ValueError(
+            f"load_state_dict: the state was saved with outer_optimizer="
+            f"{saved['outer_optimizer']!r}, this optimizer has {running['outer_optimizer']!r}: "
+            "a custom outer optimizer's state and a slow buffer are not interchangeable"
+        )
+    return [f"{k}: {saved[k]!r} -> {running[k]!r}" for k in running if differs(k)]
+
+
+def param_names(params: list[Tensor], named_parameters: Any) -> list[str]:
+    """The name of each of the optimizer's parameters, checked to be floating point.
+
+    Args:
+        params: the optimizer's parameters, in order.
+        named_parameters: ``model.named_parameters()``, or None (names ``param0``, ``param1``, ...).
+
+    Raises:
+        TypeError: ``named_parameters`` is not (name, tensor) pairs; a parameter is not
+            floating point.
+        ValueError: a parameter has no name.
+    """
+    if named_parameters is None:
+        names = [f"param{i}" for i in range(len(params))]
+    else:
+        try:
+            by_id: dict[int, str] = {}
+            for name, p in named_parameters:
+                if not isinstance(name, str) or not isinstance(p, Tensor):
+                    raise TypeError
+                by_id.setdefault(id(p), name)
+        except (TypeError, ValueError):
+            raise TypeError(
+                "named_parameters must be an iterable of (name, tensor) pairs, "
+                "as returned by model.named_parameters()"
+            ) from None
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            more = "..." if len(missing) > 5 else ""
+            raise ValueError(
+                f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+                f"(indices {missing[:5]}{more}); pass named_parameters=model.named_parameters() "
+                "for the model the optimizer trains"
+            )
+        names = [by_id[id(p)] for p in params]
+    for p, n in zip(params, names):
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter {n!r} has dtype {p.dtype}; only floating-point parameters can "
+                "be averaged: keep integer tensors out of the optimizer (as buffers)"
+            )
+    return names

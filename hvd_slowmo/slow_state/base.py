@@ -1,0 +1,303 @@
+"""The slow state of SlowMo's outer step (arXiv 1910.00643, Algorithm 1, lines 6-8): the
+interface, and the slow update written once for every layout.
+
+The slow state is the anchor ``x_{t,0}`` and either the slow buffer ``u_t`` (heavy-ball or
+Nesterov slow momentum) or a custom outer optimizer over the anchor. A layout decides how the
+anchor is stored: one tensor per parameter on every worker (:class:`~.full.FullSlowState`) or
+one shard per bucket of parameters on each worker (:class:`~.sharded.ShardedSlowState`). The
+slow update is per element, so it is the same arithmetic over either layout: this module holds
+it, the layouts only say which tensors hold the anchor and how the exact average reaches them.
+
+The optimizer drives a slow state in this order, and never asks which layout it has::
+
+    capture_(param_groups)            at every step (does nothing once captured)
+    every tau steps:  average_(params, extra, exact)   the exact average
+                      update_(params, param_groups)    the slow update; params <- new anchor
+    restore_(params)                  a skipped outer step (non-finite) or a change of workers
+    add_group_(param_groups)          after add_param_group
+    state_dict() / prepare_load(...) / commit_load(...)
+"""
+
+import abc
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..comm.base import Communicator, PendingAverage
+from ..config import SlowMoConfig
+from ..slowmo import slow_momentum_step_
+
+__all__ = ["LoadedSlowState", "SlowState"]
+
+ParamGroups = Sequence[dict[str, Any]]
+
+
+@dataclass
+class LoadedSlowState:
+    """A checked saved slow state, ready for :meth:`SlowState.commit_load`.
+
+    Attributes:
+        anchor: the anchor tensors (None: not captured when saved, or not kept).
+        slow_buffer: the slow buffer (None with a custom outer optimizer or no slow update).
+        outer_optimizer: the custom outer optimizer, with its state loaded.
+        groups: the param group of each anchor tensor.
+        layout: what else the layout needs (the sharded buckets).
+    """
+
+    anchor: list[Tensor] | None
+    slow_buffer: list[Tensor] | None = None
+    outer_optimizer: torch.optim.Optimizer | None = None
+    groups: list[int] | None = None
+    layout: Any = None
+
+
+class SlowState(abc.ABC):
+    """The anchor and slow buffer (or outer optimizer) of one worker, and the slow update.
+
+    Args:
+        comm: the communicator of the exact average.
+        config: the optimizer's configuration (slow_lr, slow_momentum, outer optimizer, ...).
+
+    Attributes:
+        anchor: the anchor tensors (per parameter, or this rank's shards); None until captured.
+        slow_buffer: ``u``, one tensor per anchor tensor; None with a custom outer optimizer or
+            without a slow update.
+        outer_optimizer: the custom outer optimizer over the anchor tensors, or None.
+        per_rank: each rank holds a different part of the state (it cannot be broadcast from
+            one rank, nor loaded into a job of another size).
+    """
+
+    per_rank = False
+
+    def __init__(self, comm: Communicator, config: SlowMoConfig) -> None:
+        self.comm = comm
+        self.config = config
+        self.anchor: list[Tensor] | None = None
+        self.slow_buffer: list[Tensor] | None = None
+        self.outer_optimizer: torch.optim.Optimizer | None = None
+        self._groups: list[int] = []  # the param group of each anchor tensor (its lr)
+        self._zero_lr_warned = False
+
+    @property
+    def captured(self) -> bool:
+        """Whether the anchor has been captured (or loaded)."""
+        return self.anchor is not None
+
+    # --- what a layout implements ----------------------------------------------------------
+    @abc.abstractmethod
+    def capture_(self, param_groups: ParamGroups) -> None:
+        """Take the anchor from the current parameters, once (called at every step, after
+        ``hvd.broadcast_parameters``, so every rank's anchor is of the same vector).
+
+        Args:
+            param_groups: the optimizer's param groups.
+        """
+
+    @abc.abstractmethod
+    def add_group_(self, param_groups: ParamGroups) -> None:
+        """Extend a captured state after ``add_param_group`` (the new group's anchor: its values).
+
+        Args:
+            param_groups: the optimizer's param groups, the new one last.
+        """
+
+    @abc.abstractmethod
+    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
+        """The outer step's exact average. Collective.
+
+        Args:
+            params: the parameters (detached), in the optimizer's order.
+            extra: other tensors averaged with them (floating-point model buffers).
+            exact: whether the parameters need averaging (False for a noaverage run, or when a
+                base keeps them identical on every worker, like AR-SGD).
+        """
+
+    def average_start_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool
+    ) -> PendingAverage:
+        """:meth:`average_` without waiting (``overlap >= 1``); the average is complete once the
+        handle's ``wait()`` returns. By default nothing starts here: ``wait()`` runs the blocking
+        :meth:`average_` (correct, but nothing is hidden behind compute). Collective in ``wait()``.
+
+        Args:
+            params: the tensors to average in place (a snapshot of the parameters).
+            extra: other tensors averaged with them (a snapshot of the model buffers).
+            exact: whether the parameters need averaging.
+        """
+        return PendingAverage(lambda: self.average_(params, extra, exact), started=False)
+
+    @abc.abstractmethod
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
+        """The slow update after :meth:`average_`; ``params`` hold the new anchor on return.
+
+        Args:
+            params: the parameters (detached), in the optimizer's order.
+            param_groups: the optimizer's param groups (their current ``lr``).
+
+        Returns:
+            Seconds spent communicating (the caller books them as averaging time).
+        """
+
+    @abc.abstractmethod
+    def restore_(self, params: list[Tensor]) -> None:
+        """Overwrite ``params`` with the anchor (collective for a sharded layout).
+
+        Args:
+            params: the parameters (detached), in the optimizer's order.
+        """
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The entries this state adds to the optimizer's ``state_dict()["slowmo"]``."""
+
+    @abc.abstractmethod
+    def prepare_load(
+        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+    ) -> LoadedSlowState:
+        """Check a saved state against this rank and model; changes nothing, so the caller can
+        still fail atomically.
+
+        Args:
+            saved: the ``"slowmo"`` entry of a saved optimizer state.
+            param_groups: this optimizer's param groups.
+            inner_step: the saved position inside the outer step.
+            names: the parameters' names, for messages.
+
+        Raises:
+            ValueError: a state from another layout, world, model or configuration.
+        """
+
+    @abc.abstractmethod
+    def check_world(self, old_world: tuple[int, int], why: str) -> None:
+        """Raise if the state cannot follow a change of workers.
+
+        Args:
+            old_world: ``(rank, size)`` of this worker when the state was built or loaded.
+            why: what changed the workers, for the message.
+        """
+
+    # --- shared by every layout ------------------------------------------------------------
+    def commit_load(self, loaded: LoadedSlowState) -> None:
+        """Install what :meth:`prepare_load` returned.
+
+        Args:
+            loaded: its return value.
+        """
+        self.anchor = loaded.anchor
+        self.slow_buffer = loaded.slow_buffer
+        self.outer_optimizer = loaded.outer_optimizer
+        self._groups = list(loaded.groups or [])
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of the slow state this rank keeps (anchor, slow buffer, and the custom
+        outer optimizer's per-element state)."""
+        out = list(self.anchor or []) + list(self.slow_buffer or [])
+        if self.outer_optimizer is not None:
+            for entry in self.outer_optimizer.state.values():
+                out.extend(v for v in entry.values() if isinstance(v, Tensor))
+        return out
+
+    def _start(self, anchor: list[Tensor], groups: list[int]) -> None:
+        """Adopt a freshly captured anchor and create the slow buffer or outer optimizer."""
+        self.anchor, self._groups = anchor, list(groups)
+        if self.config.custom_outer:
+            self.outer_optimizer = self._build_outer(anchor)
+        elif self.config.slow_enabled:
+            self.slow_buffer = [torch.zeros_like(a) for a in anchor]
+
+    def _extend(self, anchor: list[Tensor], group: int) -> None:
+        """Append a new param group's anchor tensors (their slow buffer starts at zero)."""
+        assert self.anchor is not None
+        self.anchor.extend(anchor)
+        self._groups.extend([group] * len(anchor))
+        if self.outer_optimizer is not None:  # else the new tensors would never leave their anchor
+            self.outer_optimizer.add_param_group({"params": anchor})
+        if self.slow_buffer is not None:
+            self.slow_buffer.extend(torch.zeros_like(a) for a in anchor)
+
+    def _build_outer(self, anchor: list[Tensor]) -> torch.optim.Optimizer:
+        opt = self.config.outer_optimizer(anchor)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"outer_optimizer must return a torch.optim.Optimizer, got "
+                f"{type(opt).__name__}; e.g. lambda ps: torch.optim.SGD(ps, lr=0.7)"
+            )
+        return opt
+
+    @torch.no_grad()
+    def _slow_update_(self, averages: list[Tensor], param_groups: ParamGroups) -> None:
+        """The slow update of every anchor tensor from its exact average (one per anchor
+        tensor); on return the anchor and ``averages`` both hold the new anchor."""
+        assert self.anchor is not None, "the anchor is captured at the first step"
+        if self.outer_optimizer is not None:
+            for a, x in zip(self.anchor, averages):
+                a.grad = a - x  # the unscaled pseudo-gradient
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+            torch._foreach_copy_(averages, self.anchor)
+            return
+        if (
+            self.slow_buffer is None
+        ):  # no slow update (slow_lr=1, slow_momentum=0): keep the average
+            torch._foreach_copy_(self.anchor, averages)
+            return
+        cfg = self.config
+        for g, group in enumerate(param_groups):
+            idx = [i for i, gi in enumerate(self._groups) if gi == g]
+            if not idx:
+                continue
+            anchor = [self.anchor[i] for i in idx]
+            avg = [averages[i] for i in idx]
+            lr = float(group["lr"])
+            if lr <= 0:
+                # The pseudo-gradient is scaled by 1/lr: undefined at lr=0 (a warm-up that starts
+                # at zero). Keep the slow buffer, restart from the average.
+                if not self._zero_lr_warned:
+                    warnings.warn(
+                        "a param group has lr=0 at an outer step: its slow update is "
+                        "skipped and its anchor set to the average",
+                        stacklevel=5,
+                    )
+                    self._zero_lr_warned = True
+                torch._foreach_copy_(anchor, avg)
+                continue
+            slow_momentum_step_(
+                avg,
+                anchor,
+                [self.slow_buffer[i] for i in idx],
+                lr,
+                cfg.slow_lr,
+                cfg.slow_momentum,
+                nesterov=cfg.nesterov,
+            )
+
+    def _load_slow(
+        self, saved_buffer: list[Tensor] | None, saved_outer: Any, anchor: list[Tensor]
+    ) -> tuple[list[Tensor] | None, torch.optim.Optimizer | None]:
+        """Check and build the slow buffer or outer optimizer of a loaded anchor.
+
+        Args:
+            saved_buffer: the saved slow buffer, already checked against the layout, or None.
+            saved_outer: the saved outer optimizer's ``state_dict``, or None.
+            anchor: the loaded anchor tensors.
+        """
+        if self.config.custom_outer:
+            if saved_outer is None:
+                raise ValueError(
+                    "load_state_dict: this optimizer has a custom outer_optimizer but "
+                    "the state has no outer optimizer state; it was saved with "
+                    "outer_optimizer='heavyball' or 'nesterov'"
+                )
+            outer = self._build_outer(anchor)
+            outer.load_state_dict(saved_outer)  # into a new object: raises before anything changes
+            return None, outer
+        if self.config.slow_enabled and saved_buffer is None:
+            raise ValueError(
+                "load_state_dict: the state has an anchor but no slow buffer; it was "
+                "saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
+            )
+        return (saved_buffer if self.config.slow_enabled else None), None

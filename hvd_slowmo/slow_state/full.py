@@ -1,0 +1,132 @@
+"""The full slow state: every worker keeps the whole anchor ``x_{t,0}`` and slow buffer ``u_t``,
+one tensor per parameter (arXiv 1910.00643, Algorithm 1). The exact average is one allreduce of
+the parameters (and model buffers) in place; the slow update then runs on every worker alike.
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..comm.base import PendingAverage
+from .base import LoadedSlowState, ParamGroups, SlowState
+
+__all__ = ["FullSlowState"]
+
+
+def _flat_params(param_groups: ParamGroups) -> tuple[list[Tensor], list[int]]:
+    """The parameters (detached) in the optimizer's order, and the param group of each."""
+    params, groups = [], []
+    for g, group in enumerate(param_groups):
+        params.extend(p.detach() for p in group["params"])
+        groups.extend([g] * len(group["params"]))
+    return params, groups
+
+
+class FullSlowState(SlowState):
+    """Anchor and slow buffer (or outer optimizer) over whole parameters, on every worker.
+
+    With the slow update disabled (``slow_lr=1, slow_momentum=0``) an anchor is kept only for
+    ``nonfinite="skip"``; otherwise nothing is kept and the outer step is the exact average.
+
+    Args:
+        comm: the communicator of the exact average.
+        config: the optimizer's configuration.
+    """
+
+    @torch.no_grad()
+    def capture_(self, param_groups: ParamGroups) -> None:
+        if self.captured or not self.config.keeps_anchor:
+            return
+        params, groups = _flat_params(param_groups)
+        self._start([p.clone() for p in params], groups)
+
+    @torch.no_grad()
+    def add_group_(self, param_groups: ParamGroups) -> None:
+        if self.captured:
+            self._extend(
+                [p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1
+            )
+
+    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
+        # One collective for the parameters and the model buffers together.
+        tensors = (params if exact else []) + extra
+        if tensors:
+            self.comm.average_(tensors, name="hvd_slowmo.exact_average")
+
+    def average_start_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool
+    ) -> PendingAverage:
+        # The same collective as average_, started in the background.
+        tensors = (params if exact else []) + extra
+        return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
+
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
+        if self.captured:
+            self._slow_update_(params, param_groups)  # params are the averages: updated in place
+        return 0.0
+
+    @torch.no_grad()
+    def restore_(self, params: list[Tensor]) -> None:
+        assert self.anchor is not None, "restore_ needs a captured anchor"
+        torch._foreach_copy_(params, self.anchor)
+
+    def check_world(self, old_world: tuple[int, int], why: str) -> None:
+        pass  # the whole state is the same on every worker: any of them can go on with it
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
+            "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
+            "outer_optimizer": None
+            if self.outer_optimizer is None
+            else self.outer_optimizer.state_dict(),
+            "sharded": None,
+        }
+
+    def prepare_load(
+        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+    ) -> LoadedSlowState:
+        params, groups = _flat_params(param_groups)
+        anchor = self._load_tensors(saved, "anchor", params, names)
+        buffer = self._load_tensors(saved, "slow_buffer", params, names)
+        saved_size = saved.get("world_size", self.comm.size)  # absent in the oldest states
+        if saved_size != self.comm.size and inner_step > 0 and anchor is None:
+            raise ValueError(
+                f"load_state_dict: the state was saved by {saved_size} workers inside an outer "
+                f"step (inner_step {inner_step}) without an anchor, and this job has "
+                f"{self.comm.size}: only the anchor is common to all workers. Save at an "
+                "outer-step boundary (when opt.inner_step == 0), or load with the same number of "
+                "workers"
+            )
+        if self.config.keeps_anchor and inner_step > 0 and anchor is None:
+            raise ValueError(
+                "load_state_dict: the state has no anchor but was saved inside an outer "
+                "step; it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
+            )
+        if anchor is None or not self.config.keeps_anchor:
+            return LoadedSlowState(anchor=None)
+        slow, outer = self._load_slow(buffer, saved.get("outer_optimizer"), anchor)
+        return LoadedSlowState(
+            anchor=anchor, slow_buffer=slow, outer_optimizer=outer, groups=groups
+        )
+
+    @staticmethod
+    def _load_tensors(
+        saved: dict[str, Any], key: str, params: list[Tensor], names: list[str]
+    ) -> list[Tensor] | None:
+        tensors = saved.get(key)
+        if tensors is None:
+            return None
+        if not isinstance(tensors, dict) or set(tensors) != set(range(len(params))):
+            raise ValueError(
+                f"load_state_dict: '{key}' does not cover parameters 0..{len(params) - 1}"
+            )
+        for i, p in enumerate(params):
+            if not isinstance(tensors[i], Tensor) or tuple(tensors[i].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"load_state_dict: '{key}' of parameter {names[i]!r} has shape "
+                    f"{tuple(getattr(tensors[i], 'shape', ()))}, the parameter "
+                    f"{tuple(p.shape)}: another model"
+                )
+        return [tensors[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(params)]

@@ -1,0 +1,290 @@
+"""The sharded slow state (ZeRO-1 style) of SlowMo's outer step (arXiv 1910.00643, Algorithm 1,
+lines 6-8).
+
+Unsharded, every worker keeps the whole anchor ``x_{t,0}`` and slow buffer ``u_t``: twice the
+parameters. Sharded, the parameters of each (param group, dtype, device) are viewed as one flat
+vector (a *bucket*), each bucket is cut into ``m`` contiguous shards, and worker ``r`` keeps only
+shard ``r`` of the anchor and of the slow buffer: ``2/m`` times the parameters. The outer step is
+
+1. reduce-scatter of the flat parameters with a mean: worker ``r`` gets shard ``r`` of ``x_avg``;
+2. the slow update of that shard alone (heavy-ball, Nesterov, or a custom torch optimizer built
+   over the anchor shards): the update is per element, so it is the same arithmetic as unsharded;
+3. all-gather of the new anchor shards into the parameters, which are then bitwise identical on
+   every worker (each element was computed once, by its owner).
+
+Reduce-scatter plus all-gather move the same volume as one ring allreduce, ``2 (m-1)/m`` times
+the payload. Transient memory during the outer step only: a flat copy of the parameters, the
+transport's buffers (Horovod's alltoall receive buffer, or its reducescatter fusion buffer: about
+the parameters' size) and the gathered anchor (the parameters' size), so the peak is about 2x the
+parameters above the persistent state for a moment; the persistent state is ``2/m`` x.
+
+Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.shard_range`):
+``n // m`` elements each, and one more for ranks ``0 .. n % m - 1``.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..comm.base import Communicator, shard_range
+from ..config import SlowMoConfig
+from .base import LoadedSlowState, ParamGroups, SlowState
+
+__all__ = ["Bucket", "ShardedSlowState", "make_buckets"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters flattened together: one param group, one dtype, one device.
+
+    Attributes:
+        group: the param group's index (its ``lr`` scales the slow update).
+        indices: the parameters' indices in the optimizer's flat parameter order.
+        numel: total elements of the flat vector.
+        start: this rank's shard start in the flat vector.
+        end: this rank's shard end (exclusive).
+    """
+
+    group: int
+    indices: tuple[int, ...]
+    numel: int
+    start: int
+    end: int
+
+
+def make_buckets(groups: Sequence[Sequence[Tensor]], rank: int, size: int) -> list[Bucket]:
+    """Partition parameters into buckets (per group, then per dtype and device, in order of first
+    appearance) and give each this rank's shard range. Pure: reads only shapes, dtypes, devices.
+
+    Args:
+        groups: the parameters of each param group, in the optimizer's order.
+        rank: this rank.
+        size: the number of ranks.
+    """
+    buckets: list[Bucket] = []
+    index = 0
+    for g, params in enumerate(groups):
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        numel: dict[tuple[torch.dtype, torch.device], int] = {}
+        for p in params:
+            key = (p.dtype, p.device)
+            by_kind.setdefault(key, []).append(index)
+            numel[key] = numel.get(key, 0) + p.numel()
+            index += 1
+        for key, indices in by_kind.items():
+            start, end = shard_range(numel[key], rank, size)
+            buckets.append(Bucket(g, tuple(indices), numel[key], start, end))
+    return buckets
+
+
+def _flatten(params: Sequence[Tensor], bucket: Bucket) -> Tensor:
+    return torch.cat([params[i].reshape(-1) for i in bucket.indices])
+
+
+def _unflatten_into_(params: Sequence[Tensor], bucket: Bucket, flat: Tensor) -> None:
+    targets = [params[i] for i in bucket.indices]
+    pieces = torch.split(flat, [t.numel() for t in targets])
+    torch._foreach_copy_(targets, [piece.view(t.shape) for piece, t in zip(pieces, targets)])
+
+
+def _params(param_groups: ParamGroups) -> list[Tensor]:
+    return [p.detach() for g in param_groups for p in g["params"]]
+
+
+class ShardedSlowState(SlowState):
+    """This rank's shards of the anchor and slow state (one shard per bucket), and the sharded
+    outer step.
+
+    A custom outer optimizer is built over the anchor shards (one tensor per bucket), so it
+    must be per-element (SGD, Adam, ...): one that uses per-tensor norms (LARS, LAMB) would see
+    bucket shards instead of parameters.
+
+    Args:
+        comm: the communicator of the exact average; it must support sharding
+            (``reduce_scatter_mean`` and ``allgather_flat``).
+        config: the optimizer's configuration.
+
+    Raises:
+        TypeError: ``comm`` does not support sharding.
+    """
+
+    per_rank = True
+
+    def __init__(self, comm: Communicator, config: SlowMoConfig) -> None:
+        if not comm.supports_sharding:
+            raise TypeError(
+                "shard_slow_state=True needs a communicator with reduce_scatter_mean() "
+                f"and allgather_flat(); {type(comm).__name__} has none (supports_sharding "
+                "is False): use the Horovod or thread communicator"
+            )
+        super().__init__(comm, config)
+        self.buckets: list[Bucket] | None = None  # set at capture (the first step)
+        self._averages: list[Tensor] | None = None  # this rank's shards of the exact average
+
+    def _layout(self, param_groups: ParamGroups) -> list[Bucket]:
+        return make_buckets([g["params"] for g in param_groups], self.comm.rank, self.comm.size)
+
+    @torch.no_grad()
+    def capture_(self, param_groups: ParamGroups) -> None:
+        if self.captured:
+            return
+        buckets = self._layout(param_groups)
+        params = _params(param_groups)
+        self.buckets = buckets
+        self._start(
+            [_flatten(params, b)[b.start : b.end].clone() for b in buckets],
+            [b.group for b in buckets],
+        )
+
+    @torch.no_grad()
+    def add_group_(self, param_groups: ParamGroups) -> None:
+        if not self.captured:
+            return  # captured with every group at the first step
+        assert self.buckets is not None
+        buckets = self._layout(param_groups)
+        new = buckets[len(self.buckets) :]
+        params = _params(param_groups)
+        self.buckets = buckets
+        self._extend(
+            [_flatten(params, b)[b.start : b.end].clone() for b in new], len(param_groups) - 1
+        )
+
+    @torch.no_grad()
+    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
+        assert self.buckets is not None, "the anchor is captured at the first step"
+        if extra:
+            self.comm.average_(extra, name="hvd_slowmo.exact_average")
+        flats = [_flatten(params, b) for b in self.buckets]
+        if exact:
+            self._averages = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
+        else:  # the parameters are identical on every rank (AR-SGD): slice, no reduce-scatter
+            self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, self.buckets)]
+
+    @torch.no_grad()
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
+        assert self._averages is not None, "average_ comes first"
+        averages, self._averages = self._averages, None
+        self._slow_update_(averages, param_groups)
+        del averages
+        t0 = time.perf_counter()
+        self._gather_anchor_into_(params)
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def restore_(self, params: list[Tensor]) -> None:
+        self._gather_anchor_into_(params)  # all-gathers the full anchor
+
+    def _gather_anchor_into_(self, params: list[Tensor]) -> None:
+        assert self.buckets is not None and self.anchor is not None, (
+            "the anchor is captured at the first step"
+        )
+        full = self.comm.allgather_flat(self.anchor, name="hvd_slowmo.sharded_anchor")
+        for b, flat in zip(self.buckets, full):
+            if flat.numel() != b.numel:
+                raise RuntimeError(
+                    f"sharded anchor: gathered {flat.numel()} elements for a bucket of {b.numel}"
+                )
+            _unflatten_into_(params, b, flat)
+
+    def check_world(self, old_world: tuple[int, int], why: str) -> None:
+        if old_world != (self.comm.rank, self.comm.size):
+            raise RuntimeError(
+                f"hvd_slowmo: {why}: this worker changed from rank {old_world[0]} of "
+                f"{old_world[1]} to rank {self.comm.rank} of {self.comm.size}, but "
+                "shard_slow_state=True splits the anchor and slow buffer by rank and "
+                "cannot reshard them; use shard_slow_state=False for elastic training"
+            )
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards and the layout they belong to (rank, size, shard ranges)."""
+        sharded = {
+            "rank": self.comm.rank,
+            "size": self.comm.size,
+            "buckets": None if self.buckets is None else [asdict(b) for b in self.buckets],
+            "anchor_shards": None if self.anchor is None else list(self.anchor),
+            "slow_buffer_shards": None if self.slow_buffer is None else list(self.slow_buffer),
+            "outer_optimizer": None
+            if self.outer_optimizer is None
+            else self.outer_optimizer.state_dict(),
+        }
+        return {"anchor": None, "slow_buffer": None, "outer_optimizer": None, "sharded": sharded}
+
+    def prepare_load(
+        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+    ) -> LoadedSlowState:
+        state = saved.get("sharded")
+        if not isinstance(state, dict):
+            raise ValueError(
+                "load_state_dict: the state has no shard of the slow state (it was saved "
+                "with shard_slow_state=False); load it with shard_slow_state=False"
+            )
+        if state.get("size") != self.comm.size:
+            raise ValueError(
+                f"load_state_dict: the sharded slow state was saved by {state.get('size')} "
+                f"workers, this job has {self.comm.size}; a sharded state cannot be "
+                f"resharded: resume with {state.get('size')} workers"
+            )
+        if state.get("rank") != self.comm.rank:
+            raise ValueError(
+                f"load_state_dict: this is rank {state.get('rank')}'s shard, loaded on rank "
+                f"{self.comm.rank}; with shard_slow_state=True every rank loads the state it saved"
+            )
+        if state.get("buckets") is None:
+            if inner_step > 0:
+                raise ValueError(
+                    "load_state_dict: the sharded state has no anchor but was saved "
+                    "inside an outer step"
+                )
+            return LoadedSlowState(anchor=None)
+        layout = self._layout(param_groups)
+        if [asdict(b) for b in layout] != [
+            dict(b, indices=tuple(b["indices"])) for b in state["buckets"]
+        ]:
+            raise ValueError(
+                "load_state_dict: the saved shard layout (param groups, dtypes, sizes) "
+                "differs from this optimizer's: the state comes from another model or "
+                "param groups"
+            )
+        params = _params(param_groups)
+        anchor = self._load_shards(state.get("anchor_shards"), layout, params, "anchor_shards")
+        buffer = None
+        if not self.config.custom_outer:
+            buffer = self._load_shards(
+                state.get("slow_buffer_shards"), layout, params, "slow_buffer_shards"
+            )
+        slow, outer = self._load_slow(buffer, state.get("outer_optimizer"), anchor)
+        return LoadedSlowState(
+            anchor=anchor,
+            slow_buffer=slow,
+            outer_optimizer=outer,
+            groups=[b.group for b in layout],
+            layout=layout,
+        )
+
+    @staticmethod
+    def _load_shards(
+        saved: Any, layout: list[Bucket], params: list[Tensor], key: str
+    ) -> list[Tensor]:
+        if not isinstance(saved, list) or len(saved) != len(layout):
+            raise ValueError(
+                f"load_state_dict: '{key}' is missing or has the wrong number of shards"
+            )
+        out = []
+        for b, t in zip(layout, saved):
+            if not isinstance(t, Tensor) or tuple(t.shape) != (b.end - b.start,):
+                raise ValueError(
+                    f"load_state_dict: a shard of '{key}' has shape "
+                    f"{getattr(t, 'shape', None)}, expected ({b.end - b.start},): a damaged state"
+                )
+            ref = params[b.indices[0]]
+            out.append(t.detach().to(ref.device, ref.dtype).clone())
+        return out
+
+    def commit_load(self, loaded: LoadedSlowState) -> None:
+        super().commit_load(loaded)
+        self.buckets = loaded.layout

@@ -1,0 +1,149 @@
+"""Harnesses shared by the test files: a communicator that forwards to another (to change one
+behaviour, or to swap the world under an optimizer as hvd.elastic does) and the resume harness
+(stop in the middle of an inner loop, reload in fresh workers, compare to an uninterrupted run).
+
+Test files import them by name (``from conftest import ForwardingCommunicator``): pytest puts
+this folder on ``sys.path``, as it does for ``reference.py`` and ``horovod_launch.py``.
+"""
+
+import io
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
+from hvd_slowmo.comm.local import run_threads
+
+from reference import make_model
+
+__all__ = ["ForwardingCommunicator", "assert_same_models", "resume_in_fresh_workers"]
+
+
+class ForwardingCommunicator(Communicator):
+    """Every operation goes to ``inner``, which may be replaced at any time (as Horovod's world
+    is when hvd.elastic re-initializes); subclasses override the one operation they change.
+
+    Args:
+        inner: the communicator that does the work (its ``bytes_sent`` is this one's).
+    """
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+
+    rank = property(lambda self: self.inner.rank)  # type: ignore[assignment]
+    size = property(lambda self: self.inner.size)  # type: ignore[assignment]
+    supports_sharding = property(lambda self: self.inner.supports_sharding)  # type: ignore[assignment]
+    supports_exchange = property(lambda self: self.inner.supports_exchange)  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self.inner.bytes_sent = value
+
+    @property
+    def world(self) -> Any:
+        """The thread world of a thread communicator inside."""
+        return self.inner.world
+
+    def average_(self, tensors: Sequence[Tensor], name: str) -> None:
+        self.inner.average_(tensors, name)
+
+    def _average_(self, tensors: list[Tensor], name: str) -> int:
+        raise AssertionError("unreachable: average_ forwards to the inner communicator")
+
+    def average_start(self, tensors: Sequence[Tensor], name: str) -> PendingAverage:
+        return self.inner.average_start(tensors, name)
+
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        raise AssertionError("unreachable: allgather_object forwards to the inner communicator")
+
+    def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        raise AssertionError("unreachable: broadcast_object forwards to the inner communicator")
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.inner.allgather_object(obj)
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return self.inner.broadcast_object(obj, root_rank)
+
+    def reduce_scatter_mean(self, flats: Sequence[Tensor], name: str) -> list[Tensor]:
+        return self.inner.reduce_scatter_mean(flats, name)
+
+    def allgather_flat(self, shards: Sequence[Tensor], name: str) -> list[Tensor]:
+        return self.inner.allgather_flat(shards, name)
+
+    def exchange_start(
+        self,
+        sends: Mapping[int, Tensor],
+        recv_from: Sequence[int],
+        tag: int,
+        graph_key: Hashable | None = None,
+    ) -> PendingExchange:
+        return self.inner.exchange_start(sends, recv_from, tag, graph_key)
+
+
+Build = Callable[[Communicator, nn.Module], Any]
+Train = Callable[[Any, nn.Module, int, int, int], None]
+
+
+def resume_in_fresh_workers(
+    m: int,
+    build: Build,
+    train: Train,
+    stop: int,
+    steps: int,
+    check: Callable[[Any], None] | None = None,
+) -> list[nn.Module]:
+    """Train ``m`` thread workers ``stop`` steps, save each rank's model and optimizer through
+    ``torch.save``, load them into fresh workers whose models start elsewhere (everything must
+    come from the file), and train on to ``steps``.
+
+    Args:
+        m: the number of workers.
+        build: ``(comm, model) -> optimizer``, the same for both halves.
+        train: ``(optimizer, model, rank, start, stop)`` runs steps ``start .. stop - 1``.
+        stop: the step to save at (inside an inner loop, to test the hard case).
+        steps: the total number of steps.
+        check: called with each resumed optimizer right after it loaded its state.
+
+    Returns:
+        Each rank's model after ``steps`` steps.
+    """
+    models = [make_model() for _ in range(m)]  # built here: torch's global RNG is not thread-safe
+
+    def first_half(comm: Communicator) -> bytes:
+        model = models[comm.rank]
+        opt = build(comm, model)
+        train(opt, model, comm.rank, 0, stop)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        return buf.getvalue()
+
+    saved = run_threads(m, first_half)
+    fresh = [make_model(seed=123) for _ in range(m)]
+
+    def second_half(comm: Communicator) -> nn.Module:
+        model = fresh[comm.rank]
+        ckpt = torch.load(io.BytesIO(saved[comm.rank]), weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt = build(comm, model)
+        opt.load_state_dict(ckpt["opt"])
+        if check is not None:
+            check(opt)
+        train(opt, model, comm.rank, stop, steps)
+        return model
+
+    return run_threads(m, second_half)
+
+
+def assert_same_models(got: Sequence[nn.Module], want: Sequence[nn.Module]) -> None:
+    """Every parameter and buffer bitwise equal, rank by rank."""
+    assert len(got) == len(want)
+    for rank, (a, b) in enumerate(zip(got, want)):
+        for key, x in a.state_dict().items():
+            assert torch.equal(x, b.state_dict()[key]), f"rank {rank}: {key} differs"

@@ -1,0 +1,101 @@
+"""The package's architecture, checked from its source (no import runs): no import cycles
+between its modules, and no module outside ``hvd_slowmo/comm/`` naming a concrete transport."""
+
+import ast
+import os
+
+from horovod_launch import ROOT
+
+PACKAGE = os.path.join(ROOT, "hvd_slowmo")
+#: The concrete transports and the thread world: only hvd_slowmo/comm/ may name them.
+CONCRETE = {
+    "HorovodCommunicator",
+    "MPICommunicator",
+    "ThreadCommunicator",
+    "ThreadWorld",
+    "run_threads",
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
+                name = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                with open(path, encoding="utf-8") as fh:
+                    out[name] = ast.parse(fh.read(), path)
+    return out
+
+
+def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The package modules that module ``name`` imports, at any depth (lazy imports count)."""
+    is_package = os.path.exists(os.path.join(ROOT, *name.split("."), "__init__.py"))
+    here = name if is_package else name.rsplit(".", 1)[0]  # what `from .` means in this module
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.rsplit(".", 1)[0]
+                mod = f"{base}.{mod}" if mod else base
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)  # `from . import x` of a module
+    return {m for m in found if m in known and m != name}
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, tree, set(modules)) for name, tree in modules.items()}
+    # A package imports its own submodules by design (its __init__ re-exports them): a
+    # submodule importing its package's __init__ back would be the cycle.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles: " + " | ".join(cycles)
+    assert graph["hvd_slowmo.optimizer"], "the import graph is empty: the parser found nothing"
+
+
+def test_only_comm_names_concrete_communicators():
+    offenders = []
+    for name, tree in _modules().items():
+        if name.startswith("hvd_slowmo.comm"):
+            continue
+        for node in ast.walk(tree):
+            ident = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
+            if isinstance(node, ast.alias):
+                ident = node.name
+            if ident in CONCRETE:
+                offenders.append(
+                    f"{name}:{node.lineno if hasattr(node, 'lineno') else '?'} {ident}"
+                )
+    assert not offenders, "only hvd_slowmo/comm/ may name a concrete communicator: " + ", ".join(
+        offenders
+    )
