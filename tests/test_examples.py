@@ -72,12 +72,14 @@ def test_inverse_sqrt_schedule():
 
 def test_run_names_encode_settings():
     ns = lambda **kw: type("A", (), dict(dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,  # noqa: E731
-                                              slow_momentum=0.6, buffers="reset", no_average=False), **kw))
+                                              slow_momentum=0.6, buffers="reset", no_average=False,
+                                              overlap=0), **kw))
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
     assert common.run_name(ns(no_average=True)) == "sgp-slowmo-noavg_tau48_a1_b0.6_reset"
     assert common.run_name(ns(slowmo=False)) == "sgp"
     assert common.run_name(ns(algo="localsgd", slowmo=False, tau=12)) == "localsgd_tau12"
     assert common.run_name(ns(run_name="mine")) == "mine"
+    assert common.run_name(ns(overlap=2)) == "sgp-slowmo_tau48_a1_b0.6_reset_overlap2"
 
 
 def test_translation_tokenizer_vocab_and_batches():
