@@ -3,6 +3,7 @@
 Horovod itself is not a pip dependency: its last release (0.28.1) does not compile against
 PyTorch >= 2.1 as published. Build it with ``scripts/install_horovod.sh`` (see README).
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -17,11 +18,31 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=3.1"],
         "tensorboard": ["tensorboard>=2.10", "matplotlib>=3.5"],
-        "examples": ["torchvision", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10", "matplotlib>=3.5", "tqdm"],
-        "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "mnist1d", "tensorboard>=2.10"],
+        "examples": [
+            "torchvision",
+            "scikit-learn>=1.0",
+            "mnist1d",
+            "tensorboard>=2.10",
+            "matplotlib>=3.5",
+            "tqdm",
+        ],
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "scikit-learn>=1.0",
+            "mnist1d",
+            "tensorboard>=2.10",
+        ],
     },
-    entry_points={"console_scripts": ["hvd-slowmo-report=hvd_slowmo.tools.report:main",
-                                      "hvd-slowmo-sweep=hvd_slowmo.tools.sweep:main"]},
+    entry_points={
+        "console_scripts": [
+            "hvd-slowmo-report=hvd_slowmo.tools.report:main",
+            "hvd-slowmo-sweep=hvd_slowmo.tools.sweep:main",
+        ]
+    },
     license="Apache-2.0",
-    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
 )

@@ -11,7 +11,8 @@ raw numbers as JSON and TensorBoard scalars.
 Needs root and ``ip netns``. Example (4 hosts, 1 Gbit/s links, synthetic 1M-parameter model)::
 
     sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --workload synthetic \\
-        --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 --out runs/cluster
+        --params 1M --compute-ms 190 --iters 24 --windows 2 --repeats 2 --nice -10 \\
+        --out runs/cluster
 
 (``--compute-ms`` sets the regime: there AR-SGD spends about a third of its time communicating.)
 The peers against hvd_slowmo, 10M parameters and 1 s of compute, at 1 Gbit/s and 100 Mbit/s::
@@ -23,6 +24,7 @@ The namespaces, links and ``/etc/netns`` files are removed afterwards, also on C
 and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
 Only ratios measured within one run mean anything: all hosts share this machine's CPU cores.
 """
+
 import argparse
 import json
 import os
@@ -34,15 +36,38 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "Host", "ClusterPlan", "parse_rate", "parse_count", "tbf_args", "plan_cluster",
-    "setup_commands", "shaping_commands", "teardown_commands", "stale_namespaces", "hosts_file",
-    "cluster_stamps", "window_stats", "pool_repeats", "ring_bytes", "summarize", "render_markdown",
-    "WARMUP_ITERS", "KINDS", "PEER_ROWS", "PEER_KEYS", "OVERLAP_ROWS", "ALGORITHM_SETS",
-    "select_algorithms", "hidden_fraction",
+    "ALGORITHMS",
+    "Algorithm",
+    "Host",
+    "ClusterPlan",
+    "parse_rate",
+    "parse_count",
+    "tbf_args",
+    "plan_cluster",
+    "setup_commands",
+    "shaping_commands",
+    "teardown_commands",
+    "stale_namespaces",
+    "hosts_file",
+    "cluster_stamps",
+    "window_stats",
+    "pool_repeats",
+    "ring_bytes",
+    "summarize",
+    "render_markdown",
+    "WARMUP_ITERS",
+    "KINDS",
+    "PEER_ROWS",
+    "PEER_KEYS",
+    "OVERLAP_ROWS",
+    "ALGORITHM_SETS",
+    "select_algorithms",
+    "hidden_fraction",
 ]
 
 NETNS_DIR = "/etc/netns"
@@ -70,8 +95,10 @@ class Algorithm:
         base: hvd_slowmo base algorithm (``kind == "slowmo"`` only).
         tau: base steps per outer step (the averaging period for ``"postlocal"``).
         options: further ``hvd_slowmo.DistributedOptimizer`` keyword arguments.
-        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is its ideal.
-        payload: exact-average volume relative to the parameters (2 when optimizer buffers are averaged too).
+        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is
+            its ideal.
+        payload: exact-average volume relative to the parameters (2 when optimizer buffers are
+            averaged too).
     """
 
     key: str
@@ -79,7 +106,7 @@ class Algorithm:
     kind: str
     base: str = ""
     tau: int = 1
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     periodic: bool = False
     payload: float = 1.0
 
@@ -94,55 +121,142 @@ _SLOWMO = {"slow_lr": 1.0, "slow_momentum": 0.6}
 _PLAIN = {"slow_lr": 1.0, "slow_momentum": 0.0}  # slow update off: the base algorithm alone
 
 #: Measured in this order, every one in the same worker processes.
-ALGORITHMS: Tuple[Algorithm, ...] = (
+ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("compute", "compute only (no communication)", "compute"),
     Algorithm("horovod_ar", "AR-SGD (hvd.DistributedOptimizer)", "horovod"),
     Algorithm("torch_ddp", "AR-SGD (torch DistributedDataParallel, Gloo)", "ddp"),
     # tau=1 with buffers kept: momentum must survive every "outer step" to be plain AR-SGD.
-    Algorithm("allreduce", "AR-SGD (hvd_slowmo base=allreduce)", "slowmo", "allreduce", 1,
-              {**_PLAIN, "buffers": "maintain"}),
-    # The same without the per-outer-step NaN/inf check (one small allgather): what that check costs.
-    Algorithm("allreduce_nocheck", "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')", "slowmo",
-              "allreduce", 1, {**_PLAIN, "buffers": "maintain", "nonfinite": "ignore"}),
-    Algorithm("torch_postlocal", "Local SGD (torch PostLocalSGDOptimizer, Gloo)", "postlocal",
-              tau=12, periodic=True),
-    Algorithm("localsgd", "Local SGD", "slowmo", "localsgd", 12, {**_PLAIN, "buffers": "reset"}, periodic=True),
-    Algorithm("localsgd_slowmo", "Local SGD + SlowMo", "slowmo", "localsgd", 12, {**_SLOWMO, "buffers": "reset"},
-              periodic=True),
-    Algorithm("localsgd_slowmo_overlap1", "Local SGD + SlowMo, overlap=1", "slowmo", "localsgd", 12,
-              {**_SLOWMO, "buffers": "reset", "overlap": 1}, periodic=True),
-    Algorithm("localsgd_slowmo_overlap2", "Local SGD + SlowMo, overlap=2", "slowmo", "localsgd", 12,
-              {**_SLOWMO, "buffers": "reset", "overlap": 2}, periodic=True),
-    Algorithm("localsgd_slowmo_nocheck", "Local SGD + SlowMo, nonfinite='ignore'", "slowmo", "localsgd", 12,
-              {**_SLOWMO, "buffers": "reset", "nonfinite": "ignore"}, periodic=True),
-    Algorithm("double_avg", "double averaging (Local SGD, buffers averaged)", "slowmo", "localsgd", 12,
-              {**_PLAIN, "buffers": "average"}, periodic=True, payload=2.0),
+    Algorithm(
+        "allreduce",
+        "AR-SGD (hvd_slowmo base=allreduce)",
+        "slowmo",
+        "allreduce",
+        1,
+        {**_PLAIN, "buffers": "maintain"},
+    ),
+    # The same without the per-outer-step NaN/inf check (one small allgather): what that check
+    # costs.
+    Algorithm(
+        "allreduce_nocheck",
+        "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')",
+        "slowmo",
+        "allreduce",
+        1,
+        {**_PLAIN, "buffers": "maintain", "nonfinite": "ignore"},
+    ),
+    Algorithm(
+        "torch_postlocal",
+        "Local SGD (torch PostLocalSGDOptimizer, Gloo)",
+        "postlocal",
+        tau=12,
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd",
+        "Local SGD",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_PLAIN, "buffers": "reset"},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo",
+        "Local SGD + SlowMo",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset"},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo_overlap1",
+        "Local SGD + SlowMo, overlap=1",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "overlap": 1},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo_overlap2",
+        "Local SGD + SlowMo, overlap=2",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "overlap": 2},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo_nocheck",
+        "Local SGD + SlowMo, nonfinite='ignore'",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "nonfinite": "ignore"},
+        periodic=True,
+    ),
+    Algorithm(
+        "double_avg",
+        "double averaging (Local SGD, buffers averaged)",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_PLAIN, "buffers": "average"},
+        periodic=True,
+        payload=2.0,
+    ),
     Algorithm("sgp", "SGP", "slowmo", "sgp", 48, {**_PLAIN, "buffers": "reset"}),
     Algorithm("sgp_slowmo", "SGP + SlowMo", "slowmo", "sgp", 48, {**_SLOWMO, "buffers": "reset"}),
-    Algorithm("sgp_slowmo_noavg", "SGP + SlowMo, no exact average", "slowmo", "sgp", 48,
-              {**_SLOWMO, "buffers": "reset", "average": False}),
+    Algorithm(
+        "sgp_slowmo_noavg",
+        "SGP + SlowMo, no exact average",
+        "slowmo",
+        "sgp",
+        48,
+        {**_SLOWMO, "buffers": "reset", "average": False},
+    ),
     Algorithm("osgp", "OSGP", "slowmo", "osgp", 48, {**_PLAIN, "buffers": "reset"}),
-    Algorithm("osgp_slowmo", "OSGP + SlowMo", "slowmo", "osgp", 48, {**_SLOWMO, "buffers": "reset"}),
+    Algorithm(
+        "osgp_slowmo", "OSGP + SlowMo", "slowmo", "osgp", 48, {**_SLOWMO, "buffers": "reset"}
+    ),
 )
 ALGORITHM_BY_KEY = {a.key: a for a in ALGORITHMS}
 #: Rows of the paper-shaped table: (label, original, with SlowMo).
-TABLE2_ROWS = (("Local SGD", "localsgd", "localsgd_slowmo"), ("SGP", "sgp", "sgp_slowmo"),
-               ("OSGP", "osgp", "osgp_slowmo"))
+TABLE2_ROWS = (
+    ("Local SGD", "localsgd", "localsgd_slowmo"),
+    ("SGP", "sgp", "sgp_slowmo"),
+    ("OSGP", "osgp", "osgp_slowmo"),
+)
 #: Rows of the peers table: (family, keys shown side by side), PyTorch's and Horovod's first.
-PEER_ROWS = (("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce")),
-             ("Local SGD (tau=12)", ("torch_postlocal", "localsgd", "localsgd_slowmo",
-                                     "localsgd_slowmo_overlap1", "localsgd_slowmo_overlap2")))
+PEER_ROWS = (
+    ("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce")),
+    (
+        "Local SGD (tau=12)",
+        (
+            "torch_postlocal",
+            "localsgd",
+            "localsgd_slowmo",
+            "localsgd_slowmo_overlap1",
+            "localsgd_slowmo_overlap2",
+        ),
+    ),
+)
 #: Keys of the rows that come from PyTorch or Horovod rather than hvd_slowmo.
 PEER_KEYS = ("torch_ddp", "horovod_ar", "torch_postlocal")
 #: Overlapped rows and the row they hide the exact average of (the same run with overlap=0).
-OVERLAP_ROWS = (("localsgd_slowmo_overlap1", "localsgd_slowmo"),
-                ("localsgd_slowmo_overlap2", "localsgd_slowmo"))
+OVERLAP_ROWS = (
+    ("localsgd_slowmo_overlap1", "localsgd_slowmo"),
+    ("localsgd_slowmo_overlap2", "localsgd_slowmo"),
+)
 #: Names ``--algorithms`` accepts for a list of keys.
-ALGORITHM_SETS = {"all": tuple(a.key for a in ALGORITHMS),
-                  "peers": ("compute",) + tuple(k for _, keys in PEER_ROWS for k in keys)}
+ALGORITHM_SETS = {
+    "all": tuple(a.key for a in ALGORITHMS),
+    "peers": ("compute",) + tuple(k for _, keys in PEER_ROWS for k in keys),
+}
 
 
-def select_algorithms(text: str) -> List[str]:
+def select_algorithms(text: str) -> list[str]:
     """The algorithm keys ``--algorithms`` names, in measuring order, each once.
 
     Args:
@@ -154,16 +268,19 @@ def select_algorithms(text: str) -> List[str]:
     names = [t.strip() for t in str(text).split(",") if t.strip()]
     unknown = [n for n in names if n not in ALGORITHM_BY_KEY and n not in ALGORITHM_SETS]
     if unknown:
-        raise ValueError(f"--algorithms: unknown {unknown}; choose from {sorted(ALGORITHM_SETS)} "
-                         f"or {[a.key for a in ALGORITHMS]}")
+        raise ValueError(
+            f"--algorithms: unknown {unknown}; choose from {sorted(ALGORITHM_SETS)} "
+            f"or {[a.key for a in ALGORITHMS]}"
+        )
     chosen = {k for n in names for k in ALGORITHM_SETS.get(n, (n,))}
     if not chosen:
-        raise ValueError("--algorithms selects nothing; give e.g. 'all', 'peers' or "
-                         "'compute,localsgd'")
+        raise ValueError(
+            "--algorithms selects nothing; give e.g. 'all', 'peers' or 'compute,localsgd'"
+        )
     return [a.key for a in ALGORITHMS if a.key in chosen]
 
 
-# --- parsing ---------------------------------------------------------------------------------------
+# --- parsing --------------------------------------------------------------------------------------
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -174,11 +291,14 @@ def parse_rate(rate: str) -> int:
         rate: a number followed by ``bit``, ``kbit``, ``mbit``, ``gbit`` or ``tbit``.
 
     Raises:
-        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x mistake).
+        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x
+            mistake).
     """
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", str(rate).strip().lower())
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"--rate must look like 1gbit, 100mbit or 500kbit (bits per second), got {rate!r}")
+        raise ValueError(
+            f"--rate must look like 1gbit, 100mbit or 500kbit (bits per second), got {rate!r}"
+        )
     return int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
 
 
@@ -197,7 +317,7 @@ def parse_count(text: str) -> int:
     return value
 
 
-# --- the cluster plan ------------------------------------------------------------------------------
+# --- the cluster plan -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Host:
     """One emulated host.
@@ -234,7 +354,7 @@ class ClusterPlan:
     """
 
     prefix: str
-    hosts: Tuple[Host, ...]
+    hosts: tuple[Host, ...]
     switch: str
     control: str
     control_peer: str
@@ -254,49 +374,74 @@ def plan_cluster(num_hosts: int, prefix: str = "hsmc", subnet: str = "10.77.0") 
     if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or not 2 <= num_hosts <= 250:
         raise ValueError(f"--hosts must be an integer in [2, 250], got {num_hosts!r}")
     if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
-        raise ValueError(f"--prefix must be 1-8 lowercase letters/digits starting with a letter, got {prefix!r}")
-    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or any(int(o) > 255 for o in subnet.split(".")):
+        raise ValueError(
+            f"--prefix must be 1-8 lowercase letters/digits starting with a letter, got {prefix!r}"
+        )
+    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or any(
+        int(o) > 255 for o in subnet.split(".")
+    ):
         raise ValueError(f"--subnet must be three octets such as 10.77.0, got {subnet!r}")
-    hosts = tuple(Host(rank=i, netns=f"{prefix}-h{i}", hostname=f"{prefix}h{i}", address=f"{subnet}.{i + 1}",
-                       port=f"{prefix}p{i}", peer=f"{prefix}v{i}") for i in range(num_hosts))
-    return ClusterPlan(prefix=prefix, hosts=hosts, switch=f"{prefix}-sw", control=f"{prefix}c0",
-                       control_peer=f"{prefix}c1", control_address=f"{subnet}.254")
+    hosts = tuple(
+        Host(
+            rank=i,
+            netns=f"{prefix}-h{i}",
+            hostname=f"{prefix}h{i}",
+            address=f"{subnet}.{i + 1}",
+            port=f"{prefix}p{i}",
+            peer=f"{prefix}v{i}",
+        )
+        for i in range(num_hosts)
+    )
+    return ClusterPlan(
+        prefix=prefix,
+        hosts=hosts,
+        switch=f"{prefix}-sw",
+        control=f"{prefix}c0",
+        control_peer=f"{prefix}c1",
+        control_address=f"{subnet}.254",
+    )
 
 
-def setup_commands(plan: ClusterPlan) -> List[List[str]]:
+def setup_commands(plan: ClusterPlan) -> list[list[str]]:
     """The ``ip`` commands that build the cluster, in order (no shaping yet).
 
     Args:
         plan: from :func:`plan_cluster`.
     """
     sw = plan.switch
-    cmds = [["ip", "netns", "add", sw],
-            ["ip", "-n", sw, "link", "set", "lo", "up"],
-            ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
-            ["ip", "-n", sw, "link", "set", "br0", "up"]]
+    cmds = [
+        ["ip", "netns", "add", sw],
+        ["ip", "-n", sw, "link", "set", "lo", "up"],
+        ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", sw, "link", "set", "br0", "up"],
+    ]
     for h in plan.hosts:
-        cmds += [["ip", "netns", "add", h.netns],
-                 ["ip", "-n", h.netns, "link", "set", "lo", "up"],
-                 ["ip", "link", "add", h.peer, "type", "veth", "peer", "name", h.port],
-                 ["ip", "link", "set", h.port, "netns", sw],
-                 ["ip", "-n", sw, "link", "set", h.port, "master", "br0"],
-                 ["ip", "-n", sw, "link", "set", h.port, "up"],
-                 ["ip", "link", "set", h.peer, "netns", h.netns],
-                 # Every host calls its link eth0, so HOROVOD_GLOO_IFACE is the same everywhere.
-                 ["ip", "-n", h.netns, "link", "set", h.peer, "name", "eth0"],
-                 ["ip", "-n", h.netns, "addr", "add", f"{h.address}/{plan.prefix_len}", "dev", "eth0"],
-                 ["ip", "-n", h.netns, "link", "set", "eth0", "up"]]
+        cmds += [
+            ["ip", "netns", "add", h.netns],
+            ["ip", "-n", h.netns, "link", "set", "lo", "up"],
+            ["ip", "link", "add", h.peer, "type", "veth", "peer", "name", h.port],
+            ["ip", "link", "set", h.port, "netns", sw],
+            ["ip", "-n", sw, "link", "set", h.port, "master", "br0"],
+            ["ip", "-n", sw, "link", "set", h.port, "up"],
+            ["ip", "link", "set", h.peer, "netns", h.netns],
+            # Every host calls its link eth0, so HOROVOD_GLOO_IFACE is the same everywhere.
+            ["ip", "-n", h.netns, "link", "set", h.peer, "name", "eth0"],
+            ["ip", "-n", h.netns, "addr", "add", f"{h.address}/{plan.prefix_len}", "dev", "eth0"],
+            ["ip", "-n", h.netns, "link", "set", "eth0", "up"],
+        ]
     # The root namespace joins the bridge on an unshaped link, for the rendezvous server only.
-    cmds += [["ip", "link", "add", plan.control, "type", "veth", "peer", "name", plan.control_peer],
-             ["ip", "link", "set", plan.control_peer, "netns", sw],
-             ["ip", "-n", sw, "link", "set", plan.control_peer, "master", "br0"],
-             ["ip", "-n", sw, "link", "set", plan.control_peer, "up"],
-             ["ip", "addr", "add", f"{plan.control_address}/{plan.prefix_len}", "dev", plan.control],
-             ["ip", "link", "set", plan.control, "up"]]
+    cmds += [
+        ["ip", "link", "add", plan.control, "type", "veth", "peer", "name", plan.control_peer],
+        ["ip", "link", "set", plan.control_peer, "netns", sw],
+        ["ip", "-n", sw, "link", "set", plan.control_peer, "master", "br0"],
+        ["ip", "-n", sw, "link", "set", plan.control_peer, "up"],
+        ["ip", "addr", "add", f"{plan.control_address}/{plan.prefix_len}", "dev", plan.control],
+        ["ip", "link", "set", plan.control, "up"],
+    ]
     return cmds
 
 
-def tbf_args(rate: str, latency_ms: int = 50) -> List[str]:
+def tbf_args(rate: str, latency_ms: int = 50) -> list[str]:
     """``tc`` arguments of a token-bucket filter limiting a link to ``rate``.
 
     The bucket holds 4 ms of traffic (at least 128 KiB): ``tbf`` needs at least ``rate / HZ``
@@ -311,8 +456,10 @@ def tbf_args(rate: str, latency_ms: int = 50) -> List[str]:
     return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms}ms"]
 
 
-def shaping_commands(plan: ClusterPlan, rate: str) -> List[List[str]]:
-    """Commands that limit each host's link to ``rate`` in both directions (replacing any earlier limit).
+def shaping_commands(plan: ClusterPlan, rate: str) -> list[list[str]]:
+    """Commands that limit each host's link to ``rate`` in both directions.
+
+    Any earlier limit is replaced.
 
     Args:
         plan: from :func:`plan_cluster`.
@@ -322,12 +469,28 @@ def shaping_commands(plan: ClusterPlan, rate: str) -> List[List[str]]:
     cmds = []
     for h in plan.hosts:
         # Host egress is the upload, the switch port's egress the download: tbf shapes egress only.
-        cmds.append(["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
-        cmds.append(["ip", "netns", "exec", plan.switch, "tc", "qdisc", "replace", "dev", h.port, "root", *tbf])
+        cmds.append(
+            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf]
+        )
+        cmds.append(
+            [
+                "ip",
+                "netns",
+                "exec",
+                plan.switch,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                h.port,
+                "root",
+                *tbf,
+            ]
+        )
     return cmds
 
 
-def teardown_commands(plan: ClusterPlan) -> List[List[str]]:
+def teardown_commands(plan: ClusterPlan) -> list[list[str]]:
     """Commands that remove everything :func:`setup_commands` built (each may fail if already gone).
 
     Deleting a namespace deletes the veths in it, and with them their peers.
@@ -335,15 +498,18 @@ def teardown_commands(plan: ClusterPlan) -> List[List[str]]:
     Args:
         plan: from :func:`plan_cluster`.
     """
-    return ([["ip", "netns", "del", h.netns] for h in plan.hosts]
-            + [["ip", "netns", "del", plan.switch], ["ip", "link", "del", plan.control]])
+    return [["ip", "netns", "del", h.netns] for h in plan.hosts] + [
+        ["ip", "netns", "del", plan.switch],
+        ["ip", "link", "del", plan.control],
+    ]
 
 
-def stale_namespaces(netns_list_output: str, prefix: str) -> List[str]:
+def stale_namespaces(netns_list_output: str, prefix: str) -> list[str]:
     """The namespaces in ``ip netns list`` output that a run with ``prefix`` created.
 
     Args:
-        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per line).
+        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per
+            line).
         prefix: the run's prefix.
     """
     names = [line.split()[0] for line in netns_list_output.splitlines() if line.strip()]
@@ -368,7 +534,7 @@ def hosts_file(plan: ClusterPlan, host: Host, machine_hostname: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> Dict[str, str]:
+def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> dict[str, str]:
     """The environment Horovod's own Gloo launcher would give ``host``'s worker, plus where
     ``torch.distributed`` finds its interface and rank 0 (its port is chosen there at run time).
 
@@ -379,20 +545,29 @@ def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> Dict[str,
     """
     n = str(len(plan.hosts))
     return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": plan.control_address, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0",
-        "HOROVOD_HOSTNAME": host.hostname, "HOROVOD_RANK": str(host.rank), "HOROVOD_SIZE": n,
-        "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": str(host.rank),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": plan.control_address,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": "eth0",
+        "HOROVOD_HOSTNAME": host.hostname,
+        "HOROVOD_RANK": str(host.rank),
+        "HOROVOD_SIZE": n,
+        "HOROVOD_LOCAL_RANK": "0",
+        "HOROVOD_LOCAL_SIZE": "1",
+        "HOROVOD_CROSS_RANK": str(host.rank),
         "HOROVOD_CROSS_SIZE": n,
         # torch.distributed (the PyTorch peers): Gloo on the shaped link, its store on rank 0.
-        "GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": plan.hosts[0].address,
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "MASTER_ADDR": plan.hosts[0].address,
         # One thread per worker: the hosts share the machine's cores.
-        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
     }
 
 
-# --- statistics and the table ----------------------------------------------------------------------
-def window_stats(stamps: Sequence[float], window: int) -> Dict[str, Any]:
+# --- statistics and the table ---------------------------------------------------------------------
+def window_stats(stamps: Sequence[float], window: int) -> dict[str, Any]:
     """Milliseconds per iteration over consecutive windows of ``window`` iterations.
 
     A window of one outer period (``tau`` iterations) contains exactly one outer step, so every
@@ -406,13 +581,22 @@ def window_stats(stamps: Sequence[float], window: int) -> Dict[str, Any]:
         raise ValueError(f"window must be >= 1, got {window}")
     n = (len(stamps) - 1) // window
     if n < 1:
-        raise ValueError(f"need at least {window} timed iterations for one window, got {len(stamps) - 1}")
+        raise ValueError(
+            f"need at least {window} timed iterations for one window, got {len(stamps) - 1}"
+        )
     per = [1e3 * (stamps[(i + 1) * window] - stamps[i * window]) / window for i in range(n)]
-    return {"median_ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per),
-            "mean_ms": statistics.fmean(per), "windows": n, "window": window, "per_window_ms": per}
+    return {
+        "median_ms": statistics.median(per),
+        "min_ms": min(per),
+        "max_ms": max(per),
+        "mean_ms": statistics.fmean(per),
+        "windows": n,
+        "window": window,
+        "per_window_ms": per,
+    }
 
 
-def pool_repeats(repeats: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from repeated measurements of the same algorithm: statistics over all their
     windows together, per-iteration averages of the counters, and each repeat's median (drift).
 
@@ -424,9 +608,14 @@ def pool_repeats(repeats: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     if not repeats:
         raise ValueError("pool_repeats needs at least one measurement")
     per = [ms for r in repeats for ms in r["per_window_ms"]]
-    out: Dict[str, Any] = {
-        "median_ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per), "mean_ms": statistics.fmean(per),
-        "windows": len(per), "window": repeats[0]["window"], "per_window_ms": per,
+    out: dict[str, Any] = {
+        "median_ms": statistics.median(per),
+        "min_ms": min(per),
+        "max_ms": max(per),
+        "mean_ms": statistics.fmean(per),
+        "windows": len(per),
+        "window": repeats[0]["window"],
+        "per_window_ms": per,
         "iteration_ms": [ms for r in repeats for ms in r["iteration_ms"]],
         "iterations": sum(r["iterations"] for r in repeats),
         "repeat_median_ms": [r["median_ms"] for r in repeats],
@@ -435,12 +624,14 @@ def pool_repeats(repeats: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "bytes_computed": repeats[0]["bytes_computed"],
     }
     if "phase_ms_per_iter" in repeats[0]:
-        out["phase_ms_per_iter"] = {k: statistics.fmean(r["phase_ms_per_iter"][k] for r in repeats)
-                                    for k in repeats[0]["phase_ms_per_iter"]}
+        out["phase_ms_per_iter"] = {
+            k: statistics.fmean(r["phase_ms_per_iter"][k] for r in repeats)
+            for k in repeats[0]["phase_ms_per_iter"]
+        }
     return out
 
 
-def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> List[float]:
+def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> list[float]:
     """When every worker had finished each iteration: the element-wise max over ranks of their
     stamps relative to their own start (all start right after a barrier).
 
@@ -452,7 +643,9 @@ def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> List[float]:
     """
     lengths = {len(s) for s in rank_stamps}
     if len(lengths) != 1:
-        raise ValueError(f"every rank must report the same number of stamps, got lengths {sorted(lengths)}")
+        raise ValueError(
+            f"every rank must report the same number of stamps, got lengths {sorted(lengths)}"
+        )
     return [max(s[k] - s[0] for s in rank_stamps) for k in range(lengths.pop())]
 
 
@@ -466,8 +659,9 @@ def ring_bytes(payload_bytes: int, size: int) -> int:
     return int(2 * (size - 1) / size * payload_bytes) if size > 1 else 0
 
 
-def hidden_fraction(t_exposed: Optional[float], t_overlapped: Optional[float],
-                    t_compute: Optional[float]) -> Optional[float]:
+def hidden_fraction(
+    t_exposed: float | None, t_overlapped: float | None, t_compute: float | None
+) -> float | None:
     """The share of some communication that overlapping hides behind compute:
     ``(t_exposed - t_overlapped) / (t_exposed - t_compute)``.
 
@@ -485,25 +679,27 @@ def hidden_fraction(t_exposed: Optional[float], t_overlapped: Optional[float],
     return (t_exposed - t_overlapped) / (t_exposed - t_compute)
 
 
-def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ratios of every measured algorithm against AR-SGD and the compute-only limit.
 
     Args:
-        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are skipped.
+        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are
+            skipped.
 
     Returns:
         ``{"rows": {key: ratios}, "targets": {...}}``: ``speedup_vs_ar`` = T_AR / T;
         ``over_compute`` = T / T_compute; ``over_ideal`` = T / (T_compute + payload * AR_comm / tau)
         for the periodic-average algorithms, where AR_comm = T_AR - T_compute.
     """
-    def t(key: str) -> Optional[float]:
+
+    def t(key: str) -> float | None:
         r = results.get(key)
         return r["median_ms"] if r and r.get("median_ms") is not None else None
 
     comp, ar = t("compute"), t("horovod_ar")
     ar_comm = ar - comp if ar is not None and comp is not None else None
-    rows: Dict[str, Dict[str, Optional[float]]] = {}
-    for key, r in results.items():
+    rows: dict[str, dict[str, float | None]] = {}
+    for key, _ in results.items():
         ms = t(key)
         if ms is None:
             continue
@@ -511,18 +707,25 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
         ideal = None
         if algo is not None and algo.periodic and ar_comm is not None:
             ideal = comp + algo.payload * ar_comm / algo.tau
-        rows[key] = {"ms": ms, "speedup_vs_ar": ar / ms if ar is not None else None,
-                     "over_compute": ms / comp if comp else None,
-                     "ideal_ms": ideal, "over_ideal": ms / ideal if ideal else None}
+        rows[key] = {
+            "ms": ms,
+            "speedup_vs_ar": ar / ms if ar is not None else None,
+            "over_compute": ms / comp if comp else None,
+            "ideal_ms": ideal,
+            "over_ideal": ms / ideal if ideal else None,
+        }
 
-    def ratio(a: str, b: str) -> Optional[float]:
+    def ratio(a: str, b: str) -> float | None:
         return t(a) / t(b) if t(a) is not None and t(b) else None
 
-    targets: Dict[str, Any] = {
-        "ar_comm_ms": ar_comm, "ar_comm_fraction": ar_comm / ar if ar_comm is not None and ar else None,
+    targets: dict[str, Any] = {
+        "ar_comm_ms": ar_comm,
+        "ar_comm_fraction": ar_comm / ar if ar_comm is not None and ar else None,
         "localsgd_slowmo_over_ideal": rows.get("localsgd_slowmo", {}).get("over_ideal"),
         "localsgd_slowmo_speedup_vs_ar": rows.get("localsgd_slowmo", {}).get("speedup_vs_ar"),
-        "localsgd_slowmo_nocheck_over_ideal": rows.get("localsgd_slowmo_nocheck", {}).get("over_ideal"),
+        "localsgd_slowmo_nocheck_over_ideal": rows.get("localsgd_slowmo_nocheck", {}).get(
+            "over_ideal"
+        ),
     }
     for _, orig, slow in TABLE2_ROWS:
         targets[f"{slow}_over_{orig}"] = ratio(slow, orig)
@@ -530,11 +733,13 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
         # buffer reset): unlike the difference of two runs, this is not scattered by other load.
         phases = results.get(slow, {}).get("phase_ms_per_iter")
         targets[f"{slow}_slow_update_fraction"] = (
-            phases["slow_update"] / t(slow) if phases and t(slow) else None)
+            phases["slow_update"] / t(slow) if phases and t(slow) else None
+        )
     # The part of SGP's gossip overhead (over compute only) that OSGP's overlap removes.
     for suffix in ("", "_slowmo"):
         targets[f"osgp{suffix}_hidden_fraction"] = hidden_fraction(
-            t("sgp" + suffix), t("osgp" + suffix), comp)
+            t("sgp" + suffix), t("osgp" + suffix), comp
+        )
     # The part of the exact average (the overhead over compute only) that overlap=d hides.
     for overlapped, exposed in OVERLAP_ROWS:
         targets[f"{overlapped}_hidden_fraction"] = hidden_fraction(t(exposed), t(overlapped), comp)
@@ -549,11 +754,11 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     return {"rows": rows, "targets": targets}
 
 
-def _fmt(x: Optional[float], spec: str = ".0f", suffix: str = "") -> str:
+def _fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
-def _fmt_bytes(b: Optional[float]) -> str:
+def _fmt_bytes(b: float | None) -> str:
     if b is None:
         return "n/a"
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -562,7 +767,7 @@ def _fmt_bytes(b: Optional[float]) -> str:
     return f"{b:.0f} B"
 
 
-def render_markdown(run: Dict[str, Any]) -> str:
+def render_markdown(run: dict[str, Any]) -> str:
     """The report of one (workload, rate) measurement as markdown.
 
     Args:
@@ -573,20 +778,26 @@ def render_markdown(run: Dict[str, Any]) -> str:
     summary = summarize({k: v for k, v in results.items() if v.get("available", True)})
     rows, tg = summary["rows"], summary["targets"]
     load = h.get("load_avg_1min", [None, None])
-    out = [f"### {h['workload']} ({h['params_human']} parameters, {_fmt_bytes(h['param_bytes'])} fp32), "
-           f"{h['hosts']} hosts, {h['rate']} links"
-           + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
-           "",
-           f"Emulated with network namespaces + veth + bridge, `tc tbf` both directions; Horovod {h.get('horovod', '?')} "
-           f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. ms/iteration: median over windows of one outer "
-           "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
-           f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
-           f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, {_fmt(load[1], '.1f')} after.",
-           "",
-           "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
-           "",
-           "| base algorithm | tau | original | w/ SlowMo | SlowMo overhead |",
-           "|---|---|---|---|---|"]
+    out = [
+        f"### {h['workload']} ({h['params_human']} parameters, "
+        f"{_fmt_bytes(h['param_bytes'])} fp32), "
+        f"{h['hosts']} hosts, {h['rate']} links"
+        + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
+        "",
+        "Emulated with network namespaces + veth + bridge, `tc tbf` both directions; "
+        f"Horovod {h.get('horovod', '?')} "
+        f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. "
+        "ms/iteration: median over windows of one outer "
+        "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
+        f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
+        f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, "
+        f"{_fmt(load[1], '.1f')} after.",
+        "",
+        "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
+        "",
+        "| base algorithm | tau | original | w/ SlowMo | SlowMo overhead |",
+        "|---|---|---|---|---|",
+    ]
 
     def cell(key: str) -> str:
         r = results.get(key)
@@ -598,63 +809,87 @@ def render_markdown(run: Dict[str, Any]) -> str:
 
     for label, orig, slow in TABLE2_ROWS:
         over = tg.get(f"{slow}_over_{orig}")
-        out.append(f"| {label} | {ALGORITHM_BY_KEY[orig].tau} | {cell(orig)} | {cell(slow)} | "
-                   f"{_fmt(None if over is None else 100 * (over - 1), '+.1f', '%')} |")
+        out.append(
+            f"| {label} | {ALGORITHM_BY_KEY[orig].tau} | {cell(orig)} | {cell(slow)} | "
+            f"{_fmt(None if over is None else 100 * (over - 1), '+.1f', '%')} |"
+        )
     out += _peer_table(results, rows, tg)
-    out += ["", "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
-                "bytes sent / worker / it |", "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
+        "bytes sent / worker / it |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, r in results.items():
         algo = ALGORITHM_BY_KEY[key]
         if not r.get("available", True):
-            out.append(f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | |")
+            out.append(
+                f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | |"
+            )
             continue
         row = rows[key]
-        sent = _fmt_bytes(r.get("bytes_per_iter")) + (" (computed)" if r.get("bytes_computed") else "")
-        out.append(f"| {algo.label} | {algo.tau} | {r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
-                   f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
-                   f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |")
+        sent = _fmt_bytes(r.get("bytes_per_iter")) + (
+            " (computed)" if r.get("bytes_computed") else ""
+        )
+        out.append(
+            f"| {algo.label} | {algo.tau} | "
+            f"{r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
+            f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
+            f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |"
+        )
 
-    out += ["",
-            f"- AR-SGD communication: {_fmt(tg['ar_comm_ms'], '.1f', ' ms')} per iteration, "
-            f"{_pct(tg['ar_comm_fraction'])} of its time.",
-            "- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
-            f"{_excess(tg['localsgd_slowmo_over_ideal'])} (target: within 5%); without the "
-            "per-outer-step NaN/inf check (nonfinite='ignore'): "
-            f"{_excess(tg['localsgd_slowmo_nocheck_over_ideal'])}.",
-            "- Local SGD + SlowMo speed-up over AR-SGD: "
-            f"{_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
-            "(target: >= 1.45x where AR-SGD spends a third of its time communicating)."]
+    out += [
+        "",
+        f"- AR-SGD communication: {_fmt(tg['ar_comm_ms'], '.1f', ' ms')} per iteration, "
+        f"{_pct(tg['ar_comm_fraction'])} of its time.",
+        "- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
+        f"{_excess(tg['localsgd_slowmo_over_ideal'])} (target: within 5%); without the "
+        "per-outer-step NaN/inf check (nonfinite='ignore'): "
+        f"{_excess(tg['localsgd_slowmo_nocheck_over_ideal'])}.",
+        "- Local SGD + SlowMo speed-up over AR-SGD: "
+        f"{_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
+        "(target: >= 1.45x where AR-SGD spends a third of its time communicating).",
+    ]
     for label, orig, slow in TABLE2_ROWS:
         over = tg.get(f"{slow}_over_{orig}")
         own = tg.get(f"{slow}_slow_update_fraction")
-        out.append(f"- SlowMo over {label}: {_excess(over)} (target: <= 2%); its slow-update "
-                   f"phase, timed inside the optimizer: {_pct(own)} of the iteration.")
+        out.append(
+            f"- SlowMo over {label}: {_excess(over)} (target: <= 2%); its slow-update "
+            f"phase, timed inside the optimizer: {_pct(own)} of the iteration."
+        )
     for suffix, label in (("", "OSGP"), ("_slowmo", "OSGP + SlowMo")):
-        out.append(f"- {label} hides {_pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's "
-                   "communication time (1 - (T_OSGP - T_compute) / (T_SGP - T_compute)).")
+        out.append(
+            f"- {label} hides {_pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's "
+            "communication time (1 - (T_OSGP - T_compute) / (T_SGP - T_compute))."
+        )
     out += _peer_bullets(results, rows, tg)
     return "\n".join(out) + "\n"
 
 
-def _pct(x: Optional[float], spec: str = ".1f") -> str:
+def _pct(x: float | None, spec: str = ".1f") -> str:
     return _fmt(None if x is None else 100 * x, spec, "%")
 
 
-def _excess(ratio: Optional[float], spec: str = "+.1f") -> str:
+def _excess(ratio: float | None, spec: str = "+.1f") -> str:
     """A time ratio as the percentage it is above (or below) 1."""
     return _pct(None if ratio is None else ratio - 1, spec)
 
 
-def _peer_table(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, Optional[float]]],
-                tg: Dict[str, Any]) -> List[str]:
+def _peer_table(
+    results: dict[str, dict[str, Any]], rows: dict[str, dict[str, float | None]], tg: dict[str, Any]
+) -> list[str]:
     """The peers table's lines: PyTorch's and Horovod's rows beside hvd_slowmo's, per family
     (none when no row of :data:`PEER_ROWS` was measured)."""
     hidden = {o: tg.get(f"{o}_hidden_fraction") for o, _ in OVERLAP_ROWS}
-    out = ["", "Beside the peers (same hosts, workload, run and processes; time per iteration with "
-               "speed-up over Horovod's AR-SGD; exact average hidden = "
-               "(T_no_overlap - T) / (T_no_overlap - T_compute)):",
-           "", "| family | algorithm | ms/it (speed-up) | / compute | exact average hidden |",
-           "|---|---|---|---|---|"]
+    out = [
+        "",
+        "Beside the peers (same hosts, workload, run and processes; time per iteration with "
+        "speed-up over Horovod's AR-SGD; exact average hidden = "
+        "(T_no_overlap - T) / (T_no_overlap - T_compute)):",
+        "",
+        "| family | algorithm | ms/it (speed-up) | / compute | exact average hidden |",
+        "|---|---|---|---|---|",
+    ]
     n = len(out)
     for family, keys in PEER_ROWS:
         for key in keys:
@@ -667,21 +902,28 @@ def _peer_table(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, Op
                 continue
             ms = f"{r['median_ms']:.0f} ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
             comp = _fmt(rows[key]["over_compute"], ".3f", "x")
-            out.append(f"| {family} | {label} | {ms} | {comp} | "
-                       f"{_pct(hidden[key], '.0f') if key in hidden else ''} |")
+            out.append(
+                f"| {family} | {label} | {ms} | {comp} | "
+                f"{_pct(hidden[key], '.0f') if key in hidden else ''} |"
+            )
     return out if len(out) > n else []
 
 
-def _peer_bullets(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, Optional[float]]],
-                  tg: Dict[str, Any]) -> List[str]:
+def _peer_bullets(
+    results: dict[str, dict[str, Any]], rows: dict[str, dict[str, float | None]], tg: dict[str, Any]
+) -> list[str]:
     """The targets against the peers (issue 14), for the rows that were measured."""
     out = []
     if "torch_postlocal" in results or "localsgd" in results:
-        out.append(f"- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): "
-                   f"{_excess(tg['localsgd_over_torch_postlocal'])} (target: <= 0%).")
+        out.append(
+            f"- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): "
+            f"{_excess(tg['localsgd_over_torch_postlocal'])} (target: <= 0%)."
+        )
     if "torch_ddp" in results or "allreduce" in results:
-        out.append("- hvd_slowmo AR-SGD (base=allreduce) vs torch's DDP: "
-                   f"{_excess(tg['allreduce_over_torch_ddp'])}.")
+        out.append(
+            "- hvd_slowmo AR-SGD (base=allreduce) vs torch's DDP: "
+            f"{_excess(tg['allreduce_over_torch_ddp'])}."
+        )
     fastest = tg.get("fastest_peer")
     for overlapped, _ in OVERLAP_ROWS:
         r = results.get(overlapped)
@@ -692,17 +934,22 @@ def _peer_bullets(results: Dict[str, Dict[str, Any]], rows: Dict[str, Dict[str, 
             out.append(f"- {label}: not available (the reason is in its row above).")
             continue
         comp = rows[overlapped]["over_compute"]
-        peer = (f"{_excess(tg[f'{overlapped}_over_fastest_peer'])} vs the fastest peer row "
-                f"({ALGORITHM_BY_KEY[fastest].label}; target: < 0%)" if fastest
-                else "no peer row measured")
+        peer = (
+            f"{_excess(tg[f'{overlapped}_over_fastest_peer'])} vs the fastest peer row "
+            f"({ALGORITHM_BY_KEY[fastest].label}; target: < 0%)"
+            if fastest
+            else "no peer row measured"
+        )
         hidden = _pct(tg[f"{overlapped}_hidden_fraction"], ".0f")
-        out.append(f"- {label}: {_excess(comp)} over compute only (target at 1gbit, 10M params, "
-                   f"1 s compute: within 2%); hides {hidden} of the exact average; {peer}.")
+        out.append(
+            f"- {label}: {_excess(comp)} over compute only (target at 1gbit, 10M params, "
+            f"1 s compute: within 2%); hides {hidden} of the exact average; {peer}."
+        )
     return out
 
 
-# --- running it (root only) ------------------------------------------------------------------------
-def _run(cmd: List[str], check: bool = True) -> subprocess.CompletedProcess:
+# --- running it (root only) -----------------------------------------------------------------------
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
@@ -715,10 +962,10 @@ class Cluster:
 
     def __init__(self, plan: ClusterPlan) -> None:
         self.plan = plan
-        self.workers: List[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen] = []
         self._made_netns_dir = False
 
-    def clean_stale(self) -> List[str]:
+    def clean_stale(self) -> list[str]:
         """Remove what an earlier run with the same prefix left behind; returns what was found."""
         found = stale_namespaces(_run(["ip", "netns", "list"]).stdout, self.plan.prefix)
         for ns in found:
@@ -759,7 +1006,7 @@ class Cluster:
             self._checked(cmd)
 
     @staticmethod
-    def _checked(cmd: List[str]) -> None:
+    def _checked(cmd: list[str]) -> None:
         r = _run(cmd, check=False)
         if r.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
@@ -801,7 +1048,7 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float, nice: int) -> None:
+def _launch(cluster: Cluster, worker_args: list[str], timeout_s: float, nice: int) -> None:
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
 
@@ -813,14 +1060,27 @@ def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float, nice: in
         server.init(get_host_assignments(parse_hosts(spec), len(plan.hosts)))
         for h in plan.hosts:
             env = {**os.environ, **worker_env(plan, h, port)}
-            cmd = ["ip", "netns", "exec", h.netns, "nice", "-n", str(nice), sys.executable, WORKER, *worker_args]
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                h.netns,
+                "nice",
+                "-n",
+                str(nice),
+                sys.executable,
+                WORKER,
+                *worker_args,
+            ]
             # Own process group: teardown can end the worker and anything it started, and only that.
             cluster.workers.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in cluster.workers):
             failed = [p for p in cluster.workers if p.returncode not in (None, 0)]
             if failed:
-                raise RuntimeError(f"a worker exited with code {failed[0].returncode}; see its output above")
+                raise RuntimeError(
+                    f"a worker exited with code {failed[0].returncode}; see its output above"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers still running after --timeout {timeout_s:.0f} s")
             time.sleep(0.2)
@@ -832,7 +1092,7 @@ def _launch(cluster: Cluster, worker_args: List[str], timeout_s: float, nice: in
         server.stop()
 
 
-def _write_tensorboard(logdir: str, runs: List[Dict[str, Any]]) -> None:
+def _write_tensorboard(logdir: str, runs: list[dict[str, Any]]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(logdir) as w:
@@ -840,7 +1100,9 @@ def _write_tensorboard(logdir: str, runs: List[Dict[str, Any]]) -> None:
             h = run["header"]
             scope = f"{h['workload']}_{h['params_human']}/{h['rate']}"
             w.add_text(f"{scope}/header", json.dumps(h, indent=1).replace("\n", "  \n"))
-            summary = summarize({k: v for k, v in run["results"].items() if v.get("available", True)})
+            summary = summarize(
+                {k: v for k, v in run["results"].items() if v.get("available", True)}
+            )
             for key, r in run["results"].items():
                 if not r.get("available", True):
                     continue
@@ -861,37 +1123,71 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, build the cluster, measure, report, tear down.
 
     Args:
         argv: command-line arguments (default ``sys.argv[1:]``).
     """
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one Horovod worker each")
-    p.add_argument("--rate", action="append", help="link rate, tc syntax (repeatable): 1gbit, 100mbit")
-    p.add_argument("--workload", choices=["synthetic", "resnet18", "transformer"], default="synthetic")
-    p.add_argument("--params", default="10M", help="synthetic model sizes, comma separated: 1M,10M,50M")
-    p.add_argument("--compute-ms", default="100",
-                   help="synthetic compute per iteration (sleep), one value or one per --params entry")
-    p.add_argument("--iters", type=int, default=48,
-                   help="timed iterations per algorithm (raised to at least --windows outer periods)")
-    p.add_argument("--windows", type=int, default=3, help="minimum timed outer periods per algorithm")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="measure the whole list this often, in alternating order (cancels slow drift)")
-    p.add_argument("--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads")
-    p.add_argument("--algorithms", default="all",
-                   help="comma-separated keys or sets, measured in the order listed here; sets: "
-                        + ", ".join(ALGORITHM_SETS) + "; keys: "
-                        + ", ".join(a.key for a in ALGORITHMS))
-    p.add_argument("--nice", type=int, default=0,
-                   help="scheduling priority of the workers (-20..19); negative keeps other load on a shared "
-                        "machine from queueing their short CPU bursts")
+    p.add_argument(
+        "--rate", action="append", help="link rate, tc syntax (repeatable): 1gbit, 100mbit"
+    )
+    p.add_argument(
+        "--workload", choices=["synthetic", "resnet18", "transformer"], default="synthetic"
+    )
+    p.add_argument(
+        "--params", default="10M", help="synthetic model sizes, comma separated: 1M,10M,50M"
+    )
+    p.add_argument(
+        "--compute-ms",
+        default="100",
+        help="synthetic compute per iteration (sleep), one value or one per --params entry",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=48,
+        help="timed iterations per algorithm (raised to at least --windows outer periods)",
+    )
+    p.add_argument(
+        "--windows", type=int, default=3, help="minimum timed outer periods per algorithm"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the whole list this often, in alternating order (cancels slow drift)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="batch size of the resnet18/transformer workloads"
+    )
+    p.add_argument(
+        "--algorithms",
+        default="all",
+        help="comma-separated keys or sets, measured in the order listed here; sets: "
+        + ", ".join(ALGORITHM_SETS)
+        + "; keys: "
+        + ", ".join(a.key for a in ALGORITHMS),
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="scheduling priority of the workers (-20..19); negative keeps other load on a shared "
+        "machine from queueing their short CPU bursts",
+    )
     p.add_argument("--prefix", default="hsmc", help="prefix of every namespace and link created")
     p.add_argument("--subnet", default="10.77.0", help="a free /24 for the emulated hosts")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
-    p.add_argument("--out", default="runs/cluster", help="output folder: results.json, table.md, tensorboard/")
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds before the workers are killed"
+    )
+    p.add_argument(
+        "--out", default="runs/cluster", help="output folder: results.json, table.md, tensorboard/"
+    )
     args = p.parse_args(argv)
     command = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
 
@@ -901,7 +1197,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sizes = [parse_count(s) for s in args.params.split(",")]
     compute = [float(c) for c in args.compute_ms.split(",")]
     if len(compute) not in (1, len(sizes)):
-        p.error(f"--compute-ms needs one value or one per --params entry ({len(sizes)}), got {len(compute)}")
+        p.error(
+            f"--compute-ms needs one value or one per --params entry ({len(sizes)}), got {len(compute)}"
+        )
     if any(c < 0 for c in compute):
         p.error("--compute-ms must be >= 0")
     compute = compute * len(sizes) if len(compute) == 1 else compute
@@ -915,18 +1213,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--iters, --windows and --repeats must be >= 1")
     plan = plan_cluster(args.hosts, args.prefix, args.subnet)
     if os.geteuid() != 0:
-        print("cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr)
+        print(
+            "cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr
+        )
         return 2
     if shutil.which("ip") is None or shutil.which("tc") is None:
         print("cluster.py needs the `ip` and `tc` tools (iproute2).", file=sys.stderr)
         return 2
 
-    workloads = ([{"workload": "synthetic", "params": n, "compute_ms": c} for n, c in zip(sizes, compute)]
-                 if args.workload == "synthetic" else [{"workload": args.workload, "compute_ms": None}])
+    workloads = (
+        [{"workload": "synthetic", "params": n, "compute_ms": c} for n, c in zip(sizes, compute)]
+        if args.workload == "synthetic"
+        else [{"workload": args.workload, "compute_ms": None}]
+    )
     os.makedirs(args.out, exist_ok=True)
     cluster = Cluster(plan)
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
-    runs: List[Dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     try:
         stale = cluster.clean_stale()
         if stale:
@@ -935,24 +1238,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for rate in rates:
             cluster.shape(rate)
             for wl in workloads:
-                raw = os.path.join(args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json")
-                spec = {**wl, "algorithms": algos, "iters": args.iters, "windows": args.windows, "repeats": args.repeats,
-                        "batch_size": args.batch_size, "output": os.path.abspath(raw)}
+                raw = os.path.join(
+                    args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json"
+                )
+                spec = {
+                    **wl,
+                    "algorithms": algos,
+                    "iters": args.iters,
+                    "windows": args.windows,
+                    "repeats": args.repeats,
+                    "batch_size": args.batch_size,
+                    "output": os.path.abspath(raw),
+                }
                 size = f" {_human(wl['params'])}" if "params" in wl else ""
-                print(f"== {wl['workload']}{size} at {rate}: "
-                      f"{len(algos)} algorithms on {args.hosts} hosts", flush=True)
+                print(
+                    f"== {wl['workload']}{size} at {rate}: "
+                    f"{len(algos)} algorithms on {args.hosts} hosts",
+                    flush=True,
+                )
                 load_before = os.getloadavg()[0]
                 _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
                 with open(raw) as f:
                     measured = json.load(f)
-                header = {**measured["header"], "hosts": args.hosts, "rate": rate,
-                          "rate_bits_per_s": parse_rate(rate), "tbf": " ".join(tbf_args(rate)),
-                          "cpu_cores": os.cpu_count(), "nice": args.nice,
-                          # Other work on the machine inflates and scatters the times: say how much there was.
-                          "load_avg_1min": [load_before, os.getloadavg()[0]], "command": " ".join(command)}
+                header = {
+                    **measured["header"],
+                    "hosts": args.hosts,
+                    "rate": rate,
+                    "rate_bits_per_s": parse_rate(rate),
+                    "tbf": " ".join(tbf_args(rate)),
+                    "cpu_cores": os.cpu_count(),
+                    "nice": args.nice,
+                    # Other work on the machine inflates and scatters the times: say how much there was.
+                    "load_avg_1min": [load_before, os.getloadavg()[0]],
+                    "command": " ".join(command),
+                }
                 header["params_human"] = _human(header["params"])
                 run = {"header": header, "results": measured["results"]}
-                run["summary"] = summarize({k: v for k, v in run["results"].items() if v.get("available", True)})
+                run["summary"] = summarize(
+                    {k: v for k, v in run["results"].items() if v.get("available", True)}
+                )
                 runs.append(run)
                 print(render_markdown(run), flush=True)
     except KeyboardInterrupt:

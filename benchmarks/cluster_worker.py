@@ -5,13 +5,15 @@ environment set (and ``GLOO_SOCKET_IFNAME``/``MASTER_ADDR`` for ``torch.distribu
 PyTorch peers use); not meant to be run by hand. ``--spec`` is a JSON object with ``workload``,
 ``params``, ``compute_ms``, ``batch_size``, ``algorithms``, ``iters``, ``windows``, ``output``.
 """
+
 import argparse
 import datetime
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,15 +25,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(2, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(
+    2, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+)
 
-import horovod  # noqa: E402
-import horovod.torch as hvd  # noqa: E402
+import horovod
+import horovod.torch as hvd
+from cifar10_resnet18 import ResNet18
+from cluster import (
+    ALGORITHM_BY_KEY,
+    WARMUP_ITERS,
+    Algorithm,
+    cluster_stamps,
+    pool_repeats,
+    ring_bytes,
+    window_stats,
+)
 
-import hvd_slowmo  # noqa: E402
-from cifar10_resnet18 import ResNet18  # noqa: E402  (the example's model: one definition)
-from cluster import (ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm, cluster_stamps,  # noqa: E402
-                     pool_repeats, ring_bytes, window_stats)
+import hvd_slowmo
 
 Step = Callable[[nn.Module], None]
 
@@ -63,9 +74,11 @@ def synthetic_step(compute_ms: float) -> Step:
     Args:
         compute_ms: the emulated forward/backward time.
     """
+
     def step(model: nn.Module) -> None:
         time.sleep(compute_ms / 1e3)
         model().backward()
+
     return step
 
 
@@ -79,14 +92,18 @@ class TinyLM(nn.Module):
         layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        return self.head(self.encoder(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
+        return self.head(
+            self.encoder(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
+        )
 
 
-def build(spec: Dict[str, Any]) -> Tuple[nn.Module, Step]:
+def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
     """A fresh model (same on every rank) and its training-step function for the spec's workload.
 
     Args:
@@ -103,6 +120,7 @@ def build(spec: Dict[str, Any]) -> Tuple[nn.Module, Step]:
 
         def step(m: nn.Module) -> None:
             F.cross_entropy(m(x), y).backward()
+
         return model, step
     if spec["workload"] == "transformer":
         model = TinyLM()
@@ -110,7 +128,10 @@ def build(spec: Dict[str, Any]) -> Tuple[nn.Module, Step]:
 
         def step(m: nn.Module) -> None:
             logits = m(tokens[:, :-1])
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            ).backward()
+
         return model, step
     raise ValueError(f"unknown workload {spec['workload']!r}")
 
@@ -132,17 +153,26 @@ def init_torch_distributed() -> None:
     (set by the harness) keeps Gloo's traffic on the host's shaped link.
     """
     addr, size = os.environ["MASTER_ADDR"], hvd.size()
-    store = (dist.TCPStore(addr, 0, size, is_master=True, wait_for_workers=False)
-             if hvd.rank() == 0 else None)
-    port = hvd.broadcast_object(store.port if store is not None else None, root_rank=0,
-                                name="cluster.torch_store_port")
+    store = (
+        dist.TCPStore(addr, 0, size, is_master=True, wait_for_workers=False)
+        if hvd.rank() == 0
+        else None
+    )
+    port = hvd.broadcast_object(
+        store.port if store is not None else None, root_rank=0, name="cluster.torch_store_port"
+    )
     if store is None:
         store = dist.TCPStore(addr, port, size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=hvd.rank(), world_size=size,
-                            timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=hvd.rank(),
+        world_size=size,
+        timeout=datetime.timedelta(minutes=30),
+    )
 
 
-def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
+def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     """Time ``algo`` over whole outer periods, after ``WARMUP_ITERS`` warm-up iterations.
 
     Args:
@@ -172,8 +202,13 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
         running_stats = [b for name, b in model.named_buffers() if "running_" in name]
         try:
             opt = hvd_slowmo.DistributedOptimizer(
-                inner, named_parameters=model.named_parameters(), base=algo.base, tau=algo.tau,
-                model_buffers=running_stats, **algo.options)
+                inner,
+                named_parameters=model.named_parameters(),
+                base=algo.base,
+                tau=algo.tau,
+                model_buffers=running_stats,
+                **algo.options,
+            )
         except TypeError as e:
             # A library without the option refuses the keyword before any collective, on every
             # rank alike; any other TypeError is a bug and propagates.
@@ -189,7 +224,9 @@ def measure(algo: Algorithm, spec: Dict[str, Any]) -> Dict[str, Any]:
 
     tau = algo.tau
     n = max(spec["iters"], spec["windows"] * tau)
-    n = -(-n // tau) * tau  # whole outer periods: any tau consecutive iterations hold exactly one outer step
+    n = (
+        -(-n // tau) * tau
+    )  # whole outer periods: any tau consecutive iterations hold exactly one outer step
     for _ in range(WARMUP_ITERS):  # allocations, Horovod's first negotiation of each tensor
         iteration()
     barrier()
@@ -229,8 +266,8 @@ def main() -> None:
     hvd.init()
     if any(ALGORITHM_BY_KEY[key].kind in TORCH_KINDS for key in spec["algorithms"]):
         init_torch_distributed()
-    raw: Dict[str, List[Dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
-    unavailable: Dict[str, Dict[str, Any]] = {}
+    raw: dict[str, list[dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
+    unavailable: dict[str, dict[str, Any]] = {}
     for rep in range(spec["repeats"]):
         # Forward, then backward, ...: a slow drift of the machine's load then hits every algorithm alike.
         order = spec["algorithms"] if rep % 2 == 0 else spec["algorithms"][::-1]
@@ -242,18 +279,28 @@ def main() -> None:
             else:
                 unavailable[key] = r
             if hvd.rank() == 0:
-                msg = (f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] over {r['windows']} windows"
-                       if r.get("available", True) else "not available: " + r["reason"])
+                msg = (
+                    f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] over {r['windows']} windows"
+                    if r.get("available", True)
+                    else "not available: " + r["reason"]
+                )
                 print(f"  {key:18s} {msg} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    results = {key: pool_repeats(raw[key]) if raw[key] else unavailable[key] for key in spec["algorithms"]}
+    results = {
+        key: pool_repeats(raw[key]) if raw[key] else unavailable[key] for key in spec["algorithms"]
+    }
     if hvd.rank() == 0:
         model, _ = build(spec)
-        header = {"workload": spec["workload"], "compute_ms": spec.get("compute_ms"),
-                  "params": sum(p.numel() for p in model.parameters()),
-                  "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                  "batch_size": None if spec["workload"] == "synthetic" else spec["batch_size"],
-                  "horovod": horovod.__version__,
-                  "torch": torch.__version__, "size": hvd.size(), "repeats": spec["repeats"]}
+        header = {
+            "workload": spec["workload"],
+            "compute_ms": spec.get("compute_ms"),
+            "params": sum(p.numel() for p in model.parameters()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "batch_size": None if spec["workload"] == "synthetic" else spec["batch_size"],
+            "horovod": horovod.__version__,
+            "torch": torch.__version__,
+            "size": hvd.size(),
+            "repeats": spec["repeats"],
+        }
         tmp = spec["output"] + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"header": header, "results": results}, f, indent=1)

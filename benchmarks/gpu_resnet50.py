@@ -21,7 +21,7 @@ import argparse
 import gc
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 import torchvision
@@ -98,7 +98,7 @@ def median_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> flo
     return statistics.median(times)
 
 
-def run_variant(variant: str, args: argparse.Namespace, device: torch.device) -> Dict[str, object]:
+def run_variant(variant: str, args: argparse.Namespace, device: torch.device) -> dict[str, object]:
     """Train one optimizer on a fresh model; returns its ms/iteration, peak memory (over what was
     allocated before it: an earlier variant kept alive does not count) and optimizer."""
     gc.collect()  # the previous variant's model and optimizer
@@ -144,8 +144,8 @@ def run_variant(variant: str, args: argparse.Namespace, device: torch.device) ->
 
 
 def slow_vs_base_step(
-    result: Dict[str, object], repeats: int, device: torch.device
-) -> Dict[str, float]:
+    result: dict[str, object], repeats: int, device: torch.device
+) -> dict[str, float]:
     """Median ms of the slow momentum step alone and of one base optimizer step (with gradients)."""
     opt = result["opt"]
     params = [
@@ -166,7 +166,7 @@ def slow_vs_base_step(
     }
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -210,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "tiny ResNet (2 bottlenecks), 16x16" if args.tiny else "torchvision ResNet-50, 224x224"
     )
 
-    results: Dict[str, Dict[str, object]] = {}
+    results: dict[str, dict[str, object]] = {}
     for variant in VARIANTS:
         if variant.startswith("Horovod") and hvd is None:
             continue

@@ -10,6 +10,7 @@ Usage: python benchmarks/slowmo_overhead.py [--batch 32] [--repeats 20] [--tau 1
 The outer step runs on one worker here (no communication): this isolates the slow update's
 own cost; communication is measured by benchmarks/cluster.py.
 """
+
 import argparse
 import statistics
 import time
@@ -34,7 +35,9 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tau", type=int, default=12)
@@ -44,8 +47,14 @@ def main() -> None:
     params = [p for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     base = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), tau=args.tau, slow_lr=1.0,
-                               slow_momentum=0.7, communicator=ThreadWorld(1).communicator(0))
+    opt = DistributedOptimizer(
+        base,
+        named_parameters=model.named_parameters(),
+        tau=args.tau,
+        slow_lr=1.0,
+        slow_momentum=0.7,
+        communicator=ThreadWorld(1).communicator(0),
+    )
     x = torch.randn(args.batch, 3, 32, 32)
     y = torch.randint(0, 10, (args.batch,))
 
@@ -73,18 +82,24 @@ def main() -> None:
         slow_step()
     temp_bytes = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
 
-    print(f"ResNet-18 (CIFAR-10 head): {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
-          f"{param_bytes / 2**20:.1f} MiB; batch {args.batch}; torch {torch.__version__}; "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"ResNet-18 (CIFAR-10 head): {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
+        f"{param_bytes / 2**20:.1f} MiB; batch {args.batch}; torch {torch.__version__}; "
+        f"{torch.get_num_threads()} threads"
+    )
     print("| measure | value | target |")
     print("|---|---|---|")
     print(f"| base optimizer step (SGD Nesterov, wd) | {base_step_ms:.2f} ms | |")
     print(f"| slow momentum step | {slow_ms:.2f} ms | |")
     print(f"| slow step / base step | {slow_ms / base_step_ms:.2f}x | <= 1.5x |")
     print(f"| Local SGD iteration (fwd+bwd+step) | {iter_ms:.1f} ms | |")
-    print(f"| slow step amortized over tau={args.tau} / iteration | "
-          f"{100 * slow_ms / args.tau / iter_ms:.3f}% | |")
-    print(f"| SlowMo state (anchor + slow buffer) / parameter bytes | {state_bytes / param_bytes:.2f}x | <= 2x |")
+    print(
+        f"| slow step amortized over tau={args.tau} / iteration | "
+        f"{100 * slow_ms / args.tau / iter_ms:.3f}% | |"
+    )
+    print(
+        f"| SlowMo state (anchor + slow buffer) / parameter bytes | {state_bytes / param_bytes:.2f}x | <= 2x |"
+    )
     print(f"| temporary memory allocated by the slow step | {temp_bytes} bytes | |")
 
 

@@ -5,6 +5,7 @@ evaluation of the workers' averaged model, and the one training loop every examp
 The examples import it as ``from common import ...`` (Python puts the script's folder on the
 path). Paper: arXiv 1910.00643.
 """
+
 import argparse
 import contextlib
 import glob
@@ -14,8 +15,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +28,39 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hvd_slowmo  # noqa: E402
-from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor  # noqa: E402
+import hvd_slowmo
+from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
 
 __all__ = [
-    "ALGOS", "PROGRESS_MARK", "add_common_args", "describe", "setup", "build_optimizer", "run_name",
-    "run_config", "make_monitor", "warmup_multistep", "inverse_sqrt", "resume_schedule",
-    "backward_and_step", "autocast", "make_scaler", "allreduce_sums", "save_checkpoint",
-    "load_checkpoint", "progress", "log0", "write_summary", "at_consensus", "averaged_model",
-    "OuterStepEpochs", "classifier_metrics", "Task", "train", "train_classifier", "run_cli",
+    "ALGOS",
+    "PROGRESS_MARK",
+    "add_common_args",
+    "describe",
+    "setup",
+    "build_optimizer",
+    "run_name",
+    "run_config",
+    "make_monitor",
+    "warmup_multistep",
+    "inverse_sqrt",
+    "resume_schedule",
+    "backward_and_step",
+    "autocast",
+    "make_scaler",
+    "allreduce_sums",
+    "save_checkpoint",
+    "load_checkpoint",
+    "progress",
+    "log0",
+    "write_summary",
+    "at_consensus",
+    "averaged_model",
+    "OuterStepEpochs",
+    "classifier_metrics",
+    "Task",
+    "train",
+    "train_classifier",
+    "run_cli",
 ]
 
 #: Base algorithms selectable with --algo (the gossip ones need their base registered in
@@ -45,9 +71,18 @@ ALGOS = ("allreduce", "localsgd", "sgp", "osgp", "dpsgd")
 PROGRESS_MARK = "@hvd_slowmo_progress "
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum: float,
-                    buffers: str, epochs: int, batch_size: int, lr: float, data_flags: bool = True,
-                    eval_train_loss: bool = False) -> None:
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    tau: int,
+    slow_momentum: float,
+    buffers: str,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    data_flags: bool = True,
+    eval_train_loss: bool = False,
+) -> None:
     """Add the flags every example shares (algorithm, SlowMo, logging, checkpoints, AMP).
 
     Args:
@@ -64,55 +99,91 @@ def add_common_args(parser: argparse.ArgumentParser, *, tau: int, slow_momentum:
     """
     g = parser.add_argument_group("algorithm (arXiv 1910.00643)")
     g.add_argument("--algo", default="localsgd", choices=ALGOS, help="base algorithm")
-    g.add_argument("--slowmo", action=argparse.BooleanOptionalAction, default=True,
-                   help="SlowMo on top of the base (--no-slowmo: the base alone: allreduce every "
-                        "step, Local SGD's plain average every tau steps, gossip without exact "
-                        "average)")
+    g.add_argument(
+        "--slowmo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="SlowMo on top of the base (--no-slowmo: the base alone: allreduce every "
+        "step, Local SGD's plain average every tau steps, gossip without exact "
+        "average)",
+    )
     g.add_argument("--tau", type=int, default=tau, help="base steps per outer step")
     g.add_argument("--slow-lr", type=float, default=1.0, help="alpha")
     g.add_argument("--slow-momentum", type=float, default=slow_momentum, help="beta")
-    g.add_argument("--buffers", default=buffers, choices=("reset", "maintain", "average"),
-                   help="base optimizer buffers at each outer step")
-    g.add_argument("--overlap", type=int, default=0,
-                   help="base steps the exact average stays in flight (0: the paper's algorithm)")
-    g.add_argument("--no-average", action="store_true",
-                   help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)")
+    g.add_argument(
+        "--buffers",
+        default=buffers,
+        choices=("reset", "maintain", "average"),
+        help="base optimizer buffers at each outer step",
+    )
+    g.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        help="base steps the exact average stays in flight (0: the paper's algorithm)",
+    )
+    g.add_argument(
+        "--no-average",
+        action="store_true",
+        help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
+    )
     t = parser.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=epochs)
     t.add_argument("--batch-size", type=int, default=batch_size, help="per worker")
     t.add_argument("--lr", type=float, default=lr)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many steps per epoch (0: no limit)")
-    t.add_argument("--eval-train-loss", action=argparse.BooleanOptionalAction,
-                   default=eval_train_loss,
-                   help="each epoch, also score the averaged model on the whole training set")
-    t.add_argument("--amp", action="store_true",
-                   help="mixed precision: fp16 autocast + GradScaler on CUDA, bf16 autocast on CPU")
+    t.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many steps per epoch (0: no limit)",
+    )
+    t.add_argument(
+        "--eval-train-loss",
+        action=argparse.BooleanOptionalAction,
+        default=eval_train_loss,
+        help="each epoch, also score the averaged model on the whole training set",
+    )
+    t.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision: fp16 autocast + GradScaler on CUDA, bf16 autocast on CPU",
+    )
     if data_flags:
-        t.add_argument("--synthetic", action="store_true",
-                       help="random tensors and a tiny model (seconds on a CPU)")
+        t.add_argument(
+            "--synthetic",
+            action="store_true",
+            help="random tensors and a tiny model (seconds on a CPU)",
+        )
         t.add_argument("--data", default="data", help="dataset folder")
-        t.add_argument("--download", action="store_true",
-                       help="download the dataset into --data (needs network)")
+        t.add_argument(
+            "--download",
+            action="store_true",
+            help="download the dataset into --data (needs network)",
+        )
         t.add_argument("--workers", type=int, default=2, help="data-loader processes per rank")
     o = parser.add_argument_group("logging and checkpoints")
     o.add_argument("--logdir", default="runs", help="TensorBoard runs go to LOGDIR/<run name>/")
-    o.add_argument("--run-name", default=None,
-                   help="default: encodes algo, slowmo, tau, alpha, beta, buffers")
-    o.add_argument("--log-every", type=int, default=20,
-                   help="steps between TensorBoard training points")
+    o.add_argument(
+        "--run-name", default=None, help="default: encodes algo, slowmo, tau, alpha, beta, buffers"
+    )
+    o.add_argument(
+        "--log-every", type=int, default=20, help="steps between TensorBoard training points"
+    )
     o.add_argument("--checkpoint", default=None, help="save here at the end of every epoch")
     o.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     o.add_argument("--summary-json", default=None, help="rank 0 writes the final metrics here")
     o.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    o.add_argument("--progress-lines", action="store_true",
-                   help=f"rank 0 prints a line starting {PROGRESS_MARK.strip()!r} + JSON at the "
-                        "start of the run, after each epoch and at the end (for a launcher that "
-                        "draws its own progress bars)")
+    o.add_argument(
+        "--progress-lines",
+        action="store_true",
+        help=f"rank 0 prints a line starting {PROGRESS_MARK.strip()!r} + JSON at the "
+        "start of the run, after each epoch and at the end (for a launcher that "
+        "draws its own progress bars)",
+    )
 
 
-def setup(args: argparse.Namespace) -> Tuple[Any, torch.device]:
+def setup(args: argparse.Namespace) -> tuple[Any, torch.device]:
     """``hvd.init()``, pick the device (one GPU per local rank), seed, and keep CPU threads
     from oversubscribing the cores (several ranks share one machine).
 
@@ -139,8 +210,9 @@ def setup(args: argparse.Namespace) -> Tuple[Any, torch.device]:
     return hvd, device
 
 
-def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                    args: argparse.Namespace) -> hvd_slowmo.DistributedOptimizer:
+def build_optimizer(
+    base_optimizer: torch.optim.Optimizer, model: torch.nn.Module, args: argparse.Namespace
+) -> hvd_slowmo.DistributedOptimizer:
     """Wrap ``base_optimizer`` as the algorithm the flags name.
 
     Without SlowMo the base runs alone: allreduce with its momentum kept; Local SGD with a plain
@@ -152,11 +224,19 @@ def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         args: the parsed flags.
     """
     if args.algo not in hvd_slowmo.BASES:
-        raise ValueError(f"--algo {args.algo}: this hvd_slowmo has no such base (registered: "
-                         f"{sorted(hvd_slowmo.BASES)})")
-    kwargs: Dict[str, Any] = dict(base=args.algo, tau=args.tau, buffers=args.buffers,
-                                  average=not args.no_average, slow_lr=args.slow_lr,
-                                  slow_momentum=args.slow_momentum, overlap=args.overlap)
+        raise ValueError(
+            f"--algo {args.algo}: this hvd_slowmo has no such base (registered: "
+            f"{sorted(hvd_slowmo.BASES)})"
+        )
+    kwargs: dict[str, Any] = dict(
+        base=args.algo,
+        tau=args.tau,
+        buffers=args.buffers,
+        average=not args.no_average,
+        slow_lr=args.slow_lr,
+        slow_momentum=args.slow_momentum,
+        overlap=args.overlap,
+    )
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":
@@ -164,9 +244,12 @@ def build_optimizer(base_optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             kwargs.update(buffers="maintain", average=args.algo == "allreduce")
     elif args.algo == "allreduce" and args.buffers == "average":
         kwargs.update(buffers="maintain")  # identical on every worker already
-    return hvd_slowmo.DistributedOptimizer(base_optimizer,
-                                           named_parameters=model.named_parameters(),
-                                           model_buffers=model.buffers(), **kwargs)
+    return hvd_slowmo.DistributedOptimizer(
+        base_optimizer,
+        named_parameters=model.named_parameters(),
+        model_buffers=model.buffers(),
+        **kwargs,
+    )
 
 
 def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
@@ -175,9 +258,11 @@ def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
     Args:
         opt: the distributed optimizer.
     """
-    return (f"base={opt.base_name} tau={opt.tau} slow_lr={opt.slow_lr:g} "
-            f"slow_momentum={opt.slow_momentum:g} buffers={opt.buffers} average={opt.average} "
-            f"optimizer={type(opt.optimizer).__name__}")
+    return (
+        f"base={opt.base_name} tau={opt.tau} slow_lr={opt.slow_lr:g} "
+        f"slow_momentum={opt.slow_momentum:g} buffers={opt.buffers} average={opt.average} "
+        f"optimizer={type(opt.optimizer).__name__}"
+    )
 
 
 def run_name(args: argparse.Namespace) -> str:
@@ -187,12 +272,15 @@ def run_name(args: argparse.Namespace) -> str:
     if not args.slowmo:
         return f"{args.algo}" + (f"_tau{args.tau}" if args.algo == "localsgd" else "")
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
-    return (f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
-            f"_{args.buffers}" + (f"_overlap{args.overlap}" if args.overlap else ""))
+    return (
+        f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
+        f"_{args.buffers}" + (f"_overlap{args.overlap}" if args.overlap else "")
+    )
 
 
-def run_config(args: argparse.Namespace, task: str, optimizer_name: str,
-               world_size: int) -> Dict[str, Any]:
+def run_config(
+    args: argparse.Namespace, task: str, optimizer_name: str, world_size: int
+) -> dict[str, Any]:
     """What ``config.json`` records (the report groups runs by ``algo`` and ``slowmo``, and treats
     runs whose configurations differ only in ``seed`` as repeats of one setting).
 
@@ -202,17 +290,32 @@ def run_config(args: argparse.Namespace, task: str, optimizer_name: str,
         optimizer_name: ``"sgd"`` or ``"adam"``.
         world_size: number of workers.
     """
-    return {"task": task, "algo": args.algo, "slowmo": bool(args.slowmo), "tau": args.tau,
-            "slow_lr": args.slow_lr if args.slowmo else 1.0,
-            "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
-            "buffers": args.buffers, "average": not args.no_average, "optimizer": optimizer_name,
-            "workers": world_size, "batch_size": args.batch_size, "lr": args.lr,
-            "epochs": args.epochs, "seed": args.seed, "amp": args.amp,
-            "synthetic": getattr(args, "synthetic", False)}
+    return {
+        "task": task,
+        "algo": args.algo,
+        "slowmo": bool(args.slowmo),
+        "tau": args.tau,
+        "slow_lr": args.slow_lr if args.slowmo else 1.0,
+        "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
+        "buffers": args.buffers,
+        "average": not args.no_average,
+        "optimizer": optimizer_name,
+        "workers": world_size,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "amp": args.amp,
+        "synthetic": getattr(args, "synthetic", False),
+    }
 
 
-def make_monitor(opt: hvd_slowmo.DistributedOptimizer, args: argparse.Namespace,
-                 config: Dict[str, Any], device: torch.device) -> TrainingMonitor:
+def make_monitor(
+    opt: hvd_slowmo.DistributedOptimizer,
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    device: torch.device,
+) -> TrainingMonitor:
     """The TensorBoard monitor for ``LOGDIR/<run name>``; a fresh run (not --resume) first
     removes that run's old event files so TensorBoard does not mix two runs.
 
@@ -231,8 +334,13 @@ def make_monitor(opt: hvd_slowmo.DistributedOptimizer, args: argparse.Namespace,
     return TrainingMonitor(opt, logdir, config, device=device)
 
 
-def warmup_multistep(step: int, steps_per_epoch: int, warmup_epochs: float,
-                     milestones: Sequence[int], gamma: float = 0.1) -> float:
+def warmup_multistep(
+    step: int,
+    steps_per_epoch: int,
+    warmup_epochs: float,
+    milestones: Sequence[int],
+    gamma: float = 0.1,
+) -> float:
     """Goyal et al.'s schedule as a factor of the peak lr: linear warm-up, then decay by
     ``gamma`` at each milestone epoch.
 
@@ -287,7 +395,7 @@ def autocast(args: argparse.Namespace, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
 
 
-def make_scaler(args: argparse.Namespace, device: torch.device) -> Optional[torch.amp.GradScaler]:
+def make_scaler(args: argparse.Namespace, device: torch.device) -> torch.amp.GradScaler | None:
     """A GradScaler for --amp on CUDA (fp16 needs loss scaling); None otherwise (bf16 does not).
 
     Args:
@@ -297,9 +405,13 @@ def make_scaler(args: argparse.Namespace, device: torch.device) -> Optional[torc
     return torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
 
 
-def backward_and_step(loss: torch.Tensor, opt: hvd_slowmo.DistributedOptimizer,
-                      scaler: Optional[torch.amp.GradScaler], monitor: TrainingMonitor,
-                      hvd: Any) -> None:
+def backward_and_step(
+    loss: torch.Tensor,
+    opt: hvd_slowmo.DistributedOptimizer,
+    scaler: torch.amp.GradScaler | None,
+    monitor: TrainingMonitor,
+    hvd: Any,
+) -> None:
     """Backward and one optimizer step, with Horovod's GradScaler recipe when ``scaler`` is set.
 
     With a scaler, all workers must agree on skipping a step: a local method whose workers skip
@@ -336,7 +448,7 @@ def backward_and_step(loss: torch.Tensor, opt: hvd_slowmo.DistributedOptimizer,
     scaler.update()
 
 
-def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> List[float]:
+def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> list[float]:
     """Sum a few floats over all workers (validation counts and losses).
 
     Args:
@@ -348,8 +460,14 @@ def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> List[float]:
     return t.tolist()
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
-                    epoch: int, scaler: Optional[torch.amp.GradScaler], rank: int) -> None:
+def save_checkpoint(
+    path: str,
+    model: torch.nn.Module,
+    opt: hvd_slowmo.DistributedOptimizer,
+    epoch: int,
+    scaler: torch.amp.GradScaler | None,
+    rank: int,
+) -> None:
     """Save one dict (model, optimizer with its SlowMo state, next epoch, scaler) with
     :func:`hvd_slowmo.save_checkpoint` (atomic). Call on every rank: ``opt.state_dict()`` first
     finishes the gossip messages in flight, which every rank must do; rank 0 then writes.
@@ -362,15 +480,24 @@ def save_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.Distribut
         scaler: the GradScaler or None.
         rank: this worker's rank.
     """
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-             "scaler": scaler.state_dict() if scaler is not None else None}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "epoch": epoch,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         hvd_slowmo.save_checkpoint(state, path)
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
-                    scaler: Optional[torch.amp.GradScaler], hvd: Any) -> int:
+def load_checkpoint(
+    path: str,
+    model: torch.nn.Module,
+    opt: hvd_slowmo.DistributedOptimizer,
+    scaler: torch.amp.GradScaler | None,
+    hvd: Any,
+) -> int:
     """Rank 0 reads the checkpoint (:func:`hvd_slowmo.load_checkpoint`); every rank then gets
     its model and optimizer state (``hvd.broadcast_parameters`` and
     ``hvd_slowmo.broadcast_optimizer_state``). Collective.
@@ -396,15 +523,17 @@ def load_checkpoint(path: str, model: torch.nn.Module, opt: hvd_slowmo.Distribut
         epoch, scaler_state = int(ckpt["epoch"]), ckpt["scaler"]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd_slowmo.broadcast_optimizer_state(opt, root_rank=0)
-    epoch, scaler_state = hvd.broadcast_object((epoch, scaler_state), root_rank=0,
-                                               name="examples.resume")
+    epoch, scaler_state = hvd.broadcast_object(
+        (epoch, scaler_state), root_rank=0, name="examples.resume"
+    )
     if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     return epoch
 
 
-def progress(iterable: Iterable[Any], rank: int, args: argparse.Namespace,
-             **kwargs: Any) -> Iterable[Any]:
+def progress(
+    iterable: Iterable[Any], rank: int, args: argparse.Namespace, **kwargs: Any
+) -> Iterable[Any]:
     """A tqdm bar on rank 0 (unless --no-progress); the plain iterable elsewhere.
 
     Args:
@@ -437,7 +566,7 @@ def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: An
         print(PROGRESS_MARK + line, flush=True)
 
 
-def write_summary(path: Optional[str], summary: Dict[str, Any], rank: int) -> None:
+def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:
     """Rank 0 writes the run's final metrics as JSON (read by compare.py and the tests).
 
     Args:
@@ -462,12 +591,14 @@ def at_consensus(opt: hvd_slowmo.DistributedOptimizer) -> bool:
     """
     if opt.comm.size == 1 or opt.num_steps == 0 or not opt.base.needs_exact_average:
         return True
-    return opt.inner_step == 0 and opt.average
+    # With overlap the boundary's average is still in flight: the workers differ until it lands.
+    return opt.inner_step == 0 and opt.average and opt.pending is None
 
 
 @contextlib.contextmanager
-def averaged_model(model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
-                   hvd: Any) -> Iterator[bool]:
+def averaged_model(
+    model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer, hvd: Any
+) -> Iterator[bool]:
     """Inside the block, ``model`` holds the workers' averaged model; afterwards it holds this
     worker's own parameters again, bitwise, so training continues undisturbed. Collective.
 
@@ -494,16 +625,18 @@ def averaged_model(model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer,
     saved = [t.detach().clone() for t in params + buffers]
     weight = float(getattr(opt.base, "ps_weight", 1.0))
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float64) * weight for p in params]
-                         + [torch.full((1,), weight, dtype=torch.float64, device=params[0].device)]
-                         + [b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        flat = torch.cat(
+            [p.detach().reshape(-1).to(torch.float64) * weight for p in params]
+            + [torch.full((1,), weight, dtype=torch.float64, device=params[0].device)]
+            + [b.detach().reshape(-1).to(torch.float64) for b in buffers]
+        )
         flat = hvd.allreduce(flat, op=hvd.Sum, name="examples.average_for_eval")
         n_params = sum(p.numel() for p in params)
         total_weight = flat[n_params]
-        averages = torch.cat([flat[:n_params] / total_weight, flat[n_params + 1:] / hvd.size()])
+        averages = torch.cat([flat[:n_params] / total_weight, flat[n_params + 1 :] / hvd.size()])
         offset = 0
         for t in params + buffers:
-            t.copy_(averages[offset:offset + t.numel()].view_as(t))
+            t.copy_(averages[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     try:
         yield False
@@ -540,13 +673,24 @@ class OuterStepEpochs:
         ValueError: a worker's share of the data is smaller than one batch.
     """
 
-    def __init__(self, num_examples: int, batch_size: int, rank: int, size: int, seed: int,
-                 tau: int, max_steps: int = 0, pass_examples: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        rank: int,
+        size: int,
+        seed: int,
+        tau: int,
+        max_steps: int = 0,
+        pass_examples: int | None = None,
+    ) -> None:
         self.per_worker = num_examples // size
         if batch_size < 1 or self.per_worker < batch_size:
-            raise ValueError(f"--batch-size {batch_size} does not fit a worker's share of the "
-                             f"training set ({self.per_worker} examples); use 1 to "
-                             f"{max(self.per_worker, 1)}")
+            raise ValueError(
+                f"--batch-size {batch_size} does not fit a worker's share of the "
+                f"training set ({self.per_worker} examples); use 1 to "
+                f"{max(self.per_worker, 1)}"
+            )
         self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
         self.rank, self.size = rank, size
         pass_steps = (pass_examples or num_examples) // size / batch_size
@@ -556,9 +700,9 @@ class OuterStepEpochs:
     def _pass(self, k: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
         perm = torch.randperm(self.num_examples, generator=g)
-        return perm[self.rank::self.size][: self.per_worker]
+        return perm[self.rank :: self.size][: self.per_worker]
 
-    def epoch(self, epoch: int) -> List[Tensor]:
+    def epoch(self, epoch: int) -> list[Tensor]:
         """The index tensors of this worker's ``steps_per_epoch`` minibatches in ``epoch``.
 
         Args:
@@ -569,13 +713,20 @@ class OuterStepEpochs:
         first, last = start // self.per_worker, (stop - 1) // self.per_worker
         stream = torch.cat([self._pass(k) for k in range(first, last + 1)])
         offset = start - first * self.per_worker
-        return list(stream[offset:offset + stop - start].split(self.batch_size))
+        return list(stream[offset : offset + stop - start].split(self.batch_size))
 
 
 # --- evaluation ---------------------------------------------------------------------------------
 @torch.no_grad()
-def classifier_metrics(model: torch.nn.Module, dataset: Dataset, hvd: Any, device: torch.device,
-                       args: argparse.Namespace, batch_size: int, name: str) -> Tuple[float, float]:
+def classifier_metrics(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    hvd: Any,
+    device: torch.device,
+    args: argparse.Namespace,
+    batch_size: int,
+    name: str,
+) -> tuple[float, float]:
     """Mean cross-entropy and accuracy (%) of ``model`` over the whole ``dataset``: worker ``r``
     scores every ``size``-th example (an exact partition) and the sums are added. Collective.
 
@@ -592,8 +743,9 @@ def classifier_metrics(model: torch.nn.Module, dataset: Dataset, hvd: Any, devic
     model.eval()
     workers = 0 if getattr(args, "synthetic", True) else getattr(args, "workers", 0)
     shard = Subset(dataset, range(hvd.rank(), len(dataset), hvd.size()))
-    loader = DataLoader(shard, batch_size=batch_size, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        shard, batch_size=batch_size, num_workers=workers, pin_memory=device.type == "cuda"
+    )
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -633,21 +785,33 @@ class Task:
     steps_per_epoch: int
     batches: Callable[[int], Iterable[Any]]
     loss: Callable[[Any], Tensor]
-    evaluate: Callable[[], Dict[str, float]]
+    evaluate: Callable[[], dict[str, float]]
     to_device: Callable[[Any], Any]
     target: str = "val_accuracy"
 
 
-def _fmt_metrics(metrics: Dict[str, float]) -> str:
-    names = {"train_full_loss": "train loss", "val_loss": "val loss", "val_accuracy": "val acc",
-             "val_nll": "val nll"}
-    return ", ".join(f"{names[k]} {v:.2f}%" if k == "val_accuracy" else f"{names[k]} {v:.4f}"
-                     for k, v in metrics.items())
+def _fmt_metrics(metrics: dict[str, float]) -> str:
+    names = {
+        "train_full_loss": "train loss",
+        "val_loss": "val loss",
+        "val_accuracy": "val acc",
+        "val_nll": "val nll",
+    }
+    return ", ".join(
+        f"{names[k]} {v:.2f}%" if k == "val_accuracy" else f"{names[k]} {v:.4f}"
+        for k, v in metrics.items()
+    )
 
 
-def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
-          model: torch.nn.Module, base_optimizer: torch.optim.Optimizer,
-          lr_factor: Callable[[int], float]) -> Dict[str, Any]:
+def train(
+    args: argparse.Namespace,
+    hvd: Any,
+    device: torch.device,
+    task: Task,
+    model: torch.nn.Module,
+    base_optimizer: torch.optim.Optimizer,
+    lr_factor: Callable[[int], float],
+) -> dict[str, Any]:
     """The training loop every example runs: SlowMo around ``base_optimizer``, a per-step lr
     schedule, AMP, checkpoints, TensorBoard, rank-0 logs, and at the end of every epoch the
     metrics of the workers' averaged model (:func:`averaged_model`).
@@ -677,20 +841,24 @@ def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
     config = run_config(args, task.name, task.optimizer, size)
     config.update(buffers=opt.buffers, average=opt.average)  # as built (the base alone may differ)
     monitor = make_monitor(opt, args, config, device)
-    log0(rank, f"{run_name(args)}: {size} workers, {task.steps_per_epoch} steps/epoch, "
-               f"peak lr {sched.base_lrs[0]:g}, {describe(opt)}")
+    log0(
+        rank,
+        f"{run_name(args)}: {size} workers, {task.steps_per_epoch} steps/epoch, "
+        f"peak lr {sched.base_lrs[0]:g}, {describe(opt)}",
+    )
     _progress_line(args, rank, "start", epochs=args.epochs, start_epoch=start_epoch)
 
     higher_is_better = task.target == "val_accuracy"
     best = -math.inf if higher_is_better else math.inf
-    metrics: Dict[str, float] = {}
+    metrics: dict[str, float] = {}
     epoch_loss = float("nan")
     at_boundary = True
     skip_seconds, skip_iters = 0.0, 0
     diverged = False
     for epoch in range(start_epoch, args.epochs):
-        bar = progress(task.batches(epoch), rank, args, total=task.steps_per_epoch,
-                       desc=f"epoch {epoch}")
+        bar = progress(
+            task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
+        )
         loss_sum, steps = 0.0, 0
         for i, batch in enumerate(bar):
             if i >= task.steps_per_epoch:
@@ -705,8 +873,10 @@ def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
                 # Raised on every rank at the same outer step (a collective check): a learning rate
                 # too large for this method. Record the run as diverged (its metrics: those of the
                 # non-finite model) rather than end a sweep or a --plan launch.
-                log0(rank, f"{run_name(args)}: diverged at step {opt.num_steps}: "
-                           f"{str(e).splitlines()[0]}")
+                log0(
+                    rank,
+                    f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
+                )
                 diverged = True
                 break
             value = loss.item()
@@ -716,8 +886,9 @@ def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
             if opt.num_steps % args.log_every == 0:
                 window = monitor.log_window(opt.num_steps)
                 if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{window['train_loss']:.4f}",
-                                    ms=f"{window['iter_ms']:.1f}")
+                    bar.set_postfix(
+                        loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}"
+                    )
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
         epoch_loss = loss_sum / steps_all if steps_all else float("nan")
@@ -728,10 +899,14 @@ def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
         if task.target in metrics:
             value = metrics[task.target]
             best = max(best, value) if higher_is_better else min(best, value)
-        log0(rank, f"epoch {epoch}: train loss {epoch_loss:.4f} (minibatches); averaged model"
-                   f"{'' if at_boundary else ' (a copy)'}: {_fmt_metrics(metrics)}")
-        _progress_line(args, rank, "epoch", epoch=epoch + 1, epochs=args.epochs,
-                       step=opt.num_steps, **metrics)
+        log0(
+            rank,
+            f"epoch {epoch}: train loss {epoch_loss:.4f} (minibatches); averaged model"
+            f"{'' if at_boundary else ' (a copy)'}: {_fmt_metrics(metrics)}",
+        )
+        _progress_line(
+            args, rank, "epoch", epoch=epoch + 1, epochs=args.epochs, step=opt.num_steps, **metrics
+        )
         if epoch == start_epoch:  # the first epoch pays Horovod's one-off negotiation: leave it out
             skip_seconds, skip_iters = monitor.total_seconds, monitor.total_iterations
         if diverged:
@@ -745,28 +920,53 @@ def train(args: argparse.Namespace, hvd: Any, device: torch.device, task: Task,
     if flush is not None:
         flush()  # OSGP: no gossip message may stay in flight past the run
     timed = monitor.total_iterations - skip_iters
-    summary = {"run": run_name(args), "task": task.name, "algo": args.algo, "slowmo": args.slowmo,
-               "workers": size, "seed": args.seed, "lr": args.lr, "tau": args.tau,
-               "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
-               "buffers": opt.buffers, "steps": opt.num_steps, "epochs": args.epochs,
-               "train_loss": epoch_loss, **metrics,
-               f"best_{task.target}": best if math.isfinite(best) else None,
-               "evaluated_at_boundary": at_boundary,
-               "ms_per_iter": (1000.0 * (monitor.total_seconds - skip_seconds) / timed if timed
-                               else monitor.mean_iteration_ms()),
-               "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes,
-               "timings_s": dict(opt.timings), "outer_steps": opt.outer_steps,
-               "diverged": diverged, "wall_s": time.perf_counter() - t_start}
+    summary = {
+        "run": run_name(args),
+        "task": task.name,
+        "algo": args.algo,
+        "slowmo": args.slowmo,
+        "workers": size,
+        "seed": args.seed,
+        "lr": args.lr,
+        "tau": args.tau,
+        "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
+        "buffers": opt.buffers,
+        "steps": opt.num_steps,
+        "epochs": args.epochs,
+        "train_loss": epoch_loss,
+        **metrics,
+        f"best_{task.target}": best if math.isfinite(best) else None,
+        "evaluated_at_boundary": at_boundary,
+        "ms_per_iter": (
+            1000.0 * (monitor.total_seconds - skip_seconds) / timed
+            if timed
+            else monitor.mean_iteration_ms()
+        ),
+        "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes,
+        "timings_s": dict(opt.timings),
+        "outer_steps": opt.outer_steps,
+        "diverged": diverged,
+        "wall_s": time.perf_counter() - t_start,
+    }
     write_summary(args.summary_json, summary, rank)
     _progress_line(args, rank, "end", summary=summary)
     return summary
 
 
-def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, task: str,
-                     model: torch.nn.Module, train_set: Dataset, val_set: Dataset, peak_lr: float,
-                     lr_factor: Callable[[int, int], float], in_memory: bool = False,
-                     eval_batch_size: Optional[int] = None,
-                     pass_examples: Optional[int] = None) -> Dict[str, Any]:
+def train_classifier(
+    args: argparse.Namespace,
+    hvd: Any,
+    device: torch.device,
+    task: str,
+    model: torch.nn.Module,
+    train_set: Dataset,
+    val_set: Dataset,
+    peak_lr: float,
+    lr_factor: Callable[[int, int], float],
+    in_memory: bool = False,
+    eval_batch_size: int | None = None,
+    pass_examples: int | None = None,
+) -> dict[str, Any]:
     """Image/signal classification with :func:`train`: Nesterov SGD (momentum 0.9, weight decay
     1e-4, the paper's CIFAR-10/ImageNet recipe) wrapped by SlowMo; cross-entropy; the averaged
     model's validation loss and accuracy (and, with --eval-train-loss, its loss on the whole
@@ -794,21 +994,32 @@ def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, t
     rank, size = hvd.rank(), hvd.size()
     if in_memory:
         xs, ys = train_set.tensors  # type: ignore[attr-defined]
-        epochs = OuterStepEpochs(len(ys), args.batch_size, rank, size, args.seed, args.tau,
-                                 args.max_steps, pass_examples)
+        epochs = OuterStepEpochs(
+            len(ys), args.batch_size, rank, size, args.seed, args.tau, args.max_steps, pass_examples
+        )
         steps_per_epoch = epochs.steps_per_epoch
+
         def batches(epoch: int) -> Iterable[Any]:
             return ((xs[i], ys[i]) for i in epochs.epoch(epoch))
     else:
         workers = 0 if getattr(args, "synthetic", True) else args.workers
-        sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
-                                     seed=args.seed)
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                            num_workers=workers, pin_memory=device.type == "cuda")
+        sampler = DistributedSampler(
+            train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed
+        )
+        loader = DataLoader(
+            train_set,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+        )
         steps_per_epoch = len(loader) if args.max_steps <= 0 else min(len(loader), args.max_steps)
         if steps_per_epoch == 0:
-            raise ValueError(f"--batch-size {args.batch_size} is larger than a worker's shard of "
-                             f"the training set ({len(sampler)} examples); lower it")
+            raise ValueError(
+                f"--batch-size {args.batch_size} is larger than a worker's shard of "
+                f"the training set ({len(sampler)} examples); lower it"
+            )
 
         def batches(epoch: int) -> Iterable[Any]:  # type: ignore[misc]
             sampler.set_epoch(epoch)
@@ -816,26 +1027,38 @@ def train_classifier(args: argparse.Namespace, hvd: Any, device: torch.device, t
 
     eval_bs = eval_batch_size or args.batch_size
 
-    def evaluate() -> Dict[str, float]:
-        out: Dict[str, float] = {}
+    def evaluate() -> dict[str, float]:
+        out: dict[str, float] = {}
         if args.eval_train_loss:
-            out["train_full_loss"], _ = classifier_metrics(model, train_set, hvd, device, args,
-                                                           eval_bs, "examples.eval_train")
-        out["val_loss"], out["val_accuracy"] = classifier_metrics(model, val_set, hvd, device, args,
-                                                                  eval_bs, "examples.eval_val")
+            out["train_full_loss"], _ = classifier_metrics(
+                model, train_set, hvd, device, args, eval_bs, "examples.eval_train"
+            )
+        out["val_loss"], out["val_accuracy"] = classifier_metrics(
+            model, val_set, hvd, device, args, eval_bs, "examples.eval_val"
+        )
         return out
 
-    spec = Task(name=task, optimizer="sgd", steps_per_epoch=steps_per_epoch, batches=batches,
-                loss=lambda b: F.cross_entropy(model(b[0]), b[1]), evaluate=evaluate,
-                to_device=lambda b: (b[0].to(device, non_blocking=True),
-                                     b[1].to(device, non_blocking=True)))
-    base = torch.optim.SGD(model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True,
-                           weight_decay=1e-4)
-    return train(args, hvd, device, spec, model, base,
-                 lambda step: lr_factor(step, steps_per_epoch))
+    spec = Task(
+        name=task,
+        optimizer="sgd",
+        steps_per_epoch=steps_per_epoch,
+        batches=batches,
+        loss=lambda b: F.cross_entropy(model(b[0]), b[1]),
+        evaluate=evaluate,
+        to_device=lambda b: (
+            b[0].to(device, non_blocking=True),
+            b[1].to(device, non_blocking=True),
+        ),
+    )
+    base = torch.optim.SGD(
+        model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=1e-4
+    )
+    return train(
+        args, hvd, device, spec, model, base, lambda step: lr_factor(step, steps_per_epoch)
+    )
 
 
-def run_cli(main: Callable[[List[str]], Any], argv: Optional[Sequence[str]] = None) -> int:
+def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """An example's command line, plus ``--plan FILE``: a JSON list of argument lists, each
     trained in turn inside this one launch after the other arguments (so a launcher pays
     ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.tools.sweep).
@@ -856,9 +1079,12 @@ def run_cli(main: Callable[[List[str]], Any], argv: Optional[Sequence[str]] = No
     with open(known.plan, encoding="utf-8") as f:
         plan = json.load(f)
     if not isinstance(plan, list) or not all(
-            isinstance(e, list) and all(isinstance(a, str) for a in e) for e in plan):
-        raise ValueError(f"--plan {known.plan!r} must hold a JSON list of argument lists, e.g. "
-                         '[["--seed", "0"], ["--seed", "1"]]')
+        isinstance(e, list) and all(isinstance(a, str) for a in e) for e in plan
+    ):
+        raise ValueError(
+            f"--plan {known.plan!r} must hold a JSON list of argument lists, e.g. "
+            '[["--seed", "0"], ["--seed", "1"]]'
+        )
     for entry in plan:
         main(rest + entry)
     return 0

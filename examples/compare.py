@@ -23,6 +23,7 @@ of each epoch, an outer-step boundary: its loss on the whole training set and it
 accuracy (for plain SGP, which never averages exactly, the average of a copy of the workers'
 models). TensorBoard event files: LOGDIR/TASK/<method>/seed<k>/.
 """
+
 import argparse
 import json
 import os
@@ -33,7 +34,8 @@ import tempfile
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -52,14 +54,14 @@ FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
 #: workers are finite (one small collective).
 TAU = 12
 #: task -> (training script, settings per method, epochs of the default / --quick / --full modes).
-TASKS: Dict[str, Tuple[str, Dict[str, Dict[str, Any]], Dict[str, int]]] = {
+TASKS: dict[str, tuple[str, dict[str, dict[str, Any]], dict[str, int]]] = {
     "mnist1d": ("mnist1d_cnn.py", mnist1d_cnn.TUNED, {"default": 30, "quick": 12, "full": 30}),
     "digits": ("digits.py", digits.SETTINGS, {"default": 10, "quick": 4, "full": 10}),
 }
 SEEDS = {"default": "0,1,2", "quick": "0", "full": "0,1,2,3,4"}
 
 
-def parse_algo(spec: str) -> Tuple[str, bool]:
+def parse_algo(spec: str) -> tuple[str, bool]:
     """``"sgp-slowmo"`` -> ``("sgp", True)``; ``"localsgd"`` -> ``("localsgd", False)``.
 
     Args:
@@ -67,17 +69,22 @@ def parse_algo(spec: str) -> Tuple[str, bool]:
     """
     base, slowmo = (spec[: -len("-slowmo")], True) if spec.endswith("-slowmo") else (spec, False)
     if base not in ALGOS:
-        raise ValueError(f"--algos: unknown algorithm {spec!r}; use {', '.join(ALGOS)}, each "
-                         "optionally with -slowmo (e.g. localsgd-slowmo)")
+        raise ValueError(
+            f"--algos: unknown algorithm {spec!r}; use {', '.join(ALGOS)}, each "
+            "optionally with -slowmo (e.g. localsgd-slowmo)"
+        )
     if base == "allreduce" and slowmo:
-        raise ValueError("--algos: allreduce-slowmo is not one of the paper's settings (the paper "
-                         "saw no gain from SlowMo over AR-SGD); run it with "
-                         "examples/mnist1d_cnn.py --algo allreduce --slowmo")
+        raise ValueError(
+            "--algos: allreduce-slowmo is not one of the paper's settings (the paper "
+            "saw no gain from SlowMo over AR-SGD); run it with "
+            "examples/mnist1d_cnn.py --algo allreduce --slowmo"
+        )
     return base, slowmo
 
 
-def run_args(method: str, settings: Dict[str, Any], seed: int,
-             args: argparse.Namespace) -> List[str]:
+def run_args(
+    method: str, settings: dict[str, Any], seed: int, args: argparse.Namespace
+) -> list[str]:
     """The training script's flags for one run of ``method`` (e.g. ``"sgp-slowmo"``) and seed.
 
     Args:
@@ -87,17 +94,30 @@ def run_args(method: str, settings: Dict[str, Any], seed: int,
         args: compare.py's flags.
     """
     base, slowmo = parse_algo(method)
-    flags = ["--algo", base, "--slowmo" if slowmo else "--no-slowmo", "--tau", str(TAU),
-             "--lr", str(settings["lr"]), "--buffers", settings.get("buffers", "maintain"),
-             "--seed", str(seed), "--run-name", f"{method}/seed{seed}"]
+    flags = [
+        "--algo",
+        base,
+        "--slowmo" if slowmo else "--no-slowmo",
+        "--tau",
+        str(TAU),
+        "--lr",
+        str(settings["lr"]),
+        "--buffers",
+        settings.get("buffers", "maintain"),
+        "--seed",
+        str(seed),
+        "--run-name",
+        f"{method}/seed{seed}",
+    ]
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
         flags += ["--overlap", str(args.overlap)] if args.overlap else []
     return flags
 
 
-def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str],
-           args: argparse.Namespace) -> Tuple[Dict[str, Dict[str, Any]], int, str]:
+def launch(
+    np_: int, script: str, plan: list[list[str]], common_flags: list[str], args: argparse.Namespace
+) -> tuple[dict[str, dict[str, Any]], int, str]:
     """Train every run of ``plan`` in one horovodrun launch, with a progress bar per run.
 
     Args:
@@ -112,18 +132,28 @@ def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str]
     """
     from tqdm import tqdm
 
-    summaries: Dict[str, Dict[str, Any]] = {}
-    tail: Deque[str] = deque(maxlen=60)
+    summaries: dict[str, dict[str, Any]] = {}
+    tail: deque[str] = deque(maxlen=60)
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(plan, f)
-        cmd = (horovodrun_command(np_, args.launcher) + [sys.executable, os.path.join(HERE, script)]
-               + common_flags + ["--plan", plan_path])
+        cmd = (
+            horovodrun_command(np_, args.launcher)
+            + [sys.executable, os.path.join(HERE, script)]
+            + common_flags
+            + ["--plan", plan_path]
+        )
         # A session of its own, so a timeout or Ctrl-C can stop horovodrun and every worker it
         # started.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         timed_out = threading.Event()
 
         def stop() -> None:
@@ -132,7 +162,7 @@ def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str]
 
         timer = threading.Timer(args.timeout, stop)
         timer.start()
-        bar: Optional[Any] = None
+        bar: Any | None = None
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -143,9 +173,15 @@ def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str]
                     continue
                 event = json.loads(line.split(PROGRESS_MARK, 1)[1])
                 if event["event"] == "start":
-                    bar = tqdm(total=event["epochs"], initial=event["start_epoch"],
-                               desc=f"{event['run']:<22}", unit="epoch", dynamic_ncols=True,
-                               leave=False, disable=args.no_progress)
+                    bar = tqdm(
+                        total=event["epochs"],
+                        initial=event["start_epoch"],
+                        desc=f"{event['run']:<22}",
+                        unit="epoch",
+                        dynamic_ncols=True,
+                        leave=False,
+                        disable=args.no_progress,
+                    )
                 elif event["event"] == "epoch" and bar is not None:
                     bar.update(1)
                     acc = event.get("val_accuracy")
@@ -159,10 +195,12 @@ def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str]
                         bar.close()
                         bar = None
                     loss = s.get("train_full_loss", s["train_loss"])
-                    tqdm.write(f"{s['run']:<22} {s['wall_s']:6.1f} s   test acc "
-                               f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
-                               f"{s['ms_per_iter']:.1f} ms/iter"
-                               + ("   DIVERGED" if s.get("diverged") else ""))
+                    tqdm.write(
+                        f"{s['run']:<22} {s['wall_s']:6.1f} s   test acc "
+                        f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
+                        f"{s['ms_per_iter']:.1f} ms/iter"
+                        + ("   DIVERGED" if s.get("diverged") else "")
+                    )
             proc.wait()
         except BaseException:  # Ctrl-C or SIGTERM: the workers are in another session: stop them
             os.killpg(proc.pid, signal.SIGKILL)
@@ -176,8 +214,11 @@ def launch(np_: int, script: str, plan: List[List[str]], common_flags: List[str]
     return summaries, proc.returncode, "\n".join(tail)
 
 
-def results_table(methods: Sequence[str], settings: Dict[str, Dict[str, Any]],
-                  summaries: Dict[str, Dict[str, Any]]) -> str:
+def results_table(
+    methods: Sequence[str],
+    settings: dict[str, dict[str, Any]],
+    summaries: dict[str, dict[str, Any]],
+) -> str:
     """compare.py's own table: per method, mean ± std over its seeds of the final metrics.
 
     Args:
@@ -192,47 +233,74 @@ def results_table(methods: Sequence[str], settings: Dict[str, Dict[str, Any]],
             rows.append([method, "-", "-", "-", "0", "-", "-", "-", "-", "-"])
             continue
         cfg = settings[method]
-        rows.append([
-            method, f"{cfg['lr']:g}",
-            f"{cfg['slow_momentum']:g}" if method.endswith("-slowmo") else "-",
-            cfg.get("buffers", "maintain"), str(len(runs)),
-            report.fmt_mean_std([s.get("train_full_loss", s["train_loss"]) for s in runs], ".4f"),
-            report.fmt_mean_std([s.get("val_accuracy") for s in runs], ".2f"),
-            report.fmt_mean_std([s.get("best_val_accuracy") for s in runs], ".2f"),
-            report.fmt_mean_std([s["ms_per_iter"] for s in runs], ".1f"),
-            f"{sum(s['wall_s'] for s in runs):.0f}"])
-    headers = ["Method", "lr", "beta", "buffers", "Seeds", "Train loss (final)",
-               "Test acc % (final)", "Test acc % (best)", "ms/iter", "Wall (s)"]
+        rows.append(
+            [
+                method,
+                f"{cfg['lr']:g}",
+                f"{cfg['slow_momentum']:g}" if method.endswith("-slowmo") else "-",
+                cfg.get("buffers", "maintain"),
+                str(len(runs)),
+                report.fmt_mean_std(
+                    [s.get("train_full_loss", s["train_loss"]) for s in runs], ".4f"
+                ),
+                report.fmt_mean_std([s.get("val_accuracy") for s in runs], ".2f"),
+                report.fmt_mean_std([s.get("best_val_accuracy") for s in runs], ".2f"),
+                report.fmt_mean_std([s["ms_per_iter"] for s in runs], ".1f"),
+                f"{sum(s['wall_s'] for s in runs):.0f}",
+            ]
+        )
+    headers = [
+        "Method",
+        "lr",
+        "beta",
+        "buffers",
+        "Seeds",
+        "Train loss (final)",
+        "Test acc % (final)",
+        "Test acc % (best)",
+        "ms/iter",
+        "Wall (s)",
+    ]
     return report.text_table(headers, rows)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run every requested method and seed, print the rows and the report.
 
     Args:
         argv: arguments (default: sys.argv[1:]); unknown ones go to the training script.
     """
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--task", choices=sorted(TASKS), default="mnist1d")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="one seed, fewer epochs: a first look")
-    mode.add_argument("--full", action="store_true",
-                      help="5 seeds and OSGP too: the paper-like table")
+    mode.add_argument(
+        "--full", action="store_true", help="5 seeds and OSGP too: the paper-like table"
+    )
     parser.add_argument("--np", type=int, default=4, help="workers per run")
-    parser.add_argument("--overlap", type=int, default=0,
-                        help="SlowMo runs: base steps the exact average stays in flight")
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        help="SlowMo runs: base steps the exact average stays in flight",
+    )
     parser.add_argument("--algos", default=None, help=f"comma-separated (default: {DEFAULT_ALGOS})")
-    parser.add_argument("--seeds", default=None,
-                        help="comma-separated (default 0,1,2; --quick 0; --full 0..4)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="default: the task's (mnist1d: 30; --quick 12)")
-    parser.add_argument("--logdir", default="runs",
-                        help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/")
+    parser.add_argument(
+        "--seeds", default=None, help="comma-separated (default 0,1,2; --quick 0; --full 0..4)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="default: the task's (mnist1d: 30; --quick 12)"
+    )
+    parser.add_argument(
+        "--logdir", default="runs", help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/"
+    )
     parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole launch")
-    parser.add_argument("--png", default=None,
-                        help="figure path (default: LOGDIR/TASK/compare.png)")
+    parser.add_argument(
+        "--png", default=None, help="figure path (default: LOGDIR/TASK/compare.png)"
+    )
     parser.add_argument("--verbose", action="store_true", help="show the training logs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = parser.parse_known_args(argv)
@@ -248,31 +316,48 @@ def main(argv: Optional[List[str]] = None) -> int:
     for m in methods:
         parse_algo(m)
         if m not in settings:
-            raise ValueError(f"--algos: no tuned settings for {m!r} on {args.task} "
-                             f"(have: {', '.join(settings)})")
+            raise ValueError(
+                f"--algos: no tuned settings for {m!r} on {args.task} (have: {', '.join(settings)})"
+            )
     seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
     runnable = [m for m in methods if parse_algo(m)[0] in hvd_slowmo.BASES]
     for m in sorted(set(methods) - set(runnable)):
-        print(f"skipping {m}: base {parse_algo(m)[0]!r} is not registered in hvd_slowmo.BASES",
-              flush=True)
+        print(
+            f"skipping {m}: base {parse_algo(m)[0]!r} is not registered in hvd_slowmo.BASES",
+            flush=True,
+        )
 
     # SIGTERM becomes SystemExit, so launch() stops the workers before exiting.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     t_all = time.perf_counter()
     logdir = os.path.join(args.logdir, args.task)
     plan = [run_args(m, settings[m], seed, args) for m in runnable for seed in seeds]
-    common_flags = ["--epochs", str(epochs), "--logdir", logdir, "--no-progress",
-                    "--progress-lines"] + extra
-    print(f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "
-          f"{args.np} workers, {epochs} epochs, one horovodrun launch", flush=True)
+    common_flags = [
+        "--epochs",
+        str(epochs),
+        "--logdir",
+        logdir,
+        "--no-progress",
+        "--progress-lines",
+    ] + extra
+    print(
+        f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "
+        f"{args.np} workers, {epochs} epochs, one horovodrun launch",
+        flush=True,
+    )
     summaries, rc, tail = launch(args.np, script, plan, common_flags, args) if plan else ({}, 0, "")
     failed = len(plan) - len(summaries)
     if rc != 0 or failed:
-        print(f"\nthe launch exited with {rc}; {failed} of {len(plan)} runs did not finish. Its "
-              f"last lines:\n{tail}", flush=True)
+        print(
+            f"\nthe launch exited with {rc}; {failed} of {len(plan)} runs did not finish. Its "
+            f"last lines:\n{tail}",
+            flush=True,
+        )
 
-    print(f"\n{args.task}, {args.np} workers, {epochs} epochs, seeds {','.join(map(str, seeds))}: "
-          "the averaged model at the last epoch's end (mean ± std over seeds; sample std)")
+    print(
+        f"\n{args.task}, {args.np} workers, {epochs} epochs, seeds {','.join(map(str, seeds))}: "
+        "the averaged model at the last epoch's end (mean ± std over seeds; sample std)"
+    )
     print(results_table(runnable, settings, summaries))
     names = [name for name in summaries if os.path.isdir(os.path.join(logdir, name))]
     if names:

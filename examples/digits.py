@@ -14,10 +14,11 @@ global batch) after a 2-epoch linear warm-up and divided by 10 for the last quar
 epochs; Nesterov SGD, momentum 0.9, weight decay 1e-4. TensorBoard scalars go to
 runs/<run name>/.
 """
+
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +26,25 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep  # noqa: E402
+from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep
 
 #: compare.py --task digits: one learning rate for every method (per worker; not tuned: this
 #: task saturates), beta = 0.7; the baselines keep their local momentum, SlowMo resets it.
-SETTINGS: Dict[str, Dict[str, Any]] = {
-    method: ({"lr": 0.025, "slow_momentum": 0.7, "buffers": "reset"} if method.endswith("-slowmo")
-             else {"lr": 0.025, "buffers": "maintain"})
-    for method in ("allreduce", "localsgd", "localsgd-slowmo", "sgp", "sgp-slowmo", "osgp",
-                   "osgp-slowmo")
+SETTINGS: dict[str, dict[str, Any]] = {
+    method: (
+        {"lr": 0.025, "slow_momentum": 0.7, "buffers": "reset"}
+        if method.endswith("-slowmo")
+        else {"lr": 0.025, "buffers": "maintain"}
+    )
+    for method in (
+        "allreduce",
+        "localsgd",
+        "localsgd-slowmo",
+        "sgp",
+        "sgp-slowmo",
+        "osgp",
+        "osgp-slowmo",
+    )
 }
 
 
@@ -53,7 +64,7 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def load_digits_split(seed: int = 0) -> Dict[str, TensorDataset]:
+def load_digits_split(seed: int = 0) -> dict[str, TensorDataset]:
     """The 1797 digits as (N, 1, 8, 8) floats in [0, 1], split 80/20 by a fixed permutation.
 
     Args:
@@ -70,23 +81,42 @@ def load_digits_split(seed: int = 0) -> Dict[str, TensorDataset]:
     return {"train": TensorDataset(x[train], y[train]), "val": TensorDataset(x[val], y[val])}
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and return the final metrics.
 
     Args:
         argv: command-line arguments (default: sys.argv[1:]).
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, tau=12, slow_momentum=0.7, buffers="reset", epochs=10, batch_size=16,
-                    lr=0.025, data_flags=False, eval_train_loss=True)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_args(
+        parser,
+        tau=12,
+        slow_momentum=0.7,
+        buffers="reset",
+        epochs=10,
+        batch_size=16,
+        lr=0.025,
+        data_flags=False,
+        eval_train_loss=True,
+    )
     args = parser.parse_args(argv)
     hvd, device = setup(args)
     data = load_digits_split()
     decay_at = [int(0.75 * args.epochs)]
-    return train_classifier(args, hvd, device, "digits_cnn", DigitsCNN().to(device), data["train"],
-                            data["val"], peak_lr=args.lr * hvd.size(),
-                            lr_factor=lambda step, spe: warmup_multistep(step, spe, 2, decay_at),
-                            in_memory=True)
+    return train_classifier(
+        args,
+        hvd,
+        device,
+        "digits_cnn",
+        DigitsCNN().to(device),
+        data["train"],
+        data["val"],
+        peak_lr=args.lr * hvd.size(),
+        lr_factor=lambda step, spe: warmup_multistep(step, spe, 2, decay_at),
+        in_memory=True,
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ tuned per base algorithm from :data:`LR_GRID` without SlowMo; SlowMo then keeps 
 alpha = 1 and tau = 12, and tunes beta from :data:`BETA_GRID`: :data:`TUNED`.
 docs/mnist1d_tuning.md has the commands and every result.
 """
+
 import argparse
 import functools
 import os
 import random
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep  # noqa: E402
+from common import add_common_args, run_cli, setup, train_classifier, warmup_multistep
 
 #: The base learning-rate grid: the paper's CIFAR-10 grid {0.01, ..., 0.15} (as peak lr at a
 #: global batch of 128: its per-worker convention), extended by 0.2 and 0.3 because Local SGD's
@@ -49,7 +50,7 @@ BETA_GRID = (0.4, 0.5, 0.6, 0.7, 0.8)
 #: keeps its base's lr and takes beta from BETA_GRID. The baselines keep their local momentum
 #: ("maintain"); SlowMo resets it at every outer step, as in the paper. OSGP (--full only) was
 #: not tuned separately: it takes SGP's values.
-TUNED: Dict[str, Dict[str, Any]] = {
+TUNED: dict[str, dict[str, Any]] = {
     "allreduce": {"lr": 0.15},
     "localsgd": {"lr": 0.15, "buffers": "maintain"},
     "localsgd-slowmo": {"lr": 0.15, "slow_momentum": 0.5, "buffers": "reset"},
@@ -92,12 +93,11 @@ class ConvNet1D(nn.Module):
         return self.fc(x.flatten(1))
 
 
-@functools.lru_cache(maxsize=None)
-def _generate() -> Dict[str, Any]:
-    from mnist1d.data import get_dataset_args, make_dataset
-
+@functools.cache
+def _generate() -> dict[str, Any]:
     # make_dataset reseeds Python's and NumPy's global generators: give them back their state.
     import numpy as np
+    from mnist1d.data import get_dataset_args, make_dataset
 
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
@@ -107,7 +107,7 @@ def _generate() -> Dict[str, Any]:
         np.random.set_state(np_state)
 
 
-def load_mnist1d(validation: bool = False) -> Dict[str, TensorDataset]:
+def load_mnist1d(validation: bool = False) -> dict[str, TensorDataset]:
     """MNIST-1D's standard split as (N, 1, 40) float tensors, generated offline (seconds, cached
     per process).
 
@@ -127,29 +127,50 @@ def load_mnist1d(validation: bool = False) -> Dict[str, TensorDataset]:
     return {"train": TensorDataset(x, y), "val": TensorDataset(x_test, y_test)}
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and return the final metrics.
 
     Args:
         argv: command-line arguments (default: sys.argv[1:]).
     """
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, tau=12, slow_momentum=0.5, buffers="reset", epochs=30, batch_size=32,
-                    lr=0.15, data_flags=False, eval_train_loss=True)
-    parser.add_argument("--validation", action="store_true",
-                        help="hold out the last 500 training signals as the validation set "
-                             "(for tuning)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_args(
+        parser,
+        tau=12,
+        slow_momentum=0.5,
+        buffers="reset",
+        epochs=30,
+        batch_size=32,
+        lr=0.15,
+        data_flags=False,
+        eval_train_loss=True,
+    )
+    parser.add_argument(
+        "--validation",
+        action="store_true",
+        help="hold out the last 500 training signals as the validation set (for tuning)",
+    )
     args = parser.parse_args(argv)
     hvd, device = setup(args)
     data = load_mnist1d(args.validation)
     decay_at = [args.epochs // 2, (3 * args.epochs) // 4]
     task = "mnist1d_cnn" + ("_validation" if args.validation else "")
-    return train_classifier(args, hvd, device, task, ConvNet1D().to(device), data["train"],
-                            data["val"],
-                            peak_lr=args.lr * args.batch_size * hvd.size() / LR_BATCH,
-                            lr_factor=lambda step, spe: warmup_multistep(step, spe, 2, decay_at),
-                            in_memory=True, eval_batch_size=1000, pass_examples=TRAIN_SIZE)
+    return train_classifier(
+        args,
+        hvd,
+        device,
+        task,
+        ConvNet1D().to(device),
+        data["train"],
+        data["val"],
+        peak_lr=args.lr * args.batch_size * hvd.size() / LR_BATCH,
+        lr_factor=lambda step, spe: warmup_multistep(step, spe, 2, decay_at),
+        in_memory=True,
+        eval_batch_size=1000,
+        pass_examples=TRAIN_SIZE,
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ linearly to 1e-3 over 4000 steps then decaying as 1/sqrt(step), label smoothing 
 keeps ("maintain") the Adam buffers at each outer step, alpha = 1. Validation reports the
 per-token NLL (natural log, no smoothing) on TensorBoard as val/nll.
 """
+
 import argparse
 import math
 import os
@@ -25,7 +26,8 @@ import re
 import sys
 import warnings
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,17 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Task, add_common_args, allreduce_sums, autocast, inverse_sqrt, log0, run_cli,  # noqa: E402
-                    setup, train)
+from common import (
+    Task,
+    add_common_args,
+    allreduce_sums,
+    autocast,
+    inverse_sqrt,
+    log0,
+    run_cli,
+    setup,
+    train,
+)
 
 # torch's encoder fast path (evaluation with a padding mask) warns that nested tensors are a prototype.
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -47,12 +58,12 @@ SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
-def tokenize(line: str) -> List[str]:
+def tokenize(line: str) -> list[str]:
     """Words and single punctuation marks (BPE-segmented input keeps its ``@@`` pieces apart)."""
     return _TOKEN.findall(line)
 
 
-def build_vocab(lines: Sequence[str], max_size: int, min_freq: int) -> Dict[str, int]:
+def build_vocab(lines: Sequence[str], max_size: int, min_freq: int) -> dict[str, int]:
     """One joint vocabulary, most frequent tokens first, after the four special tokens.
 
     Args:
@@ -65,18 +76,20 @@ def build_vocab(lines: Sequence[str], max_size: int, min_freq: int) -> Dict[str,
     return {w: i for i, w in enumerate(SPECIALS + words[: max(0, max_size - len(SPECIALS))])}
 
 
-def encode(line: str, vocab: Dict[str, int], max_len: int) -> List[int]:
+def encode(line: str, vocab: dict[str, int], max_len: int) -> list[int]:
     """Token ids of one sentence, truncated to ``max_len``."""
     return [vocab.get(t, UNK) for t in tokenize(line)][:max_len]
 
 
-def read_lines(path: str) -> List[str]:
+def read_lines(path: str) -> list[str]:
     """The lines of a text file (no trailing newlines)."""
     with open(path, encoding="utf-8") as f:
         return [line.rstrip("\n") for line in f]
 
 
-def make_batches(pairs: List[Tuple[List[int], List[int]]], batch_size: int) -> List[Tuple[Tensor, Tensor]]:
+def make_batches(
+    pairs: list[tuple[list[int], list[int]]], batch_size: int
+) -> list[tuple[Tensor, Tensor]]:
     """Sort sentence pairs by length and pad them into batches of ``batch_size`` pairs (length
     bucketing keeps the padding small).
 
@@ -90,7 +103,7 @@ def make_batches(pairs: List[Tuple[List[int], List[int]]], batch_size: int) -> L
     order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), len(pairs[i][1])))
     batches = []
     for start in range(0, len(order), batch_size):
-        chunk = [pairs[i] for i in order[start:start + batch_size]]
+        chunk = [pairs[i] for i in order[start : start + batch_size]]
         src = torch.full((len(chunk), max(len(s) for s, _ in chunk) or 1), PAD, dtype=torch.long)
         tgt = torch.full((len(chunk), max(len(t) for _, t in chunk) + 1), PAD, dtype=torch.long)
         for i, (s, t) in enumerate(chunk):
@@ -100,7 +113,9 @@ def make_batches(pairs: List[Tuple[List[int], List[int]]], batch_size: int) -> L
     return batches
 
 
-def load_data(args: argparse.Namespace) -> Tuple[List[Tuple[Tensor, Tensor]], List[Tuple[Tensor, Tensor]], int]:
+def load_data(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]], int]:
     """Training and validation batches and the vocabulary size.
 
     Args:
@@ -111,34 +126,60 @@ def load_data(args: argparse.Namespace) -> Tuple[List[Tuple[Tensor, Tensor]], Li
         g = torch.Generator().manual_seed(0)
         vocab = 32
 
-        def sample(n: int) -> List[Tuple[List[int], List[int]]]:
+        def sample(n: int) -> list[tuple[list[int], list[int]]]:
             out = []
             for _ in range(n):
-                s = torch.randint(len(SPECIALS), vocab, (int(torch.randint(3, 9, (1,), generator=g)),),
-                                  generator=g).tolist()
+                s = torch.randint(
+                    len(SPECIALS),
+                    vocab,
+                    (int(torch.randint(3, 9, (1,), generator=g)),),
+                    generator=g,
+                ).tolist()
                 out.append((s, s[::-1]))
             return out
 
-        return make_batches(sample(256), args.batch_size), make_batches(sample(64), args.batch_size), vocab
+        return (
+            make_batches(sample(256), args.batch_size),
+            make_batches(sample(64), args.batch_size),
+            vocab,
+        )
     if args.download:
-        raise ValueError("--download: WMT'16 is not downloaded by this script; prepare the parallel text files "
-                         "(e.g. fairseq's examples/translation/prepare-wmt14en2de.sh) and pass their folder as --data")
-    files = {f"{split}.{lang}": os.path.join(args.data, f"{split}.{lang}")
-             for split in ("train", "valid") for lang in (args.src_lang, args.tgt_lang)}
+        raise ValueError(
+            "--download: WMT'16 is not downloaded by this script; prepare the parallel text files "
+            "(e.g. fairseq's examples/translation/prepare-wmt14en2de.sh) and pass their folder as --data"
+        )
+    files = {
+        f"{split}.{lang}": os.path.join(args.data, f"{split}.{lang}")
+        for split in ("train", "valid")
+        for lang in (args.src_lang, args.tgt_lang)
+    }
     missing = [p for p in files.values() if not os.path.exists(p)]
     if missing:
-        raise ValueError(f"--data {args.data!r} lacks {missing}; it needs train.{{src,tgt}} and valid.{{src,tgt}} "
-                         "parallel text files (one sentence per line)")
+        raise ValueError(
+            f"--data {args.data!r} lacks {missing}; it needs train.{{src,tgt}} and valid.{{src,tgt}} "
+            "parallel text files (one sentence per line)"
+        )
     text = {k: read_lines(p) for k, p in files.items()}
-    vocab = build_vocab(text[f"train.{args.src_lang}"] + text[f"train.{args.tgt_lang}"], args.vocab_size, 2)
+    vocab = build_vocab(
+        text[f"train.{args.src_lang}"] + text[f"train.{args.tgt_lang}"], args.vocab_size, 2
+    )
 
-    def pairs(split: str) -> List[Tuple[List[int], List[int]]]:
+    def pairs(split: str) -> list[tuple[list[int], list[int]]]:
         src, tgt = text[f"{split}.{args.src_lang}"], text[f"{split}.{args.tgt_lang}"]
         if len(src) != len(tgt):
-            raise ValueError(f"{split}.{args.src_lang} has {len(src)} lines but {split}.{args.tgt_lang} {len(tgt)}")
-        return [(encode(s, vocab, args.max_len), encode(t, vocab, args.max_len)) for s, t in zip(src, tgt)]
+            raise ValueError(
+                f"{split}.{args.src_lang} has {len(src)} lines but {split}.{args.tgt_lang} {len(tgt)}"
+            )
+        return [
+            (encode(s, vocab, args.max_len), encode(t, vocab, args.max_len))
+            for s, t in zip(src, tgt)
+        ]
 
-    return make_batches(pairs("train"), args.batch_size), make_batches(pairs("valid"), args.batch_size), len(vocab)
+    return (
+        make_batches(pairs("train"), args.batch_size),
+        make_batches(pairs("valid"), args.batch_size),
+        len(vocab),
+    )
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -154,30 +195,48 @@ class Seq2SeqTransformer(nn.Module):
         max_len: longest sequence the positional table covers.
     """
 
-    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, ffn: int, dropout: float,
-                 max_len: int = 1024) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        d_model: int,
+        heads: int,
+        layers: int,
+        ffn: int,
+        dropout: float,
+        max_len: int = 1024,
+    ) -> None:
         super().__init__()
         self.d_model = d_model
         self.embed = nn.Embedding(vocab, d_model, padding_idx=PAD)
-        nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
         pos = torch.arange(max_len).unsqueeze(1)
         div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
         table = torch.zeros(max_len, d_model)
         table[:, 0::2], table[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
         self.register_buffer("positions", table, persistent=False)
         self.dropout = nn.Dropout(dropout)
-        self.transformer = nn.Transformer(d_model, heads, layers, layers, ffn, dropout, batch_first=True)
+        self.transformer = nn.Transformer(
+            d_model, heads, layers, layers, ffn, dropout, batch_first=True
+        )
 
     def _embed(self, ids: Tensor) -> Tensor:
-        return self.dropout(self.embed(ids) * math.sqrt(self.d_model) + self.positions[: ids.shape[1]])
+        return self.dropout(
+            self.embed(ids) * math.sqrt(self.d_model) + self.positions[: ids.shape[1]]
+        )
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         # Boolean like the padding masks (True = masked): mixing mask types is deprecated in torch.
         t = tgt_in.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=src.device).triu(1)
-        out = self.transformer(self._embed(src), self._embed(tgt_in), tgt_mask=causal, tgt_is_causal=True,
-                               src_key_padding_mask=src == PAD, tgt_key_padding_mask=tgt_in == PAD,
-                               memory_key_padding_mask=src == PAD)
+        out = self.transformer(
+            self._embed(src),
+            self._embed(tgt_in),
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            src_key_padding_mask=src == PAD,
+            tgt_key_padding_mask=tgt_in == PAD,
+            memory_key_padding_mask=src == PAD,
+        )
         return out @ self.embed.weight.t()  # tied output projection
 
 
@@ -187,8 +246,13 @@ def teacher_forcing(tgt: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def validate(model: nn.Module, batches: List[Tuple[Tensor, Tensor]], hvd: Any, device: torch.device,
-             args: argparse.Namespace) -> Dict[str, float]:
+def validate(
+    model: nn.Module,
+    batches: list[tuple[Tensor, Tensor]],
+    hvd: Any,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, float]:
     """Per-token NLL of the validation set; each worker scores every size-th batch (the training
     loop hands in the workers' averaged model). Collective.
 
@@ -201,25 +265,31 @@ def validate(model: nn.Module, batches: List[Tuple[Tensor, Tensor]], hvd: Any, d
     """
     model.eval()
     nll, tokens = 0.0, 0.0
-    for src, tgt in batches[hvd.rank()::hvd.size()]:
+    for src, tgt in batches[hvd.rank() :: hvd.size()]:
         src, tgt = src.to(device), tgt.to(device)
         with autocast(args, device):
             logits = model(src, teacher_forcing(tgt))
-        nll += F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD, reduction="sum").item()
+        nll += F.cross_entropy(
+            logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD, reduction="sum"
+        ).item()
         tokens += (tgt != PAD).sum().item()
     model.train()
     nll, tokens = allreduce_sums([nll, tokens], hvd, "translation.eval")
     return {"val_nll": nll / max(tokens, 1.0)}
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and return the final metrics.
 
     Args:
         argv: command-line arguments (default: sys.argv[1:]).
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser, tau=12, slow_momentum=0.5, buffers="maintain", epochs=25, batch_size=64, lr=1e-3)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_args(
+        parser, tau=12, slow_momentum=0.5, buffers="maintain", epochs=25, batch_size=64, lr=1e-3
+    )
     m = parser.add_argument_group("model and data")
     m.add_argument("--src-lang", default="en")
     m.add_argument("--tgt-lang", default="de")
@@ -242,33 +312,47 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     # Shard whole (length-bucketed) batches; the sampler pads so every worker takes the same
     # number of steps, which the local methods' exact averages rely on.
-    sampler = DistributedSampler(train_batches, num_replicas=size, rank=rank, shuffle=True,
-                                 seed=args.seed)
+    sampler = DistributedSampler(
+        train_batches, num_replicas=size, rank=rank, shuffle=True, seed=args.seed
+    )
     loader = DataLoader(train_batches, batch_size=None, sampler=sampler)
 
     def batches(epoch: int) -> DataLoader:
         sampler.set_epoch(epoch)
         return loader
 
-    def loss(batch: Tuple[Tensor, Tensor]) -> Tensor:
+    def loss(batch: tuple[Tensor, Tensor]) -> Tensor:
         src, tgt = batch
         logits = model(src, teacher_forcing(tgt))
-        return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD,
-                               label_smoothing=args.label_smoothing)
+        return F.cross_entropy(
+            logits.float().flatten(0, 1),
+            tgt.flatten(),
+            ignore_index=PAD,
+            label_smoothing=args.label_smoothing,
+        )
 
-    model = Seq2SeqTransformer(vocab, args.d_model, args.heads, args.layers, args.ffn,
-                               args.dropout).to(device)
+    model = Seq2SeqTransformer(
+        vocab, args.d_model, args.heads, args.layers, args.ffn, args.dropout
+    ).to(device)
     steps = len(sampler) if args.max_steps <= 0 else min(len(sampler), args.max_steps)
-    task = Task(name="translation_transformer", optimizer="adam", steps_per_epoch=steps,
-                batches=batches, loss=loss,
-                evaluate=lambda: validate(model, val_batches, hvd, device, args),
-                to_device=lambda b: (b[0].to(device, non_blocking=True),
-                                     b[1].to(device, non_blocking=True)),
-                target="val_nll")
+    task = Task(
+        name="translation_transformer",
+        optimizer="adam",
+        steps_per_epoch=steps,
+        batches=batches,
+        loss=loss,
+        evaluate=lambda: validate(model, val_batches, hvd, device, args),
+        to_device=lambda b: (
+            b[0].to(device, non_blocking=True),
+            b[1].to(device, non_blocking=True),
+        ),
+        target="val_nll",
+    )
     log0(rank, f"vocabulary: {vocab} tokens")
     base = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    return train(args, hvd, device, task, model, base,
-                 lambda step: inverse_sqrt(step, args.warmup_steps))
+    return train(
+        args, hvd, device, task, model, base, lambda step: inverse_sqrt(step, args.warmup_steps)
+    )
 
 
 if __name__ == "__main__":

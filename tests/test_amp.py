@@ -40,9 +40,13 @@ def train(recipe, case):
     def worker(comm):
         if node:  # 2 nodes x 2 ranks
             r = comm.rank
-            kwargs["worker"] = Hierarchy(node=comm.world.split([[0, 1], [2, 3]])[r],
-                                         cross=comm.world.split([[0, 2], [1, 3]])[r])
-        return amp_run.run(models[comm.rank], recipe, SKIPPED, BAD_RANK, STEPS, comm.rank, comm, **kwargs)
+            kwargs["worker"] = Hierarchy(
+                node=comm.world.split([[0, 1], [2, 3]])[r],
+                cross=comm.world.split([[0, 2], [1, 3]])[r],
+            )
+        return amp_run.run(
+            models[comm.rank], recipe, SKIPPED, BAD_RANK, STEPS, comm.rank, comm, **kwargs
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GradScaler on CPU, slow_momentum=0 notes
@@ -50,10 +54,14 @@ def train(recipe, case):
 
 
 def assert_ranks_bitwise_equal(results):
-    assert len({len(r["snaps"]) for r in results}) == 1, "ranks took different numbers of outer steps"
+    assert len({len(r["snaps"]) for r in results}) == 1, (
+        "ranks took different numbers of outer steps"
+    )
     for per_rank in zip(*[r["snaps"] for r in results]):
         for tensors in zip(*per_rank):
-            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "ranks differ after an exact average"
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), (
+                "ranks differ after an exact average"
+            )
 
 
 @pytest.mark.parametrize("recipe", ["manual", "scaler", "horovod"])
@@ -73,7 +81,9 @@ def test_skipped_step_keeps_workers_in_step(case, recipe):
         assert_ranks_bitwise_equal(want)
         for g, w in zip(got, want):
             for a, b in zip(g["final"], w["final"]):
-                assert torch.equal(a, b), "the run differs from the one without the overflowed iterations"
+                assert torch.equal(a, b), (
+                    "the run differs from the one without the overflowed iterations"
+                )
 
 
 def test_without_skip_the_runs_differ():
@@ -83,7 +93,16 @@ def test_without_skip_the_runs_differ():
     models = [amp_run.mlp() for _ in range(3)]
 
     def no_skip(comm):
-        return amp_run.run(models[comm.rank], "reference", set(), BAD_RANK, STEPS, comm.rank, comm, **BASES["localsgd"])
+        return amp_run.run(
+            models[comm.rank],
+            "reference",
+            set(),
+            BAD_RANK,
+            STEPS,
+            comm.rank,
+            comm,
+            **BASES["localsgd"],
+        )
 
     full = run_threads(3, no_skip)
     assert not all(torch.equal(a, b) for a, b in zip(got[0]["final"], full[0]["final"]))
@@ -102,10 +121,14 @@ def test_optimizer_hooks_follow_torch_semantics():
     model = amp_run.mlp()
 
     def worker(comm):
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), communicator=comm, tau=2)
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), communicator=comm, tau=2
+        )
         calls = []
         opt.register_step_pre_hook(lambda o, args, kw: calls.append(("pre", o is opt, o.num_steps)))
-        opt.register_step_post_hook(lambda o, args, kw: calls.append(("post", o is opt, o.num_steps)))
+        opt.register_step_post_hook(
+            lambda o, args, kw: calls.append(("post", o is opt, o.num_steps))
+        )
         opt.register_state_dict_pre_hook(lambda o: calls.append(("sd-pre", o is opt)))
 
         def add_marker(o, sd):
@@ -113,7 +136,9 @@ def test_optimizer_hooks_follow_torch_semantics():
             return sd
 
         opt.register_state_dict_post_hook(add_marker)
-        opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "marker"})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: {k: v for k, v in sd.items() if k != "marker"}
+        )
         opt.register_load_state_dict_post_hook(lambda o: calls.append(("load-post", o is opt)))
         handle = opt.register_step_post_hook(lambda o, args, kw: calls.append(("removed",)))
         handle.remove()

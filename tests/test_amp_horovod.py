@@ -1,6 +1,7 @@
 """AMP overflows on one rank under horovodrun (Gloo and MPI): every rank skips the step, ranks
 stay bitwise identical after every exact average, and the run equals the one in which the
 overflowed iterations never happened (see tests/amp_run.py)."""
+
 import os
 
 import pytest
@@ -28,7 +29,12 @@ def test_overflow_on_one_rank_is_skipped_everywhere(tmp_path, np_, controller):
             assert res["unchanged_by_skip"], (case, recipe)
             assert res["skipped_steps"] == (0 if recipe == "reference" else SKIPPED), (case, recipe)
             for got, ref in zip(res["snaps"], mine["snaps"]):
-                assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"{case} {recipe}: ranks differ"
+                assert all(torch.equal(a, b) for a, b in zip(got, ref)), (
+                    f"{case} {recipe}: ranks differ"
+                )
         for res, ref in zip(everyone, [r[(case, "reference")] for r in ranks]):
-            assert all(torch.equal(a, b) for a, b in zip(res["final"], ref["final"])), (case, recipe)
+            assert all(torch.equal(a, b) for a, b in zip(res["final"], ref["final"])), (
+                case,
+                recipe,
+            )
         assert want["snaps"], case

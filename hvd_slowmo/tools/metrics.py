@@ -5,10 +5,12 @@ consensus distance between workers.
 One :class:`TrainingMonitor` per process; every rank calls it (some measurements are
 collectives), only rank 0 writes. The tag names below are what :mod:`hvd_slowmo.tools.report` reads.
 """
+
 import json
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,10 +32,12 @@ TAGS = {
     "val_nll": "val/nll",  # translation: per-token negative log-likelihood
     "iter_ms": "time/iter_ms",  # wall time per iteration (rank 0), window mean
     "compute_ms": "time/compute_ms",  # iter_ms minus the three communication phases below
-    "base_comm_ms": "time/base_comm_ms",  # the base algorithm's per-step communication (gossip, allreduce)
-    "average_ms": "time/average_ms",  # the exact average every tau steps
+    # the base algorithm's per-step communication (gossip, allreduce)
+    "base_comm_ms": "time/base_comm_ms",
+    "average_ms": "time/average_ms",  # the exact average every tau steps (its exposed part)
     "slow_update_ms": "time/slow_update_ms",  # slow momentum update and buffer strategy
-    "bytes_sent": "comm/bytes_sent",  # cumulative payload bytes sent by rank 0 (training traffic only)
+    # cumulative payload bytes sent by rank 0 (training traffic only)
+    "bytes_sent": "comm/bytes_sent",
     "consensus": "consensus/distance",  # mean_i ||x_i - mean_j x_j|| just before an exact average
 }
 #: File written next to the event files with the run's configuration (read by the report).
@@ -90,12 +94,20 @@ class TrainingMonitor:
             time split is real.
     """
 
-    def __init__(self, optimizer: Any, logdir: Optional[str], config: Dict[str, Any],
-                 measure_consensus: bool = True, device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        logdir: str | None,
+        config: dict[str, Any],
+        measure_consensus: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         for attr in ("comm", "timings", "inner_step", "tau", "base", "param_groups"):
             if not hasattr(optimizer, attr):
-                raise TypeError(f"optimizer must be a hvd_slowmo.DistributedOptimizer (it lacks {attr!r}), "
-                                f"got {type(optimizer).__name__}")
+                raise TypeError(
+                    f"optimizer must be a hvd_slowmo.DistributedOptimizer (it lacks {attr!r}), "
+                    f"got {type(optimizer).__name__}"
+                )
         self.opt = optimizer
         self.comm: Communicator = optimizer.comm
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -109,12 +121,12 @@ class TrainingMonitor:
                 json.dump(config, f, indent=1, sort_keys=True, default=str)
             self.writer = SummaryWriter(logdir)
         self.measurement_bytes = 0  # traffic of the monitor itself, kept out of comm/bytes_sent
-        self.last_consensus: Optional[float] = None
+        self.last_consensus: float | None = None
         self.total_iterations = 0
         self.total_seconds = 0.0
         self._reset_window()
-        self._t0: Optional[float] = None
-        self._phase0: Dict[str, float] = {}
+        self._t0: float | None = None
+        self._phase0: dict[str, float] = {}
 
     def _reset_window(self) -> None:
         self._win_iters = 0
@@ -122,7 +134,7 @@ class TrainingMonitor:
         self._win_phases = {k: 0.0 for k in _PHASES}
         self._win_loss = 0.0
         self._win_loss_count = 0
-        self._win_consensus: List[float] = []
+        self._win_consensus: list[float] = []
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -173,7 +185,7 @@ class TrainingMonitor:
         return elapsed
 
     @torch.no_grad()
-    def log_window(self, step: int) -> Dict[str, float]:
+    def log_window(self, step: int) -> dict[str, float]:
         """Write the window's means (loss over all workers; times of this rank) and start a new
         window. Collective (one small allreduce for the loss). Returns what was computed.
 
@@ -184,7 +196,7 @@ class TrainingMonitor:
         loss = torch.tensor([self._win_loss, float(self._win_loss_count)], dtype=torch.float64)
         self.comm.average_([loss], name="hvd_slowmo.metrics.train_loss")
         self.measurement_bytes += self.comm.bytes_sent - before
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         if loss[1] > 0:
             out["train_loss"] = float(loss[0] / loss[1])
         if self._win_iters:
@@ -201,7 +213,7 @@ class TrainingMonitor:
         self._reset_window()
         return out
 
-    def log_validation(self, step: int, metrics: Dict[str, float]) -> None:
+    def log_validation(self, step: int, metrics: dict[str, float]) -> None:
         """Write evaluation metrics (rank 0).
 
         Args:
@@ -210,11 +222,12 @@ class TrainingMonitor:
         """
         unknown = sorted(set(metrics) - set(_EVAL_KEYS))
         if unknown:
-            raise ValueError(f"log_validation: unknown metric(s) {unknown}; "
-                             f"use {', '.join(_EVAL_KEYS)}")
+            raise ValueError(
+                f"log_validation: unknown metric(s) {unknown}; use {', '.join(_EVAL_KEYS)}"
+            )
         self._write(metrics, step)
 
-    def _write(self, values: Dict[str, float], step: int) -> None:
+    def _write(self, values: dict[str, float], step: int) -> None:
         if self.writer is None:
             return
         for key, value in values.items():

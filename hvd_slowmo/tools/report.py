@@ -22,21 +22,37 @@ leaving out the first window when there are several (it holds Horovod's one-off 
 PNG is saved too (matplotlib, Agg backend): per setting, the mean training-loss and validation
 curves with a band from the lowest to the highest seed, and a bar chart of the time split.
 """
+
 import argparse
 import json
 import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ..bases import BASES
 from .metrics import CONFIG_FILE, TAGS
 
-__all__ = ["Run", "Setting", "load_runs", "summarize", "group_settings", "best_settings",
-           "mean_std", "fmt_mean_std", "text_table", "table1", "table2", "settings_table",
-           "runs_table", "plot", "main"]
+__all__ = [
+    "Run",
+    "Setting",
+    "load_runs",
+    "summarize",
+    "group_settings",
+    "best_settings",
+    "mean_std",
+    "fmt_mean_std",
+    "text_table",
+    "table1",
+    "table2",
+    "settings_table",
+    "runs_table",
+    "plot",
+    "main",
+]
 
 _ORDER = tuple(BASES)  # the registry's order is the paper's
 _LABELS = {name: cls.label or name for name, cls in BASES.items()}
@@ -55,8 +71,8 @@ class Run:
 
     name: str
     path: str
-    config: Dict[str, Any]
-    scalars: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    config: dict[str, Any]
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def algo(self) -> str:
@@ -66,20 +82,23 @@ class Run:
     def slowmo(self) -> bool:
         return bool(self.config.get("slowmo", False))
 
-    def values(self, key: str) -> List[float]:
+    def values(self, key: str) -> list[float]:
         """The values of one of :data:`hvd_slowmo.tools.metrics.TAGS`' keys, in step order."""
         return [v for _, v in self.scalars.get(TAGS[key], [])]
 
 
-def _config_from_name(name: str) -> Dict[str, Any]:
+def _config_from_name(name: str) -> dict[str, Any]:
     # Names written by the examples start with "<algo>[-slowmo[-noavg]]".
     base = os.path.basename(name.rstrip("/"))
     m = re.match(r"([a-z]+)", base)
-    return {"algo": m.group(1) if m else base, "slowmo": "-slowmo" in base,
-            "average": "-noavg" not in base}
+    return {
+        "algo": m.group(1) if m else base,
+        "slowmo": "-slowmo" in base,
+        "average": "-noavg" not in base,
+    }
 
 
-def load_runs(paths: Sequence[str], relative_to: Optional[str] = None) -> List[Run]:
+def load_runs(paths: Sequence[str], relative_to: str | None = None) -> list[Run]:
     """Every folder holding TensorBoard event files under ``paths`` (searched recursively).
 
     Args:
@@ -95,8 +114,9 @@ def load_runs(paths: Sequence[str], relative_to: Optional[str] = None) -> List[R
     runs = []
     for root in paths:
         if not os.path.isdir(root):
-            raise ValueError(f"report: {root!r} is not a folder; pass the --logdir of the runs "
-                             "(e.g. runs/)")
+            raise ValueError(
+                f"report: {root!r} is not a folder; pass the --logdir of the runs (e.g. runs/)"
+            )
         for folder, _, files in sorted(os.walk(root)):
             if not any(f.startswith("events.out.tfevents") for f in files):
                 continue
@@ -113,33 +133,35 @@ def load_runs(paths: Sequence[str], relative_to: Optional[str] = None) -> List[R
                 config = _config_from_name(name)
             acc = EventAccumulator(folder, size_guidance={SCALARS: 0})  # 0: keep every point
             acc.Reload()
-            scalars = {tag: sorted((e.step, e.value) for e in acc.Scalars(tag))
-                       for tag in acc.Tags()["scalars"]}
+            scalars = {
+                tag: sorted((e.step, e.value) for e in acc.Scalars(tag))
+                for tag in acc.Tags()["scalars"]
+            }
             runs.append(Run(name=name, path=folder, config=config, scalars=scalars))
     return runs
 
 
-def _mean(values: Sequence[float]) -> Optional[float]:
+def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _steady(values: Sequence[float]) -> List[float]:
+def _steady(values: Sequence[float]) -> list[float]:
     return list(values[1:]) if len(values) > 1 else list(values)
 
 
-def _train_loss_points(run: Run) -> List[Tuple[int, float]]:
+def _train_loss_points(run: Run) -> list[tuple[int, float]]:
     """The averaged model's full training loss where logged, else the minibatch loss."""
     return run.scalars.get(TAGS["train_full_loss"]) or run.scalars.get(TAGS["train_loss"], [])
 
 
-def _val_key(run: Run) -> Optional[str]:
+def _val_key(run: Run) -> str | None:
     for key in ("val_accuracy", "val_nll", "val_loss"):
         if run.scalars.get(TAGS[key]):
             return key
     return None
 
 
-def summarize(run: Run) -> Dict[str, Any]:
+def summarize(run: Run) -> dict[str, Any]:
     """The numbers the tables show for one run.
 
     Args:
@@ -153,7 +175,7 @@ def summarize(run: Run) -> Dict[str, Any]:
         ``average_ms``, ``slow_update_ms``, ``bytes_sent`` (last), ``steps`` (last logged
         step), ``consensus`` (mean); None where the run logged nothing.
     """
-    out: Dict[str, Any] = {"name": run.name, "algo": run.algo, "slowmo": run.slowmo}
+    out: dict[str, Any] = {"name": run.name, "algo": run.algo, "slowmo": run.slowmo}
     out["train_loss_kind"] = "full" if run.scalars.get(TAGS["train_full_loss"]) else "minibatch"
     losses = [v for _, v in _train_loss_points(run)]
     out["best_train_loss"] = min(losses) if losses else None
@@ -173,7 +195,7 @@ def summarize(run: Run) -> Dict[str, Any]:
     return out
 
 
-def mean_std(values: Sequence[Optional[float]]) -> Tuple[Optional[float], Optional[float], int]:
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
     """Mean, sample standard deviation (n - 1; None for n < 2) and n of the values given
     (None entries are left out; a NaN, e.g. the loss of a diverged run, makes both NaN).
 
@@ -189,7 +211,7 @@ def mean_std(values: Sequence[Optional[float]]) -> Tuple[Optional[float], Option
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)), len(vals)
 
 
-def fmt_mean_std(values: Sequence[Optional[float]], spec: str, suffix: str = "") -> str:
+def fmt_mean_std(values: Sequence[float | None], spec: str, suffix: str = "") -> str:
     """``"mean ± std"`` (the value alone for one run, ``-`` for none).
 
     Args:
@@ -220,41 +242,43 @@ class Setting:
     """
 
     name: str
-    runs: List[Run]
-    summaries: List[Dict[str, Any]]
+    runs: list[Run]
+    summaries: list[dict[str, Any]]
 
     @property
-    def config(self) -> Dict[str, Any]:
+    def config(self) -> dict[str, Any]:
         return self.runs[0].config
 
     @property
     def task(self) -> str:
         return str(self.config.get("task", "-"))
 
-    def values(self, key: str) -> List[Any]:
+    def values(self, key: str) -> list[Any]:
         """One :func:`summarize` field per run."""
         return [s[key] for s in self.summaries]
 
-    def mean(self, key: str) -> Optional[float]:
+    def mean(self, key: str) -> float | None:
         """The mean of one :func:`summarize` field over the runs."""
         return mean_std(self.values(key))[0]
 
 
-def group_settings(runs: Sequence[Run]) -> List[Setting]:
+def group_settings(runs: Sequence[Run]) -> list[Setting]:
     """Group runs into settings (see :class:`Setting`), in name order.
 
     Args:
         runs: from :func:`load_runs`.
     """
-    groups: Dict[Tuple[str, str], List[Run]] = {}
+    groups: dict[tuple[str, str], list[Run]] = {}
     for run in sorted(runs, key=lambda r: r.name):
-        config = json.dumps({k: v for k, v in run.config.items() if k != "seed"}, sort_keys=True,
-                            default=str)
+        config = json.dumps(
+            {k: v for k, v in run.config.items() if k != "seed"}, sort_keys=True, default=str
+        )
         groups.setdefault((_SEED_SUFFIX.sub("", run.name), config), []).append(run)
-    settings = [Setting(name=name, runs=members, summaries=[summarize(r) for r in members])
-                for (name, _), members in groups.items()]
+    settings = [
+        Setting(name=name, runs=members, summaries=[summarize(r) for r in members])
+        for (name, _), members in groups.items()
+    ]
     return sorted(settings, key=lambda s: s.name)
-
 
 
 def _label(run: Run) -> str:
@@ -265,13 +289,13 @@ def _label(run: Run) -> str:
     return label
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
+def _fmt(value: float | None, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
 
 
-def _fmt_vals(setting: Optional[Setting], key: str) -> str:
+def _fmt_vals(setting: Setting | None, key: str) -> str:
     """A validation metric of a setting as mean ± std (accuracy in %, NLL/loss plain)."""
     if setting is None:
         return "-"
@@ -288,8 +312,9 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         headers: column titles.
         rows: rows of cells (strings), each as long as ``headers``.
     """
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -304,23 +329,23 @@ def _better_first(setting: Setting) -> float:
     return -mean if "accuracy" in setting.values("val_kind") else mean
 
 
-def _cells(runs: Sequence[Run]) -> List[Tuple[str, str, Optional[Setting], Optional[Setting]]]:
+def _cells(runs: Sequence[Run]) -> list[tuple[str, str, Setting | None, Setting | None]]:
     """(task, baseline label, best original setting, best SlowMo setting) in the paper's order."""
-    groups: Dict[Tuple[str, str, int], Dict[bool, List[Setting]]] = {}
+    groups: dict[tuple[str, str, int], dict[bool, list[Setting]]] = {}
     for setting in group_settings(runs):
         run = setting.runs[0]
         order = _ORDER.index(run.algo) if run.algo in _ORDER else len(_ORDER)
         key = (setting.task, _label(run), order)
         groups.setdefault(key, {False: [], True: []})[run.slowmo].append(setting)
 
-    def best(items: List[Setting]) -> Optional[Setting]:
+    def best(items: list[Setting]) -> Setting | None:
         return min(items, key=_better_first) if items else None
 
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))
     return [(task, label, best(by[False]), best(by[True])) for (task, label, _), by in ordered]
 
 
-def _seeds(o: Optional[Setting], s: Optional[Setting]) -> str:
+def _seeds(o: Setting | None, s: Setting | None) -> str:
     return " / ".join("-" if x is None else str(len(x.runs)) for x in (o, s))
 
 
@@ -331,15 +356,31 @@ def table1(runs: Sequence[Run]) -> str:
     Args:
         runs: from :func:`load_runs`.
     """
-    rows = [[task, label, _seeds(o, s),
-             fmt_mean_std(o.values("best_train_loss"), ".4f") if o else "-",
-             fmt_mean_std(s.values("best_train_loss"), ".4f") if s else "-",
-             _fmt_vals(o, "best_val"), _fmt_vals(s, "best_val")]
-            for task, label, o, s in _cells(runs)]
-    headers = ["Task", "Baseline", "Seeds", "Train loss: original", "w/ SlowMo",
-               "Best val (acc% / NLL): original", "w/ SlowMo"]
-    return ("Table 1: best training loss and validation metric (mean ± std over seeds)\n"
-            + text_table(headers, rows))
+    rows = [
+        [
+            task,
+            label,
+            _seeds(o, s),
+            fmt_mean_std(o.values("best_train_loss"), ".4f") if o else "-",
+            fmt_mean_std(s.values("best_train_loss"), ".4f") if s else "-",
+            _fmt_vals(o, "best_val"),
+            _fmt_vals(s, "best_val"),
+        ]
+        for task, label, o, s in _cells(runs)
+    ]
+    headers = [
+        "Task",
+        "Baseline",
+        "Seeds",
+        "Train loss: original",
+        "w/ SlowMo",
+        "Best val (acc% / NLL): original",
+        "w/ SlowMo",
+    ]
+    return (
+        "Table 1: best training loss and validation metric (mean ± std over seeds)\n"
+        + text_table(headers, rows)
+    )
 
 
 def table2(runs: Sequence[Run]) -> str:
@@ -348,12 +389,20 @@ def table2(runs: Sequence[Run]) -> str:
     Args:
         runs: from :func:`load_runs`.
     """
-    rows = [[task, label, _seeds(o, s), fmt_mean_std(o.values("iter_ms"), ".2f") if o else "-",
-             fmt_mean_std(s.values("iter_ms"), ".2f") if s else "-"]
-            for task, label, o, s in _cells(runs)]
+    rows = [
+        [
+            task,
+            label,
+            _seeds(o, s),
+            fmt_mean_std(o.values("iter_ms"), ".2f") if o else "-",
+            fmt_mean_std(s.values("iter_ms"), ".2f") if s else "-",
+        ]
+        for task, label, o, s in _cells(runs)
+    ]
     headers = ["Task", "Baseline", "Seeds", "Time/iteration (ms): original", "w/ SlowMo"]
-    return ("Table 2: average time per iteration (mean ± std over seeds)\n"
-            + text_table(headers, rows))
+    return "Table 2: average time per iteration (mean ± std over seeds)\n" + text_table(
+        headers, rows
+    )
 
 
 def _final_first(setting: Setting) -> float:
@@ -364,14 +413,14 @@ def _final_first(setting: Setting) -> float:
     return -mean if "accuracy" in setting.values("val_kind") else mean
 
 
-def best_settings(runs: Sequence[Run]) -> List[Setting]:
+def best_settings(runs: Sequence[Run]) -> list[Setting]:
     """Per task, algorithm and SlowMo on/off: the setting with the best mean final validation
     metric over its seeds (what a tuning sweep chooses).
 
     Args:
         runs: from :func:`load_runs`.
     """
-    best: Dict[Tuple[str, str, bool], Setting] = {}
+    best: dict[tuple[str, str, bool], Setting] = {}
     for st in group_settings(runs):
         key = (st.task, _label(st.runs[0]), st.runs[0].slowmo)
         if key not in best or _final_first(st) < _final_first(best[key]):
@@ -386,19 +435,40 @@ def settings_table(runs: Sequence[Run]) -> str:
     Args:
         runs: from :func:`load_runs`.
     """
-    settings = sorted(group_settings(runs), key=lambda st: (
-        st.task, _label(st.runs[0]), st.runs[0].slowmo, _final_first(st)))
+    settings = sorted(
+        group_settings(runs),
+        key=lambda st: (st.task, _label(st.runs[0]), st.runs[0].slowmo, _final_first(st)),
+    )
     rows = []
     for st in settings:
         c = st.config
         slowmo = st.runs[0].slowmo
-        rows.append([st.task, st.name, str(len(st.runs)), _fmt(c.get("lr"), "g"),
-                     _fmt(c.get("tau"), "d"), _fmt(c.get("slow_momentum"), "g") if slowmo else "-",
-                     str(c.get("buffers", "-")),
-                     fmt_mean_std(st.values("final_train_loss"), ".4f"), _fmt_vals(st, "final_val"),
-                     _fmt_vals(st, "best_val")])
-    headers = ["Task", "Setting", "Seeds", "lr", "tau", "beta", "buffers", "Final train loss",
-               "Final val", "Best val"]
+        rows.append(
+            [
+                st.task,
+                st.name,
+                str(len(st.runs)),
+                _fmt(c.get("lr"), "g"),
+                _fmt(c.get("tau"), "d"),
+                _fmt(c.get("slow_momentum"), "g") if slowmo else "-",
+                str(c.get("buffers", "-")),
+                fmt_mean_std(st.values("final_train_loss"), ".4f"),
+                _fmt_vals(st, "final_val"),
+                _fmt_vals(st, "best_val"),
+            ]
+        )
+    headers = [
+        "Task",
+        "Setting",
+        "Seeds",
+        "lr",
+        "tau",
+        "beta",
+        "buffers",
+        "Final train loss",
+        "Final val",
+        "Best val",
+    ]
     return "Settings (mean ± std over seeds; best final val first)\n" + text_table(headers, rows)
 
 
@@ -416,24 +486,50 @@ def runs_table(runs: Sequence[Run]) -> str:
             val = "-"
         else:
             val = f"{s['best_val']:.2f}%" if s["val_kind"] == "accuracy" else f"{s['best_val']:.3f}"
-        rows.append([run.name, _fmt(s["steps"], "d"), _fmt(s["best_train_loss"], ".4f"), val,
-                     _fmt(s["iter_ms"], ".2f"), _fmt(s["compute_ms"], ".2f"),
-                     _fmt(s["base_comm_ms"], ".2f"), _fmt(s["average_ms"], ".2f"),
-                     _fmt(s["slow_update_ms"], ".2f"), _fmt(mb, ".2f"),
-                     _fmt(s["consensus"], ".4f")])
-    headers = ["Run", "Steps", "Best train loss", "Best val", "ms/iter", "compute", "base comm",
-               "average", "slow update", "MB sent (rank 0)", "Consensus dist."]
+        rows.append(
+            [
+                run.name,
+                _fmt(s["steps"], "d"),
+                _fmt(s["best_train_loss"], ".4f"),
+                val,
+                _fmt(s["iter_ms"], ".2f"),
+                _fmt(s["compute_ms"], ".2f"),
+                _fmt(s["base_comm_ms"], ".2f"),
+                _fmt(s["average_ms"], ".2f"),
+                _fmt(s["slow_update_ms"], ".2f"),
+                _fmt(mb, ".2f"),
+                _fmt(s["consensus"], ".4f"),
+            ]
+        )
+    headers = [
+        "Run",
+        "Steps",
+        "Best train loss",
+        "Best val",
+        "ms/iter",
+        "compute",
+        "base comm",
+        "average",
+        "slow update",
+        "MB sent (rank 0)",
+        "Consensus dist.",
+    ]
     return "Runs (time split in ms per iteration)\n" + text_table(headers, rows)
 
 
-def _band(points_per_run: List[List[Tuple[int, float]]],
-          ) -> Tuple[List[int], List[float], List[float], List[float]]:
+def _band(
+    points_per_run: list[list[tuple[int, float]]],
+) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps logged by every run, and there the mean, the minimum and the maximum over runs."""
     common = sorted(set.intersection(*(set(s for s, _ in pts) for pts in points_per_run)))
     by_run = [dict(pts) for pts in points_per_run]
     means = [sum(d[step] for d in by_run) / len(by_run) for step in common]
-    return (common, means, [min(d[step] for d in by_run) for step in common],
-            [max(d[step] for d in by_run) for step in common])
+    return (
+        common,
+        means,
+        [min(d[step] for d in by_run) for step in common],
+        [max(d[step] for d in by_run) for step in common],
+    )
 
 
 def plot(runs: Sequence[Run], path: str) -> str:
@@ -461,7 +557,7 @@ def plot(runs: Sequence[Run], path: str) -> str:
         if all(series):
             steps, mean, low, high = _band(series)
             if steps:
-                line, = ax_loss.plot(steps, mean, label=st.name + n)
+                (line,) = ax_loss.plot(steps, mean, label=st.name + n)
                 ax_loss.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
                 loss_kinds.update(st.values("train_loss_kind"))
         keys = {_val_key(r) for r in st.runs}
@@ -469,23 +565,31 @@ def plot(runs: Sequence[Run], path: str) -> str:
             key = keys.pop()
             steps, mean, low, high = _band([r.scalars[TAGS[key]] for r in st.runs])
             if steps:
-                line, = ax_val.plot(steps, mean, marker=".", label=st.name + n)
+                (line,) = ax_val.plot(steps, mean, marker=".", label=st.name + n)
                 ax_val.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
                 val_kinds.add(key[4:])
-    loss_title = ("Training loss (averaged model, whole training set)" if loss_kinds == {"full"}
-                  else "Training loss")
+    loss_title = (
+        "Training loss (averaged model, whole training set)"
+        if loss_kinds == {"full"}
+        else "Training loss"
+    )
     loss_title += "\nmean over seeds, band: lowest to highest"
     ax_loss.set(title=loss_title, xlabel="step", yscale="log")
     kinds = ", ".join(sorted(val_kinds)) or "-"
-    ax_val.set(title=f"Validation ({kinds})\nmean over seeds, band: lowest to highest",
-               xlabel="step")
+    ax_val.set(
+        title=f"Validation ({kinds})\nmean over seeds, band: lowest to highest", xlabel="step"
+    )
     for ax in (ax_loss, ax_val):
         if ax.lines:
             ax.legend(fontsize=7)
     names = [st.name for st in settings]
     bottom = [0.0] * len(settings)
-    for key, label in (("compute_ms", "compute"), ("base_comm_ms", "base comm"),
-                       ("average_ms", "exact average"), ("slow_update_ms", "slow update")):
+    for key, label in (
+        ("compute_ms", "compute"),
+        ("base_comm_ms", "base comm"),
+        ("average_ms", "exact average"),
+        ("slow_update_ms", "slow update"),
+    ):
         vals = [max(st.mean(key) or 0.0, 0.0) for st in settings]
         ax_time.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -499,17 +603,21 @@ def plot(runs: Sequence[Run], path: str) -> str:
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print the tables for the runs under the given folders and save the PNG.
 
     Args:
         argv: arguments (default: sys.argv[1:]).
     """
-    parser = argparse.ArgumentParser(prog="hvd-slowmo-report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hvd-slowmo-report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("paths", nargs="+", help="run folders or folders of runs (e.g. runs/)")
-    parser.add_argument("--png", default=None,
-                        help="where to save the figure (default: <first path>/report.png)")
+    parser.add_argument(
+        "--png", default=None, help="where to save the figure (default: <first path>/report.png)"
+    )
     args = parser.parse_args(argv)
     runs = load_runs(args.paths)
     if not runs:

@@ -20,6 +20,7 @@ The training script must accept the examples' flags (--algo, --slowmo/--no-slowm
 --plan for ``--one-launch``). Each run logs to LOGDIR/<setting>/seed<k>/, named by its
 settings, so TensorBoard overlays them and the report averages the seeds of a setting.
 """
+
 import argparse
 import itertools
 import json
@@ -30,31 +31,68 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..bases import BASES
 
-__all__ = ["ABLATIONS", "horovodrun_command", "sweep_points", "point_args", "sweep_commands",
-           "main"]
+__all__ = [
+    "ABLATIONS",
+    "horovodrun_command",
+    "sweep_points",
+    "point_args",
+    "sweep_commands",
+    "main",
+]
 
 #: The paper's grids: the base lr (its CIFAR-10 grid, Appendix B; the base alone), beta at
 #: alpha = 1 (Sec. 5: "typically ranges from 0.4 to 0.8"), tau (Fig. 3), alpha x beta
 #: (Appendix C.2), base-buffer strategy (Tables C.3/C.4). ``lrs`` empty: the script's own --lr.
-ABLATIONS: Dict[str, Dict[str, Any]] = {
-    "lr": {"slowmo": False, "lrs": ["0.01", "0.025", "0.05", "0.1", "0.15"], "taus": ["12"],
-           "slow_lrs": ["1"], "slow_momentums": ["0"], "buffers": ["maintain"]},
-    "beta": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["1"],
-             "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"], "buffers": ["reset"]},
-    "tau": {"slowmo": True, "lrs": [], "taus": ["12", "24", "48", "96"], "slow_lrs": ["1"],
-            "slow_momentums": ["0.7"], "buffers": ["reset"]},
-    "alpha-beta": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["0.5", "1"],
-                   "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"], "buffers": ["reset"]},
-    "buffers": {"slowmo": True, "lrs": [], "taus": ["12"], "slow_lrs": ["1"],
-                "slow_momentums": ["0.7"], "buffers": ["reset", "maintain", "average"]},
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "lr": {
+        "slowmo": False,
+        "lrs": ["0.01", "0.025", "0.05", "0.1", "0.15"],
+        "taus": ["12"],
+        "slow_lrs": ["1"],
+        "slow_momentums": ["0"],
+        "buffers": ["maintain"],
+    },
+    "beta": {
+        "slowmo": True,
+        "lrs": [],
+        "taus": ["12"],
+        "slow_lrs": ["1"],
+        "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"],
+        "buffers": ["reset"],
+    },
+    "tau": {
+        "slowmo": True,
+        "lrs": [],
+        "taus": ["12", "24", "48", "96"],
+        "slow_lrs": ["1"],
+        "slow_momentums": ["0.7"],
+        "buffers": ["reset"],
+    },
+    "alpha-beta": {
+        "slowmo": True,
+        "lrs": [],
+        "taus": ["12"],
+        "slow_lrs": ["0.5", "1"],
+        "slow_momentums": ["0.4", "0.5", "0.6", "0.7", "0.8"],
+        "buffers": ["reset"],
+    },
+    "buffers": {
+        "slowmo": True,
+        "lrs": [],
+        "taus": ["12"],
+        "slow_lrs": ["1"],
+        "slow_momentums": ["0.7"],
+        "buffers": ["reset", "maintain", "average"],
+    },
 }
 
 
-def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) -> List[str]:
+def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) -> list[str]:
     """The ``horovodrun`` prefix for ``np_`` local processes.
 
     Args:
@@ -72,7 +110,8 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
     if not exe:
         if required:
             raise RuntimeError(
-                "horovodrun not found: build Horovod with scripts/install_horovod.sh")
+                "horovodrun not found: build Horovod with scripts/install_horovod.sh"
+            )
         exe = "horovodrun"
     cmd = [exe, "-np", str(np_), "-H", f"localhost:{np_}"]
     if launcher == "gloo":
@@ -80,8 +119,9 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
     return cmd + ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root"]
 
 
-def sweep_points(grid: Dict[str, Any], baseline: bool,
-                 seeds: Sequence[str]) -> List[Dict[str, Any]]:
+def sweep_points(
+    grid: dict[str, Any], baseline: bool, seeds: Sequence[str]
+) -> list[dict[str, Any]]:
     """The runs of a grid: the base alone first (with ``baseline``, at the first tau and
     buffers, per lr), then every SlowMo point (unless the grid is of the base alone), each
     once per seed.
@@ -91,8 +131,8 @@ def sweep_points(grid: Dict[str, Any], baseline: bool,
         baseline: also run the base algorithm without SlowMo.
         seeds: the seeds of every point.
     """
-    lrs: List[Optional[str]] = list(grid["lrs"]) or [None]
-    settings: List[Dict[str, Any]] = []
+    lrs: list[str | None] = list(grid["lrs"]) or [None]
+    settings: list[dict[str, Any]] = []
     if baseline or not grid["slowmo"]:
         if grid["slowmo"]:  # the baseline of a SlowMo grid: its first tau, buffers kept
             taus, bufs = grid["taus"][:1], ["maintain"]
@@ -101,14 +141,23 @@ def sweep_points(grid: Dict[str, Any], baseline: bool,
         for lr, tau, buf in itertools.product(lrs, taus, bufs):
             settings.append({"slowmo": False, "lr": lr, "tau": tau, "buffers": buf})
     if grid["slowmo"]:
-        for lr, tau, alpha, beta, buf in itertools.product(lrs, grid["taus"], grid["slow_lrs"],
-                                                           grid["slow_momentums"], grid["buffers"]):
-            settings.append({"slowmo": True, "lr": lr, "tau": tau, "slow_lr": alpha,
-                             "slow_momentum": beta, "buffers": buf})
+        for lr, tau, alpha, beta, buf in itertools.product(
+            lrs, grid["taus"], grid["slow_lrs"], grid["slow_momentums"], grid["buffers"]
+        ):
+            settings.append(
+                {
+                    "slowmo": True,
+                    "lr": lr,
+                    "tau": tau,
+                    "slow_lr": alpha,
+                    "slow_momentum": beta,
+                    "buffers": buf,
+                }
+            )
     return [dict(s, seed=seed) for s in settings for seed in seeds]
 
 
-def point_args(algo: str, point: Dict[str, Any]) -> List[str]:
+def point_args(algo: str, point: dict[str, Any]) -> list[str]:
     """The training script's flags for one point, its run name included
     (``<algo>[-slowmo]_tau.._[a.._b.._]<buffers>[_lr..]/seed<k>``).
 
@@ -117,10 +166,21 @@ def point_args(algo: str, point: Dict[str, Any]) -> List[str]:
         point: from :func:`sweep_points`.
     """
     if point["slowmo"]:
-        name = (f"{algo}-slowmo_tau{point['tau']}_a{point['slow_lr']}_b{point['slow_momentum']}"
-                f"_{point['buffers']}")
-        args = ["--slowmo", "--tau", point["tau"], "--slow-lr", point["slow_lr"], "--slow-momentum",
-                point["slow_momentum"], "--buffers", point["buffers"]]
+        name = (
+            f"{algo}-slowmo_tau{point['tau']}_a{point['slow_lr']}_b{point['slow_momentum']}"
+            f"_{point['buffers']}"
+        )
+        args = [
+            "--slowmo",
+            "--tau",
+            point["tau"],
+            "--slow-lr",
+            point["slow_lr"],
+            "--slow-momentum",
+            point["slow_momentum"],
+            "--buffers",
+            point["buffers"],
+        ]
     else:
         name = f"{algo}_tau{point['tau']}_{point['buffers']}"
         args = ["--no-slowmo", "--tau", point["tau"], "--buffers", point["buffers"]]
@@ -130,8 +190,14 @@ def point_args(algo: str, point: Dict[str, Any]) -> List[str]:
     return args + ["--seed", point["seed"], "--run-name", f"{name}/seed{point['seed']}"]
 
 
-def sweep_commands(script: str, launch: Sequence[str], algo: str, points: Sequence[Dict[str, Any]],
-                   logdir: str, extra: Sequence[str]) -> List[List[str]]:
+def sweep_commands(
+    script: str,
+    launch: Sequence[str],
+    algo: str,
+    points: Sequence[dict[str, Any]],
+    logdir: str,
+    extra: Sequence[str],
+) -> list[list[str]]:
     """One command per point.
 
     Args:
@@ -142,12 +208,19 @@ def sweep_commands(script: str, launch: Sequence[str], algo: str, points: Sequen
         logdir: the TensorBoard folder of the sweep.
         extra: arguments added to every run (last).
     """
-    head = list(launch) + [sys.executable, script, "--algo", algo, "--logdir", logdir,
-                           "--no-progress"]
+    head = list(launch) + [
+        sys.executable,
+        script,
+        "--algo",
+        algo,
+        "--logdir",
+        logdir,
+        "--no-progress",
+    ]
     return [head + point_args(algo, p) + list(extra) for p in points]
 
 
-def _csv(value: str, name: str, kind: type) -> List[str]:
+def _csv(value: str, name: str, kind: type) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
         raise ValueError(f"{name} is empty; give comma-separated values, e.g. {name} 12,48")
@@ -159,54 +232,74 @@ def _csv(value: str, name: str, kind: type) -> List[str]:
     return items
 
 
-def _run(cmd: List[str], timeout: Optional[float]) -> Any:
+def _run(cmd: list[str], timeout: float | None) -> Any:
     try:
         return subprocess.run(cmd, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         return "timeout"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring).
 
     Args:
         argv: arguments (default: sys.argv[1:]).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: List[str] = []
+    extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(prog="python -m hvd_slowmo.tools.sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("script",
-                        help="training script taking the examples' flags, e.g. examples/digits.py")
-    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="tau",
-                        help="the paper's grid to start from")
+        argv, extra = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m hvd_slowmo.tools.sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "script", help="training script taking the examples' flags, e.g. examples/digits.py"
+    )
+    parser.add_argument(
+        "--ablation",
+        choices=sorted(ABLATIONS),
+        default="tau",
+        help="the paper's grid to start from",
+    )
     parser.add_argument("--algo", default="localsgd", choices=list(BASES), help="base algorithm")
-    parser.add_argument("--lrs", default=None,
-                        help="base learning rates, comma-separated, overrides the ablation's")
+    parser.add_argument(
+        "--lrs", default=None, help="base learning rates, comma-separated, overrides the ablation's"
+    )
     parser.add_argument("--taus", default=None, help="comma-separated, overrides the ablation's")
     parser.add_argument("--slow-lrs", default=None, help="alpha values, comma-separated")
     parser.add_argument("--slow-momentums", default=None, help="beta values, comma-separated")
     parser.add_argument("--buffers", default=None, help="reset,maintain,average (any of them)")
-    parser.add_argument("--seeds", default="0",
-                        help="seeds of every point, comma-separated (default 0)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="also run the base algorithm without SlowMo")
+    parser.add_argument(
+        "--seeds", default="0", help="seeds of every point, comma-separated (default 0)"
+    )
+    parser.add_argument(
+        "--baseline", action="store_true", help="also run the base algorithm without SlowMo"
+    )
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
-    parser.add_argument("--one-launch", action="store_true",
-                        help="every run inside one horovodrun launch (the script's --plan): pays "
-                             "the launcher's start-up once")
+    parser.add_argument(
+        "--one-launch",
+        action="store_true",
+        help="every run inside one horovodrun launch (the script's --plan): pays "
+        "the launcher's start-up once",
+    )
     parser.add_argument("--logdir", default=None, help="default: runs/sweep-<ablation>")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per launch (default: none)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per launch (default: none)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = parser.parse_args(argv)
     grid = dict(ABLATIONS[args.ablation])
-    for key, kind in (("lrs", float), ("taus", int), ("slow_lrs", float), ("slow_momentums", float),
-                      ("buffers", str)):
+    for key, kind in (
+        ("lrs", float),
+        ("taus", int),
+        ("slow_lrs", float),
+        ("slow_momentums", float),
+        ("buffers", str),
+    ):
         if getattr(args, key) is not None:
             grid[key] = _csv(getattr(args, key), "--" + key.replace("_", "-"), kind)
     bad = sorted(set(grid["buffers"]) - {"reset", "maintain", "average"})
@@ -217,8 +310,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch = horovodrun_command(args.np, args.launcher, required=not args.dry_run)
     points = sweep_points(grid, args.baseline, seeds)
     if args.one_launch:
-        head = launch + [sys.executable, args.script, "--algo", args.algo, "--logdir", logdir,
-                         "--no-progress"]
+        head = launch + [
+            sys.executable,
+            args.script,
+            "--algo",
+            args.algo,
+            "--logdir",
+            logdir,
+            "--no-progress",
+        ]
         plan = [point_args(args.algo, p) + list(extra) for p in points]
         if args.dry_run:
             print(shlex.join(head + ["--plan", "PLAN.json"]))
@@ -228,8 +328,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             plan_path = os.path.join(tmp, "plan.json")
             with open(plan_path, "w", encoding="utf-8") as f:
                 json.dump(plan, f)
-            print(f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
-                  flush=True)
+            print(
+                f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
+                flush=True,
+            )
             t0 = time.perf_counter()
             rc = _run(head + ["--plan", plan_path], args.timeout)
             print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
@@ -246,8 +348,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
             t0 = time.perf_counter()
             rc = _run(cmd, args.timeout)
-            print(f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
-                  flush=True)
+            print(
+                f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
             failed += rc != 0
     from . import report
 
@@ -258,8 +362,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             c = st.config
             beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
             final = report.fmt_mean_std(st.values("final_val"), ".4g")
-            print(f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
-                  f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)")
+            print(
+                f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
+                f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)"
+            )
     if failed:
         print(f"{failed} of {total} launches failed", file=sys.stderr)
     return 1 if failed else 0

@@ -4,6 +4,7 @@ Usage: amp_worker.py OUT_DIR
 For each base and recipe, the run with overflows forced on rank 1 and the reference run in
 which those iterations never happen; writes this rank's results to OUT_DIR/amp.RANK.pt.
 """
+
 import os
 import sys
 import warnings
@@ -12,7 +13,7 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import amp_run  # noqa: E402
+import amp_run
 
 BASES = {
     "localsgd": dict(base="localsgd", tau=3, slow_momentum=0.6),
@@ -32,7 +33,9 @@ def main():
         for recipe in ("reference", "scaler", "horovod"):
             model = amp_run.mlp()
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            results[(case, recipe)] = amp_run.run(model, recipe, SKIPPED, BAD_RANK, STEPS, hvd.rank(), **kwargs)
+            results[(case, recipe)] = amp_run.run(
+                model, recipe, SKIPPED, BAD_RANK, STEPS, hvd.rank(), **kwargs
+            )
     torch.save(results, os.path.join(out, f"amp.{hvd.rank()}.pt"))
 
 

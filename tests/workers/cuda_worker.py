@@ -25,10 +25,11 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # tests/: the reference
 
-import horovod.torch as hvd  # noqa: E402
+import horovod.torch as hvd
 
-from hvd_slowmo import DistributedOptimizer  # noqa: E402
-from reference import batch, make_model  # noqa: E402
+from hvd_slowmo import DistributedOptimizer
+
+from reference import batch, make_model
 
 # The run of tests/test_cuda.py's thread workers: the same optimizer, schedule and data.
 STEPS, TAU = 8, 3

@@ -12,6 +12,7 @@ Usage: fault_worker.py OUT_DIR MODE
 Each rank writes OUT_DIR/MODE.RANK.json: {phase: {"error": type, "message": str, "t": time}},
 plus "t_fault" (when the faulty rank stopped or died, written by it just before).
 """
+
 import json
 import math
 import os
@@ -23,18 +24,22 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import hvd_slowmo  # noqa: E402
-from hvd_slowmo.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from reference import loss_at, make_model  # noqa: E402
+import hvd_slowmo
+from hvd_slowmo.checkpoint import load_checkpoint, save_checkpoint
+
+from reference import loss_at, make_model
 
 FAULTY = 1  # the rank that misbehaves
 
 
 def build(**options):
     model = make_model()
-    opt = hvd_slowmo.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                          named_parameters=model.named_parameters(), model_buffers=model.buffers(),
-                                          **{"tau": 3, "slow_momentum": 0.5, **options})
+    opt = hvd_slowmo.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        model_buffers=model.buffers(),
+        **{"tau": 3, "slow_momentum": 0.5, **options},
+    )
     return model, opt
 
 
@@ -50,8 +55,11 @@ def run_phase(results, name, fn):
         out = fn()
         results[name] = {"error": None, "message": "", "t": time.time(), **(out or {})}
     except Exception as e:  # the faults under test surface as several exception types
-        results[name] = {"error": type(e).__name__, "message": "\n".join([str(e)] + getattr(e, "__notes__", [])),
-                         "t": time.time()}
+        results[name] = {
+            "error": type(e).__name__,
+            "message": "\n".join([str(e)] + getattr(e, "__notes__", [])),
+            "t": time.time(),
+        }
 
 
 def mode_errors(out, results):
@@ -70,7 +78,12 @@ def mode_errors(out, results):
                         next(model.parameters())[0, 0] = math.nan
             one_step(model, opt, 5)  # outer step 1 ends here: the check runs
             flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
-            return {"finite": bool(flat.isfinite().all()), "params": flat.tolist(), "outer_steps": opt.outer_steps}
+            return {
+                "finite": bool(flat.isfinite().all()),
+                "params": flat.tolist(),
+                "outer_steps": opt.outer_steps,
+            }
+
         return phase
 
     def uneven():
@@ -91,7 +104,9 @@ def mode_errors(out, results):
         opt.load_state_dict(good["opt"])  # the intact file round-trips
         if rank == FAULTY:
             with open(path, "r+b") as f:
-                f.truncate(os.path.getsize(path) // 2)  # a job that died while writing with torch.save
+                f.truncate(
+                    os.path.getsize(path) // 2
+                )  # a job that died while writing with torch.save
         load_checkpoint(path)
 
     def join():

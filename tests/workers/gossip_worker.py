@@ -11,18 +11,21 @@ max error of SGP and D-PSGD against the in-process matrix reference and the SGP 
 ``osgp_mass`` (OSGP with zero gradients conserves mass and weight), ``slowmo_identical``
 (SlowMo over SGP/OSGP with average=True: all ranks bitwise identical after every outer step).
 """
+
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the reference
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # tests/: the reference
 
-import horovod.torch as hvd  # noqa: E402
+import horovod.torch as hvd
+from test_gossip import LR, centre, curvature, initial, reference
 
-from hvd_slowmo import DistributedOptimizer  # noqa: E402
-from test_gossip import LR, centre, curvature, initial, reference  # noqa: E402
+from hvd_slowmo import DistributedOptimizer
 
 STEPS = 6
 
@@ -31,8 +34,16 @@ def quadratic_run(base: str, transport: str, zero_grad: bool = False, **options)
     """Train the test quadratic; returns (per-step params, optimizer)."""
     rank = hvd.rank()
     p = torch.nn.Parameter(initial(rank).clone())
-    opt = DistributedOptimizer(torch.optim.SGD([p], lr=LR), named_parameters=[("p", p)], base=base, tau=1000,
-                               slow_lr=1.0, slow_momentum=0.0, gossip_transport=transport, **options)
+    opt = DistributedOptimizer(
+        torch.optim.SGD([p], lr=LR),
+        named_parameters=[("p", p)],
+        base=base,
+        tau=1000,
+        slow_lr=1.0,
+        slow_momentum=0.0,
+        gossip_transport=transport,
+        **options,
+    )
     snaps = []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -61,11 +72,15 @@ def main(out_dir: str) -> None:
         result["transports"][transport] = type(opt.base.transport).__name__
         result[f"sgp_bytes_{transport}"] = opt.comm.bytes_sent
         snaps, _ = quadratic_run("dpsgd", transport, topology="ring")
-        result[f"dpsgd_error_{transport}"] = max_error(snaps, reference(m, STEPS, topology="ring", undirected=True))
+        result[f"dpsgd_error_{transport}"] = max_error(
+            snaps, reference(m, STEPS, topology="ring", undirected=True)
+        )
     _, auto = quadratic_run("sgp", "auto")
     result["transports"]["auto"] = type(auto.base.transport).__name__
     if len(transports) == 2:
-        result["mpi_equals_horovod"] = all(torch.equal(a, b) for a, b in zip(*trajectories.values()))
+        result["mpi_equals_horovod"] = all(
+            torch.equal(a, b) for a, b in zip(*trajectories.values())
+        )
 
     # OSGP: messages in flight across steps, weights move; after a flush no mass is lost.
     snaps, opt = quadratic_run("osgp", "auto", zero_grad=True, staleness=2)
@@ -81,9 +96,15 @@ def main(out_dir: str) -> None:
     for base, opts in (("sgp", {}), ("osgp", {"staleness": 1})):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), base=base, tau=3,
-                                   slow_lr=1.0, slow_momentum=0.5, **opts)
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            base=base,
+            tau=3,
+            slow_lr=1.0,
+            slow_momentum=0.5,
+            **opts,
+        )
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         g = torch.Generator().manual_seed(rank)
         ok = []

@@ -5,6 +5,7 @@ Usage: overlap_worker.py OUT_DIR MODE [STOP]
   MODE=train:  several configurations; per rank, the new anchor of every landing + final params.
   MODE=save:   train STOP steps (an average in flight), save.  MODE=resume: load it, finish.
 """
+
 import os
 import sys
 
@@ -12,8 +13,9 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import hvd_slowmo  # noqa: E402
-from reference import loss_at, lr_at, make_model, params_of  # noqa: E402
+import hvd_slowmo
+
+from reference import loss_at, lr_at, make_model, params_of
 
 CONFIGS = {
     "localsgd-d1": dict(tau=3, overlap=1, slow_lr=0.7, slow_momentum=0.6),
@@ -30,8 +32,13 @@ def build(cfg):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = hvd.Compression.fp16 if cfg.pop("fp16", False) else None
     base_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    opt = hvd_slowmo.DistributedOptimizer(base_opt, named_parameters=model.named_parameters(),
-                                          model_buffers=model.buffers(), compression=compression, **cfg)
+    opt = hvd_slowmo.DistributedOptimizer(
+        base_opt,
+        named_parameters=model.named_parameters(),
+        model_buffers=model.buffers(),
+        compression=compression,
+        **cfg,
+    )
     return model, opt
 
 
@@ -58,13 +65,20 @@ def main():
             model, opt = build(cfg)
             anchors = []
             train(model, opt, 0, STEPS, anchors)
-            result[name] = {"anchors": anchors, "final": model.state_dict(), "average_s": opt.timings["average"]}
+            result[name] = {
+                "anchors": anchors,
+                "final": model.state_dict(),
+                "average_s": opt.timings["average"],
+            }
         torch.save(result, os.path.join(out, f"train.{rank}.pt"))
     elif mode == "save":
         model, opt = build(CONFIGS["localsgd-d2-maintain"])
         train(model, opt, 0, int(sys.argv[3]))
         assert opt.pending is not None, "save inside the delay"
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, os.path.join(out, f"ckpt.{rank}.pt"))
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict()},
+            os.path.join(out, f"ckpt.{rank}.pt"),
+        )
     elif mode == "resume":
         model, opt = build(CONFIGS["localsgd-d2-maintain"])
         ckpt = torch.load(os.path.join(out, f"ckpt.{rank}.pt"), weights_only=False)
