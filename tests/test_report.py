@@ -335,8 +335,8 @@ def test_seeds_are_grouped_and_averaged(seeds_dir):
 def test_band_over_seeds_and_plot(seeds_dir):
     runs = report.load_runs([str(seeds_dir)])
     ls = [r for r in runs if r.name.split(os.sep)[0] == "localsgd"]
-    steps, mean, std = report._band([r.scalars[TAGS["val_accuracy"]] for r in ls])
-    assert steps == [12, 24] and mean == [82.0, 92.0] and std == [2.0, 2.0]
+    steps, mean, low, high = report._band([r.scalars[TAGS["val_accuracy"]] for r in ls])
+    assert (steps, mean, low, high) == ([12, 24], [82.0, 92.0], [80.0, 90.0], [84.0, 94.0])
     png = report.plot(runs, str(seeds_dir / "band.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

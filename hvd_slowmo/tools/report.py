@@ -20,7 +20,7 @@ Where several settings share a cell of Tables 1 and 2 (a sweep), the cell shows 
 with the best mean validation metric. The time per iteration is the mean of the logged windows,
 leaving out the first window when there are several (it holds Horovod's one-off start-up). A
 PNG is saved too (matplotlib, Agg backend): per setting, the mean training-loss and validation
-curves with a band of ± one standard deviation over seeds, and a bar chart of the time split.
+curves with a band from the lowest to the highest seed, and a bar chart of the time split.
 """
 
 import argparse
@@ -519,21 +519,22 @@ def runs_table(runs: Sequence[Run]) -> str:
 
 def _band(
     points_per_run: list[list[tuple[int, float]]],
-) -> tuple[list[int], list[float], list[float]]:
-    """Steps logged by every run, the mean there, and the sample std (0 for one run)."""
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps logged by every run, and there the mean, the minimum and the maximum over runs."""
     common = sorted(set.intersection(*(set(s for s, _ in pts) for pts in points_per_run)))
     by_run = [dict(pts) for pts in points_per_run]
-    means, stds = [], []
-    for step in common:
-        mean, std, _ = mean_std([d[step] for d in by_run])
-        means.append(float(mean))  # type: ignore[arg-type]
-        stds.append(std or 0.0)
-    return common, means, stds
+    means = [sum(d[step] for d in by_run) / len(by_run) for step in common]
+    return (
+        common,
+        means,
+        [min(d[step] for d in by_run) for step in common],
+        [max(d[step] for d in by_run) for step in common],
+    )
 
 
 def plot(runs: Sequence[Run], path: str) -> str:
-    """Save, per setting, the mean training-loss and validation curves with a ± one standard
-    deviation band over its seeds, and a stacked bar chart of the mean time split.
+    """Save, per setting, the mean training-loss and validation curves with a band from the
+    lowest to the highest of its seeds, and a stacked bar chart of the mean time split.
 
     Args:
         runs: from :func:`load_runs`.
@@ -554,39 +555,30 @@ def plot(runs: Sequence[Run], path: str) -> str:
         n = f" (n={len(st.runs)})" if len(st.runs) > 1 else ""
         series = [_train_loss_points(r) for r in st.runs]
         if all(series):
-            steps, mean, std = _band(series)
+            steps, mean, low, high = _band(series)
             if steps:
                 (line,) = ax_loss.plot(steps, mean, label=st.name + n)
-                ax_loss.fill_between(
-                    steps,
-                    [max(m - s, 1e-12) for m, s in zip(mean, std)],
-                    [m + s for m, s in zip(mean, std)],
-                    color=line.get_color(),
-                    alpha=0.2,
-                )
+                ax_loss.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
                 loss_kinds.update(st.values("train_loss_kind"))
         keys = {_val_key(r) for r in st.runs}
         if len(keys) == 1 and None not in keys:
             key = keys.pop()
-            steps, mean, std = _band([r.scalars[TAGS[key]] for r in st.runs])
+            steps, mean, low, high = _band([r.scalars[TAGS[key]] for r in st.runs])
             if steps:
                 (line,) = ax_val.plot(steps, mean, marker=".", label=st.name + n)
-                ax_val.fill_between(
-                    steps,
-                    [m - s for m, s in zip(mean, std)],
-                    [m + s for m, s in zip(mean, std)],
-                    color=line.get_color(),
-                    alpha=0.2,
-                )
+                ax_val.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
                 val_kinds.add(key[4:])
     loss_title = (
         "Training loss (averaged model, whole training set)"
         if loss_kinds == {"full"}
         else "Training loss"
     )
+    loss_title += "\nmean over seeds, band: lowest to highest"
     ax_loss.set(title=loss_title, xlabel="step", yscale="log")
     kinds = ", ".join(sorted(val_kinds)) or "-"
-    ax_val.set(title=f"Validation ({kinds}; mean ± std over seeds)", xlabel="step")
+    ax_val.set(
+        title=f"Validation ({kinds})\nmean over seeds, band: lowest to highest", xlabel="step"
+    )
     for ax in (ax_loss, ax_val):
         if ax.lines:
             ax.legend(fontsize=7)
