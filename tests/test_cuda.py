@@ -144,7 +144,7 @@ def test_base_on_device_equals_cpu_run(base, device):
     # another order: float64 rounding only.
     assert_same_run(got, want, exact=device == "cpu")
     for r in got:
-        state = r["opt"].anchor + r["opt"].slow_buffer
+        state = r["opt"].slow_state.anchor + r["opt"].slow_state.slow_buffer
         assert all(t.device.type == device for t in state), (
             "SlowMo state is not on the parameters' device"
         )
@@ -250,7 +250,9 @@ def test_channels_last_parameters(base, device):
         convs = [p for p in opt.param_groups[0]["params"] if p.dim() == 4]
         assert len(convs) == 2
         for t in convs + [
-            opt.anchor[i] for i, p in enumerate(opt.param_groups[0]["params"]) if p.dim() == 4
+            opt.slow_state.anchor[i]
+            for i, p in enumerate(opt.param_groups[0]["params"])
+            if p.dim() == 4
         ]:
             assert t.is_contiguous(memory_format=cl) and not t.is_contiguous(), (
                 "lost the channels_last layout"

@@ -235,10 +235,23 @@ class ThreadHvd:
         return torch.stack(self.comm.allgather_object(tensor.clone())).sum(0)  # rank order: exact
 
 
-def stub_opt(comm, inner_step, ps_weight=1.0, average=True, needs_exact_average=True, num_steps=5):
+def stub_opt(
+    comm,
+    inner_step,
+    ps_weight=1.0,
+    average=True,
+    needs_exact_average=True,
+    num_steps=5,
+    pending=None,
+):
     base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
     return SimpleNamespace(
-        comm=comm, num_steps=num_steps, inner_step=inner_step, average=average, base=base
+        comm=comm,
+        num_steps=num_steps,
+        inner_step=inner_step,
+        average=average,
+        base=base,
+        pending=pending,
     )
 
 
@@ -271,10 +284,11 @@ def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed(
         (dict(inner_step=0), True),  # right after the exact average of an outer step
         (dict(inner_step=4), False),  # inside an outer step
         (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
+        (dict(inner_step=0, pending=object()), False),  # overlap: the average is still in flight
         (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
         (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
     ],
-    ids=["boundary", "inside", "no-average", "allreduce", "start"],
+    ids=["boundary", "inside", "no-average", "in-flight", "allreduce", "start"],
 )
 def test_at_consensus(case, expected):
     comm = SimpleNamespace(size=4)

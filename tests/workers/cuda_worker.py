@@ -76,7 +76,7 @@ def single(out_dir: str, device: torch.device) -> None:
         "average_is_identity": all(torch.equal(a, b) for a, b in zip(tensors, want)),
         "average_on_device": all(t.device == device for t in tensors),
         "counters": [opt.num_steps, opt.inner_step, opt.outer_steps],
-        "anchor_on_device": all(a.device == device for a in opt.anchor),
+        "anchor_on_device": all(a.device == device for a in opt.slow_state.anchor),
         "finite": all(bool(p.isfinite().all()) for p in final),
         "exact_averages": len(snaps),
     }
