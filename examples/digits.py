@@ -5,7 +5,8 @@ separate them: the main job's default is MNIST-1D (examples/mnist1d_cnn.py).
 
 Launch (one algorithm; examples/compare.py runs them all and prints the tables):
 
-    horovodrun -np 4 --gloo python examples/digits.py --algo localsgd --slowmo --tau 12 --slow-momentum 0.7
+    horovodrun -np 4 --gloo python examples/digits.py --algo localsgd --slowmo --tau 12 \\
+        --slow-momentum 0.7
 
 80/20 train/validation split (fixed seed); an epoch is the multiple of tau steps closest to one
 pass over the training data (each worker reads its own shuffled stream), so the averaged

@@ -61,9 +61,11 @@ def launch(args, timeout=420):
 
 # --- pure pieces ---------------------------------------------------------------------------
 def test_warmup_multistep_schedule():
-    f = lambda s: common.warmup_multistep(
-        s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175]
-    )
+    def f(s):
+        return common.warmup_multistep(
+            s, steps_per_epoch=10, warmup_epochs=5, milestones=[100, 150, 175]
+        )
+
     assert f(0) == pytest.approx(1 / 50) and f(49) == 1.0 and f(50) == 1.0
     assert f(999) == 1.0 and f(1000) == pytest.approx(0.1) and f(1500) == pytest.approx(0.01)
     assert f(1750) == pytest.approx(0.001)
@@ -79,7 +81,8 @@ def test_inverse_sqrt_schedule():
 def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
-                        slow_momentum=0.6, buffers="reset", no_average=False, overlap=0)  # fmt: skip
+                        slow_momentum=0.6, buffers="reset", no_average=False,
+                        overlap=0)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -232,10 +235,23 @@ class ThreadHvd:
         return torch.stack(self.comm.allgather_object(tensor.clone())).sum(0)  # rank order: exact
 
 
-def stub_opt(comm, inner_step, ps_weight=1.0, average=True, needs_exact_average=True, num_steps=5):
+def stub_opt(
+    comm,
+    inner_step,
+    ps_weight=1.0,
+    average=True,
+    needs_exact_average=True,
+    num_steps=5,
+    pending=None,
+):
     base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
     return SimpleNamespace(
-        comm=comm, num_steps=num_steps, inner_step=inner_step, average=average, base=base
+        comm=comm,
+        num_steps=num_steps,
+        inner_step=inner_step,
+        average=average,
+        base=base,
+        pending=pending,
     )
 
 
@@ -270,8 +286,9 @@ def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed(
         (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
         (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
         (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
+        (dict(inner_step=0, pending=object()), False),  # overlap: the average is still in flight
     ],
-    ids=["boundary", "inside", "no-average", "allreduce", "start"],
+    ids=["boundary", "inside", "no-average", "allreduce", "start", "overlap-in-flight"],
 )
 def test_at_consensus(case, expected):
     comm = SimpleNamespace(size=4)
