@@ -981,7 +981,7 @@ class Cluster:
         return found
 
     def build(self, rate: str) -> None:
-        """Create the namespaces, links, addresses, ``/etc/netns`` host files, and shape to ``rate``.
+        """Create the namespaces, links, addresses and ``/etc/netns`` host files; shape to ``rate``.
 
         Args:
             rate: the link rate, e.g. ``"1gbit"``.
@@ -1032,7 +1032,7 @@ class Cluster:
         self.workers = []
 
     def teardown(self) -> None:
-        """Stop the workers, delete the namespaces and links, and remove the ``/etc/netns`` files."""
+        """Stop the workers, delete the namespaces and links, remove the ``/etc/netns`` files."""
         self.stop_workers()
         for cmd in teardown_commands(self.plan):
             _run(cmd, check=False)
@@ -1198,7 +1198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     compute = [float(c) for c in args.compute_ms.split(",")]
     if len(compute) not in (1, len(sizes)):
         p.error(
-            f"--compute-ms needs one value or one per --params entry ({len(sizes)}), got {len(compute)}"
+            f"--compute-ms needs one value or one per --params entry ({len(sizes)}), "
+            f"got {len(compute)}"
         )
     if any(c < 0 for c in compute):
         p.error("--compute-ms must be >= 0")
@@ -1268,7 +1269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "tbf": " ".join(tbf_args(rate)),
                     "cpu_cores": os.cpu_count(),
                     "nice": args.nice,
-                    # Other work on the machine inflates and scatters the times: say how much there was.
+                    # Other work on the machine inflates and scatters the times: say how much
+                    # there was.
                     "load_avg_1min": [load_before, os.getloadavg()[0]],
                     "command": " ".join(command),
                 }

@@ -1,4 +1,4 @@
-"""One worker of ``benchmarks/cluster.py``: times every algorithm in this process, rank 0 writes JSON.
+"""One ``benchmarks/cluster.py`` worker: times every algorithm in this process, rank 0 writes JSON.
 
 Started by cluster.py inside an emulated host's network namespace with Horovod's Gloo
 environment set (and ``GLOO_SOCKET_IFNAME``/``MASTER_ADDR`` for ``torch.distributed``, which the
@@ -137,7 +137,7 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
 
 
 def barrier() -> None:
-    """Every rank waits for every other (a one-element allreduce: works on every Horovod version)."""
+    """Every rank waits for every other (a one-element allreduce: any Horovod version has it)."""
     hvd.allreduce(torch.zeros(1), name="cluster.barrier")
 
 
@@ -269,7 +269,8 @@ def main() -> None:
     raw: dict[str, list[dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
     unavailable: dict[str, dict[str, Any]] = {}
     for rep in range(spec["repeats"]):
-        # Forward, then backward, ...: a slow drift of the machine's load then hits every algorithm alike.
+        # Forward, then backward, ...: a slow drift of the machine's load then hits every algorithm
+        # alike.
         order = spec["algorithms"] if rep % 2 == 0 else spec["algorithms"][::-1]
         for key in order:
             t0 = time.perf_counter()
@@ -280,7 +281,8 @@ def main() -> None:
                 unavailable[key] = r
             if hvd.rank() == 0:
                 msg = (
-                    f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] over {r['windows']} windows"
+                    f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
+                    f"over {r['windows']} windows"
                     if r.get("available", True)
                     else "not available: " + r["reason"]
                 )

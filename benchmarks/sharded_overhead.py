@@ -1,4 +1,4 @@
-"""Sharded vs unsharded slow state (``shard_slow_state``) on ResNet-18-sized parameters, under Horovod.
+"""Sharded vs unsharded slow state (``shard_slow_state``) on ResNet-18-sized parameters (Horovod).
 
 Launch:  horovodrun -np 4 --gloo python benchmarks/sharded_overhead.py [--repeats 10] [--micro]
 
@@ -117,7 +117,7 @@ def main() -> None:
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in opts}
     sent: dict[str, int] = {}
-    for name, opt in opts.items():
+    for _, opt in opts.items():
         outer_step_s(opt)  # warm-up (Horovod negotiates a new collective once)
     for i in range(args.repeats):
         order = (
@@ -140,27 +140,35 @@ def main() -> None:
         return
     m = hvd.size()
     print(
-        f"ResNet-18 (10 classes): {numel / 1e6:.2f}M parameters, {param_bytes / 2**20:.1f} MiB; m={m} ranks "
-        f"(Horovod {horovod.__version__}, {'Gloo' if hvd.gloo_enabled() else 'MPI'}); torch {torch.__version__}, "
-        f"1 thread per rank; {args.repeats} outer steps each, taking turns; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"ResNet-18 (10 classes): {numel / 1e6:.2f}M parameters, "
+        f"{param_bytes / 2**20:.1f} MiB; m={m} ranks "
+        f"(Horovod {horovod.__version__}, {'Gloo' if hvd.gloo_enabled() else 'MPI'}); "
+        f"torch {torch.__version__}, "
+        f"1 thread per rank; {args.repeats} outer steps each, taking turns; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     print(
-        "| variant | SlowMo state per rank (MiB, max over ranks) | x parameter bytes | outer step (ms, median) "
-        "| min..max (ms) | of which communication (ms, median) | slow update (ms, median) | sent per outer step (MiB) |"
+        "| variant | SlowMo state per rank (MiB, max over ranks) | x parameter bytes "
+        "| outer step (ms, median) "
+        "| min..max (ms) | of which communication (ms, median) | slow update (ms, median) "
+        "| sent per outer step (MiB) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in opts:
         worst = max(states[name])
         total, comm, local = ([1e3 * t[j] for t in times[name]] for j in range(3))
         print(
-            f"| {name} | {worst / 2**20:.2f} | {worst / param_bytes:.3f} | {statistics.median(total):.1f} "
-            f"| {min(total):.1f}..{max(total):.1f} | {statistics.median(comm):.1f} | {statistics.median(local):.1f} "
+            f"| {name} | {worst / 2**20:.2f} | {worst / param_bytes:.3f} "
+            f"| {statistics.median(total):.1f} "
+            f"| {min(total):.1f}..{max(total):.1f} | {statistics.median(comm):.1f} "
+            f"| {statistics.median(local):.1f} "
             f"| {sent[name] / 2**20:.2f} |"
         )
     for name, ms in micro.items():
         print(f"bare {name} of the flat parameters: {ms:.1f} ms (median of the slowest rank)")
     print(
-        f"expected state: unsharded 2.000x, sharded 2/m = {2 / m:.3f}x; bytes sent: 2(m-1)/m x parameters = "
+        f"expected state: unsharded 2.000x, sharded 2/m = {2 / m:.3f}x; "
+        "bytes sent: 2(m-1)/m x parameters = "
         f"{2 * (m - 1) / m * param_bytes / 2**20:.2f} MiB for both"
     )
 

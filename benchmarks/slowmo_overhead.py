@@ -98,7 +98,8 @@ def main() -> None:
         f"{100 * slow_ms / args.tau / iter_ms:.3f}% | |"
     )
     print(
-        f"| SlowMo state (anchor + slow buffer) / parameter bytes | {state_bytes / param_bytes:.2f}x | <= 2x |"
+        f"| SlowMo state (anchor + slow buffer) / parameter bytes | "
+        f"{state_bytes / param_bytes:.2f}x | <= 2x |"
     )
     print(f"| temporary memory allocated by the slow step | {temp_bytes} bytes | |")
 

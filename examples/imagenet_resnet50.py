@@ -65,8 +65,8 @@ def datasets(args: argparse.Namespace) -> dict[str, Dataset]:
         if not os.path.isdir(os.path.join(args.data, split)):
             raise ValueError(
                 f"--data {args.data!r} has no {split}/ folder: ImageNet must be prepared as an "
-                "ImageFolder tree (train/<class>/*.JPEG, val/<class>/*.JPEG); it cannot be "
-                "downloaded"
+                "ImageFolder tree (train/<class>/*.JPEG, val/<class>/*.JPEG); "
+                "it cannot be downloaded"
             )
     norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train_tf = T.Compose(

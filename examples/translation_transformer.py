@@ -147,8 +147,8 @@ def load_data(
     if args.download:
         raise ValueError(
             "--download: WMT'16 is not downloaded by this script; prepare the parallel text files "
-            "(e.g. fairseq's examples/translation/prepare-wmt14en2de.sh) and pass their folder as "
-            "--data"
+            "(e.g. fairseq's examples/translation/prepare-wmt14en2de.sh) "
+            "and pass their folder as --data"
         )
     files = {
         f"{split}.{lang}": os.path.join(args.data, f"{split}.{lang}")
@@ -158,8 +158,9 @@ def load_data(
     missing = [p for p in files.values() if not os.path.exists(p)]
     if missing:
         raise ValueError(
-            f"--data {args.data!r} lacks {missing}; it needs train.{{src,tgt}} and "
-            "valid.{src,tgt} parallel text files (one sentence per line)"
+            f"--data {args.data!r} lacks {missing}; "
+            "it needs train.{src,tgt} and valid.{src,tgt} "
+            "parallel text files (one sentence per line)"
         )
     text = {k: read_lines(p) for k, p in files.items()}
     vocab = build_vocab(
@@ -170,8 +171,8 @@ def load_data(
         src, tgt = text[f"{split}.{args.src_lang}"], text[f"{split}.{args.tgt_lang}"]
         if len(src) != len(tgt):
             raise ValueError(
-                f"{split}.{args.src_lang} has {len(src)} lines but {split}.{args.tgt_lang} "
-                f"{len(tgt)}"
+                f"{split}.{args.src_lang} has {len(src)} lines "
+                f"but {split}.{args.tgt_lang} {len(tgt)}"
             )
         return [
             (encode(s, vocab, args.max_len), encode(t, vocab, args.max_len))

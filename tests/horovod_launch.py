@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def horovodrun_command(np: int, controller: str, args: list[str], hosts: str = "") -> list[str]:
-    """``horovodrun -np NP -H HOSTS --gloo|--mpi python ARGS`` (fails the test if a launcher is missing).
+    """``horovodrun -np NP -H HOSTS --gloo|--mpi python ARGS``.
+
+    Fails the test if a launcher is missing.
 
     Args:
         np: number of processes.
@@ -45,7 +47,9 @@ def launch_env(extra=None) -> dict:
 def horovodrun(
     np: int, controller: str, args: list[str], timeout: float = 240, env=None, hosts: str = ""
 ) -> subprocess.CompletedProcess:
-    """Run ``horovodrun -np NP --gloo|--mpi python ARGS``; fails the test on a non-zero exit or a timeout.
+    """Run ``horovodrun -np NP --gloo|--mpi python ARGS``.
+
+    Fails the test on a non-zero exit or a timeout.
 
     Args:
         np: number of processes.

@@ -105,7 +105,8 @@ def test_setup_commands_build_every_link():
     assert "ip -n t-h1 link set tv1 name eth0" in cmds
     assert "ip -n t-h1 addr add 10.77.0.2/24 dev eth0" in cmds
     assert "ip addr add 10.77.0.254/24 dev tc0" in cmds
-    # A veth is renamed only after it moved into its namespace (the name eth0 exists in the root one).
+    # A veth is renamed only after it moved into its namespace (the name eth0 exists in the root
+    # one).
     assert cmds.index("ip link set tv0 netns t-h0") < cmds.index(
         "ip -n t-h0 link set tv0 name eth0"
     )
@@ -564,7 +565,8 @@ def test_end_to_end_two_hosts(tmp_path):
     assert overlap.get("available", True) == has_overlap, overlap
     if not has_overlap:
         assert "overlap" in overlap["reason"]
-    # Two repeats of: 2 windows of one outer period (tau=12), and 4 single-iteration windows at tau=1.
+    # Two repeats of: 2 windows of one outer period (tau=12), and 4 single-iteration windows at
+    # tau=1.
     assert res["localsgd_slowmo"]["iterations"] == 48 and res["localsgd_slowmo"]["windows"] == 4
     assert res["torch_postlocal"]["iterations"] == 48 and res["torch_postlocal"]["windows"] == 4
     assert res["horovod_ar"]["iterations"] == 8 and len(res["horovod_ar"]["repeat_median_ms"]) == 2

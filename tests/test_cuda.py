@@ -122,7 +122,7 @@ def assert_same_run(got, want, exact, rtol=1e-10, atol=1e-12):
                     assert torch.equal(x, y), f"rank {rank}: not bitwise the same run"
                 else:
                     torch.testing.assert_close(
-                        x, y, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank}: {m}"
+                        x, y, rtol=rtol, atol=atol, msg=lambda m, rank=rank: f"rank {rank}: {m}"
                     )
 
 
@@ -151,21 +151,10 @@ def test_base_on_device_equals_cpu_run(base, device):
 
 
 # --- AMP: Horovod's GradScaler recipe with fp16 autocast ---------------------------------------
-#: The library agrees on a skipped step across ranks once issue 11's AMP fix is in (GradScaler
-#: then hands the optimizer its verdict: torch's ``_step_supports_amp_scaling`` protocol).
-AMP_FIX = getattr(DistributedOptimizer, "_step_supports_amp_scaling", False)
 BAD_RANK, INIT_SCALE = 1, 2.0**10
 OVERFLOWS = [
     pytest.param((), id="no-overflow"),
-    pytest.param(
-        (1, 5),
-        id="overflow",
-        marks=pytest.mark.skipif(
-            not AMP_FIX,
-            reason="needs the AMP fix of issue 11 (a skipped step agreed by every rank), "
-            "not in this hvd_slowmo",
-        ),
-    ),
+    pytest.param((1, 5), id="overflow"),
 ]
 
 
@@ -377,7 +366,7 @@ def check_bases_run(out_dir, np_):
             for a, b in zip(g["snaps"] + [g["final"]], w["snaps"] + [w["final"]]):
                 for x, y in zip(a, b):
                     torch.testing.assert_close(
-                        x, y, rtol=1e-10, atol=1e-12, msg=lambda m: f"{base}: {m}"
+                        x, y, rtol=1e-10, atol=1e-12, msg=lambda m, base=base: f"{base}: {m}"
                     )
 
 

@@ -52,7 +52,7 @@ DOCKER_CHECK = os.path.join(ROOT, "scripts", "docker_check.sh")
 DOCKER_CHECK_OPT_IN = "HVD_SLOWMO_DOCKER_CHECK"
 
 # A `horovodrun --check-build` listing as Horovod 0.28.1 prints it, trailing blanks on the last line
-# included (used to test the build guard).
+# included (written as \x20 escapes so no editor strips them; used to test the build guard).
 CHECK_BUILD_CPU = """\
 Horovod v0.28.1:
 
@@ -70,7 +70,7 @@ Available Tensor Operations:
     [ ] DDL
     [ ] CCL
     [X] MPI
-    [X] Gloo    
+    [X] Gloo\x20\x20\x20\x20
 """
 
 
@@ -150,7 +150,10 @@ def parse_dockerfile(path: str) -> list[Instruction]:
 
 
 def split_flags(args: str) -> tuple[dict[str, str], list[str]]:
-    """``--from=build --chown=1:1 a b /dst`` -> ({"from": "build", "chown": "1:1"}, ["a", "b", "/dst"]).
+    """Split a COPY/ADD instruction's ``--flags`` from its other words.
+
+    ``--from=build --chown=1:1 a b /dst`` -> ({"from": "build", "chown": "1:1"},
+    ["a", "b", "/dst"]).
 
     Args:
         args: the arguments of a COPY/ADD instruction (shell form).
@@ -653,7 +656,8 @@ def test_install_script_gpu_flavour_builds_horovod_with_nccl():
     toolkit = find_cuda_toolkit()
     if toolkit is None:
         pytest.skip(
-            "no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) under CUDA_HOME or /usr/local/cuda*: "
+            "no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) "
+            "under CUDA_HOME or /usr/local/cuda*: "
             "the GPU flavour cannot be built on this machine"
         )
     cuda = run(
@@ -718,14 +722,17 @@ def test_nccl_build_runs_without_the_cuda_toolkit(tmp_path):
     )
     if probe.returncode != 0 or probe.stdout.split()[-1] == "0":
         pytest.fail(
-            "Horovod with NCCL is not installed here; test_install_script_gpu_flavour_builds_horovod_with_nccl "
+            "Horovod with NCCL is not installed here; "
+            "test_install_script_gpu_flavour_builds_horovod_with_nccl "
             f"says why:\n{probe.stderr[-2000:]}"
         )
     empty = tmp_path / "empty"
     empty.mkdir()
     script = (
-        f'mount --bind {shlex.quote(str(empty))} {shlex.quote(toolkit)} && test -z "$(ls {shlex.quote(toolkit)})" '
-        f"&& {shlex.quote(sys.executable)} -c 'import horovod.torch as hvd; print(int(hvd.nccl_built()))' "
+        f"mount --bind {shlex.quote(str(empty))} {shlex.quote(toolkit)} "
+        f'&& test -z "$(ls {shlex.quote(toolkit)})" '
+        f"&& {shlex.quote(sys.executable)} -c "
+        "'import horovod.torch as hvd; print(int(hvd.nccl_built()))' "
         f"&& {shlex.quote(os.path.join(DOCKER, 'check_horovod.sh'))} nccl"
     )
     proc = run(
@@ -899,8 +906,8 @@ WORKER = textwrap.dedent("""\
     hvd.init()
     total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
     with open(os.path.join(sys.argv[1], f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump({"rank": hvd.rank(), "size": hvd.size(), "cross_size": hvd.cross_size(), "sum": total,
-                   "host": os.environ.get("HOROVOD_HOSTNAME")}, f)
+        json.dump({"rank": hvd.rank(), "size": hvd.size(), "cross_size": hvd.cross_size(),
+                   "sum": total, "host": os.environ.get("HOROVOD_HOSTNAME")}, f)
     """)
 
 
@@ -914,7 +921,8 @@ def test_entrypoint_sshd_serves_a_two_host_horovodrun_launch(tmp_path):
         or shutil.which("ssh-keygen") is None
     ):
         pytest.skip(
-            "needs OpenSSH's server and client (Debian: apt-get install openssh-server openssh-client)"
+            "needs OpenSSH's server and client "
+            "(Debian: apt-get install openssh-server openssh-client)"
         )
     horovodrun = os.path.join(BIN, "horovodrun")
     if not os.path.exists(horovodrun):
@@ -1067,7 +1075,8 @@ def run_docker_check(images: str, steps: list[str], timeout: float) -> None:
     if os.environ.get(DOCKER_CHECK_OPT_IN) != "1":
         pytest.skip(
             f"builds the {images} Docker image (10+ minutes on a fresh machine, root to start an "
-            f"engine): opt in with {DOCKER_CHECK_OPT_IN}=1 python -m pytest tests/test_docker.py -k "
+            "engine): opt in with "
+            f"{DOCKER_CHECK_OPT_IN}=1 python -m pytest tests/test_docker.py -k "
             f"end_to_end, or run scripts/docker_check.sh --images {images}"
         )
     proc = run([DOCKER_CHECK, "--images", images], timeout=timeout, cwd=ROOT)

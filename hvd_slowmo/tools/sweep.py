@@ -2,10 +2,12 @@
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
 best setting per algorithm (mean over seeds).
 
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau --np 4  # tau: 12 to 96
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta --dry-run
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau \\
+        --np 4    # tau in {12, 24, 48, 96}
+    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta \\
+        --dry-run    # commands only
     python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp \\
-        --seeds 100,101 --one-launch -- --validation  # the base lr from a grid, SGP alone
+        --seeds 100,101 --one-launch -- --validation  # the base lr from the paper's grid, SGP alone
     python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
         --seeds 100,101 --one-launch -- --validation   # then beta in {0.4, ..., 0.8} at that lr
     python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
