@@ -916,9 +916,7 @@ def train(
     if opt.num_steps % args.log_every:  # close the last, partial TensorBoard window
         monitor.log_window(opt.num_steps)
     monitor.close()
-    flush = getattr(opt.base, "flush", None)
-    if flush is not None:
-        flush()  # OSGP: no gossip message may stay in flight past the run
+    opt.flush()  # no outer step (overlap) nor gossip message (OSGP) stays in flight past the run
     timed = monitor.total_iterations - skip_iters
     summary = {
         "run": run_name(args),
