@@ -15,13 +15,14 @@ ACCOUNT_GID=${5:?group id}
 die() { echo "finish_image: error: $*" >&2; exit 1; }
 [ -x "${VIRTUAL_ENV:-}/bin/python" ] || die "VIRTUAL_ENV must name the image's environment (got '${VIRTUAL_ENV:-}')"
 
-# Editable, so that a checkout mounted over REPO runs its own code. Offline (--no-index): the build
-# stage installed every dependency and the build tools, so this stage needs no network and no
-# extra CA certificates, and fails here if setup.py asks for something the build stage left out.
+# Editable, so that a checkout mounted over REPO runs its own code. Offline (--no-index, no build
+# isolation): the build stage installed the dependencies and the build tools, so this stage needs
+# no network and no extra CA certificates. --no-deps: the CPU image leaves out torch's triton on
+# purpose (docker/slim_venv.sh); the imports below check what setup.py's extras need instead.
 # --use-pep517: without it pip 23 runs `setup.py develop`, which in setuptools >= 80 calls pip
 # again, with build isolation, which downloads setuptools.
 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "$VIRTUAL_ENV/bin/python" -m pip install -q \
-  --no-index --no-build-isolation --use-pep517 -e "${REPO}[examples,mpi]"
+  --no-index --no-build-isolation --use-pep517 --no-deps -e "$REPO"
 
 if [ "$ACCOUNT" != root ]; then
   getent group "$ACCOUNT_GID" >/dev/null || groupadd --gid "$ACCOUNT_GID" "$ACCOUNT"
@@ -38,5 +39,7 @@ install -d -o "${OWNER%:*}" -g "${OWNER#*:}" "$REPO/runs"
 rm -rf /tmp/hvd_slowmo
 
 cd "$REPO"
-"$VIRTUAL_ENV/bin/python" -c 'import hvd_slowmo, horovod.torch, mpi4py, torchvision, tensorboard; print("imports OK")'
+# hvd_slowmo and what its extras [examples,mpi] list.
+"$VIRTUAL_ENV/bin/python" -c 'import hvd_slowmo, horovod.torch, mpi4py, torchvision, tensorboard, sklearn, matplotlib, tqdm
+print("imports OK")'
 "$REPO/docker/check_horovod.sh" "$FLAVOUR"

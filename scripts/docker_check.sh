@@ -88,7 +88,7 @@ run_logged() {
   shift
   if ! "$@" > "$file" 2>&1; then
     tail -n 60 "$file" >&2
-    die "failed: $* (whole log: $file)"
+    die "the command logged in $file failed (its last lines are above)"
   fi
 }
 
@@ -181,15 +181,16 @@ make_base_image() {
     return 0
   fi
   [ "$BASE" = debian:bookworm-slim ] || die "cannot pull $BASE ($(tail -n 1 "$LOGS/pull.log"))"
-  log "no registry answers ($(tail -n 1 "$LOGS/pull.log")): making the base image with debootstrap"
+  log "no registry answers ($(tail -n 1 "$LOGS/pull.log"))"
   BASE=$LOCAL_BASE
   if docker image inspect "$BASE" >/dev/null 2>&1; then
-    log "using $BASE, made here before"
+    log "using $BASE, made here with debootstrap before"
     return 0
   fi
   [ "$(id -u)" = 0 ] || die "debootstrap needs root (or pull debian:bookworm-slim from a registry)"
   command -v debootstrap >/dev/null || apt_install debootstrap
   local mirror rootfs
+  log "making the base image $BASE with debootstrap"
   mirror=$(debian_mirror)
   rootfs=$(mktemp -d /var/tmp/hvd_slowmo_rootfs.XXXXXX)
   log "debootstrap --variant=minbase bookworm from $mirror"
@@ -271,9 +272,10 @@ build_gpu() {
 expect_run() {
   local file=$LOGS/$1 workers=$2
   grep -q " $workers workers, " "$file" || die "$1: no '$workers workers' line (log: $file)"
-  grep -qE '^epoch 1: train loss [0-9.]+, val loss [0-9.]+, val acc [0-9.]+%' "$file" \
+  # (horovodrun prefixes rank 0's lines with "[0]<stdout>:")
+  grep -qE 'epoch 1: train loss [0-9.]+, val loss [0-9.]+, val acc [0-9.]+%' "$file" \
     || die "$1: the run did not finish its epochs (log: $file)"
-  grep -E '^epoch 1: ' "$file" >&2
+  grep -E 'epoch 1: ' "$file" >&2
 }
 
 # The example every launch runs: two epochs of the digits CNN, SlowMo on local SGD.
