@@ -99,7 +99,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The state itself, without hooks (the subclass defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _state_dict")
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Load the state itself, without hooks (the subclass defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _load_state_dict")
