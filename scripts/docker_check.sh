@@ -126,6 +126,9 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
+# Interrupted or killed: exit through the same clean-up (containers, network, the engine started here).
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # apt_install PACKAGE...: Debian packages this check needs (as root, with apt-get), or a clear error.
 apt_install() {
