@@ -20,8 +20,8 @@
 #                        both launches and must be reachable (e.g. a job started from a third machine).
 #   HVD_SLOWMO_USER      the image's account (set by the image). A container started as root
 #                        (docker run --user root) hands the mounted keys to this account and runs
-#                        everything (sshd included) as it: keys owned by root, or by any host account,
-#                        then work. HVD_SLOWMO_USER=root keeps everything running as root.
+#                        everything (sshd included) as it: keys owned by root, or by any host
+#                        account, then work. HVD_SLOWMO_USER=root keeps everything running as root.
 set -euo pipefail
 
 PORT=${HVD_SLOWMO_SSH_PORT:-2222}
@@ -34,7 +34,8 @@ die() { echo "entrypoint: error: $*" >&2; exit 1; }
 # script again as the account.
 ACCOUNT=${HVD_SLOWMO_USER:-root}
 if [ "$(id -u)" = 0 ] && [ "$ACCOUNT" != root ]; then
-  getent passwd "$ACCOUNT" >/dev/null || die "HVD_SLOWMO_USER=$ACCOUNT is not an account of this image"
+  getent passwd "$ACCOUNT" >/dev/null \
+    || die "HVD_SLOWMO_USER=$ACCOUNT is not an account of this image"
   STAGED=$(mktemp -d /tmp/hvd_slowmo_keys.XXXXXX)
   for name in id_ed25519 id_ecdsa id_rsa authorized_keys; do
     [ ! -f "$KEYS/$name" ] || install -m 600 "$KEYS/$name" "$STAGED/$name"

@@ -40,6 +40,7 @@ rm -rf /tmp/hvd_slowmo
 
 cd "$REPO"
 # hvd_slowmo and what its extras [examples,mpi] list.
-"$VIRTUAL_ENV/bin/python" -c 'import hvd_slowmo, horovod.torch, mpi4py, torchvision, tensorboard, sklearn, matplotlib, tqdm
+"$VIRTUAL_ENV/bin/python" -c 'import hvd_slowmo, horovod.torch, mpi4py, torchvision, tensorboard
+import sklearn, matplotlib, tqdm
 print("imports OK")'
 "$REPO/docker/check_horovod.sh" "$FLAVOUR"

@@ -31,8 +31,7 @@ export PATH="$VENV/bin:$PATH"
 TORCH_INDEX=()
 [ -z "${TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$TORCH_INDEX_URL")
 "$PY" -m pip install -q "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
-# wheel: the final stage installs hvd_slowmo offline (no build isolation), and setuptools needs it.
-"$PY" -m pip install -q "mpi4py==$MPI4PY_VERSION" tensorboard scikit-learn mnist1d matplotlib tqdm wheel
+"$PY" -m pip install -q "mpi4py==$MPI4PY_VERSION" tensorboard scikit-learn mnist1d matplotlib tqdm
 "$PY" -c 'import torch, torchvision, mpi4py, tensorboard; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
 WHEELHOUSE=$(mktemp -d)

@@ -11,7 +11,10 @@ set -euo pipefail
 
 VENV=${1:?usage: slim_venv.sh VENV cpu|nccl}
 FLAVOUR=${2:?flavour cpu or nccl}
-case "$FLAVOUR" in cpu|nccl) ;; *) echo "slim_venv: flavour must be cpu or nccl, not '$FLAVOUR'" >&2; exit 2 ;; esac
+case "$FLAVOUR" in
+  cpu|nccl) ;;
+  *) echo "slim_venv: flavour must be cpu or nccl, not '$FLAVOUR'" >&2; exit 2 ;;
+esac
 [ -x "$VENV/bin/python" ] || { echo "slim_venv: $VENV is not a virtual environment" >&2; exit 1; }
 
 before=$(du -sm "$VENV" | cut -f1)

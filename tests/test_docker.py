@@ -1074,10 +1074,10 @@ def run_docker_check(images: str, steps: list[str], timeout: float) -> None:
     """
     if os.environ.get(DOCKER_CHECK_OPT_IN) != "1":
         pytest.skip(
-            f"builds the {images} Docker image (10+ minutes on a fresh machine, root to start an "
-            "engine): opt in with "
-            f"{DOCKER_CHECK_OPT_IN}=1 python -m pytest tests/test_docker.py -k "
-            f"end_to_end, or run scripts/docker_check.sh --images {images}"
+            f"builds the {images} Docker image (over an hour on a fresh 2-core machine; "
+            f"root to start an engine): opt in with {DOCKER_CHECK_OPT_IN}=1 python -m "
+            f"pytest tests/test_docker.py -k end_to_end, or run "
+            f"scripts/docker_check.sh --images {images}"
         )
     proc = run([DOCKER_CHECK, "--images", images], timeout=timeout, cwd=ROOT)
     sys.stderr.write(proc.stderr[-6000:])  # the step times, shown with pytest -s or on failure
