@@ -27,6 +27,9 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The machine-readable event lines (--progress-lines) and the log check built on them.
+from run_log import PROGRESS_MARK, event_line
+
 import hvd_slowmo
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
 
@@ -63,9 +66,6 @@ __all__ = [
 #: Base algorithms selectable with --algo: every registered one (a base registered in
 #: hvd_slowmo.BASES appears here, in compare.py and in the sweep tool).
 ALGOS = tuple(hvd_slowmo.BASES)
-#: With --progress-lines, rank 0 prints one line per event starting with this mark, then JSON
-#: (examples/compare.py draws its progress bars from them).
-PROGRESS_MARK = "@hvd_slowmo_progress "
 
 
 def add_common_args(
@@ -559,8 +559,7 @@ def log0(rank: int, *message: Any) -> None:
 
 def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: Any) -> None:
     if args.progress_lines and rank == 0:
-        line = json.dumps({"event": event, "run": run_name(args), **fields})
-        print(PROGRESS_MARK + line, flush=True)
+        print(event_line(event, run=run_name(args), **fields), flush=True)
 
 
 def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:
