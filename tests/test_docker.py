@@ -514,9 +514,8 @@ def test_final_stage_entrypoint_command_and_user(flavour):
     last = max(i.stage for i in instructions)
     final = {i.keyword: i.args for i in instructions if i.stage == last}
     entry = json.loads(final["ENTRYPOINT"])
-    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", (
-        entry
-    )  # PID 1 that reaps sshd's and ranks' children
+    # PID 1 that reaps sshd's and ranks' children
+    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", entry
     with open(os.path.join(DOCKER, "install_system_packages.sh"), encoding="utf-8") as f:
         assert re.search(r"RUNTIME=.*\btini\b", f.read(), re.S)
     rel = repo_source(entry[2], copied_paths(instructions, last))

@@ -84,9 +84,8 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
     killed = [r for recs in logs.values() for r in recs if "killed_at" in r]
 
     # It shrank and grew back, and finished on 3 workers that agree bitwise.
-    assert len(killed) == 1 and killed[0]["inner_step"] == 2, (
-        killed
-    )  # killed in the middle of an inner loop
+    # Killed in the middle of an inner loop
+    assert len(killed) == 1 and killed[0]["inner_step"] == 2, killed
     assert len(done) == 3, done
     assert [s for _, s in done[0]["history"]] == [3, 2, 3], done[0]["history"]
     assert all(

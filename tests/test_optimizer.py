@@ -132,9 +132,8 @@ def test_average_touches_floating_per_element_state_only():
         assert all(float(opt.state[p]["step"]) == count for p in opt.params)  # counts: not averaged
     s0, s1 = (o.state[o.params[0]]["exp_avg"] for o in (o0, o1))
     assert torch.equal(s0, s1)  # moments: averaged
-    assert not torch.equal(
-        m0_before, m1_before
-    )  # they differed before (so averaging did something)
+    # They differed before (so averaging did something)
+    assert not torch.equal(m0_before, m1_before)
 
 
 def test_local_sgd_special_case():

@@ -104,9 +104,8 @@ def mode_errors(out, results):
         opt.load_state_dict(good["opt"])  # the intact file round-trips
         if rank == FAULTY:
             with open(path, "r+b") as f:
-                f.truncate(
-                    os.path.getsize(path) // 2
-                )  # a job that died while writing with torch.save
+                # A job that died while writing with torch.save
+                f.truncate(os.path.getsize(path) // 2)
         load_checkpoint(path)
 
     def join():
