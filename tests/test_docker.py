@@ -1063,6 +1063,17 @@ def step_times(stderr: str) -> dict[str, float]:
     }
 
 
+def test_step_times_reads_what_docker_check_prints():
+    """step_times (the parser of the opt-in end-to-end tests below) on what docker_check.sh's own
+    step function prints now: the function is taken from the script and run on a no-op."""
+    functions = f"sed -n -e '/^now() {{/p' -e '/^step() {{/,/^}}/p' {shlex.quote(DOCKER_CHECK)}"
+    script = f'eval "$({functions})"; STEPS=(); TIMES=(); step demo-step true'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    times = step_times(proc.stderr)
+    assert list(times) == ["demo-step"] and times["demo-step"] >= 0, proc.stderr
+
+
 def run_docker_check(images: str, steps: list[str], timeout: float) -> None:
     """Runs scripts/docker_check.sh for ``images`` and checks that every step passed.
 
