@@ -27,6 +27,9 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The machine-readable event lines (--progress-lines) and the log check built on them.
+from run_log import PROGRESS_MARK, event_line
+
 import hvd_slowmo
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
 
@@ -63,9 +66,6 @@ __all__ = [
 #: Base algorithms selectable with --algo: every registered one (a base registered in
 #: hvd_slowmo.BASES appears here, in compare.py and in the sweep tool).
 ALGOS = tuple(hvd_slowmo.BASES)
-#: With --progress-lines, rank 0 prints one line per event starting with this mark, then JSON
-#: (examples/compare.py draws its progress bars from them).
-PROGRESS_MARK = "@hvd_slowmo_progress "
 
 
 def add_common_args(
@@ -559,8 +559,7 @@ def log0(rank: int, *message: Any) -> None:
 
 def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: Any) -> None:
     if args.progress_lines and rank == 0:
-        line = json.dumps({"event": event, "run": run_name(args), **fields})
-        print(PROGRESS_MARK + line, flush=True)
+        print(event_line(event, run=run_name(args), **fields), flush=True)
 
 
 def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:
@@ -734,6 +733,53 @@ def _fmt_metrics(metrics: dict[str, float]) -> str:
     )
 
 
+def _train_epoch(
+    args: argparse.Namespace,
+    hvd: Any,
+    device: torch.device,
+    task: Task,
+    epoch: int,
+    opt: Any,
+    scaler: Any,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    monitor: TrainingMonitor,
+) -> tuple[float, int, bool]:
+    """One epoch of :func:`train`'s steps; returns (the sum of this worker's minibatch losses, its
+    steps, whether the run diverged: a non-finite check raised, on every rank at the same step)."""
+    rank = hvd.rank()
+    bar = progress(
+        task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
+    )
+    loss_sum, steps = 0.0, 0
+    for i, batch in enumerate(bar):
+        if i >= task.steps_per_epoch:
+            break
+        batch = task.to_device(batch)
+        monitor.start_iteration()
+        with autocast(args, device):
+            loss = task.loss(batch)
+        try:
+            backward_and_step(loss, opt, scaler, monitor, hvd)
+        except FloatingPointError as e:
+            # Raised on every rank at the same outer step (a collective check): a learning rate
+            # too large for this method. Record the run as diverged (its metrics: those of the
+            # non-finite model) rather than end a sweep or a --plan launch.
+            log0(
+                rank,
+                f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
+            )
+            return loss_sum, steps, True
+        value = loss.item()
+        monitor.end_iteration(value)
+        loss_sum, steps = loss_sum + value, steps + 1
+        sched.step()
+        if opt.num_steps % args.log_every == 0:
+            window = monitor.log_window(opt.num_steps)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}")
+    return loss_sum, steps, False
+
+
 def train(
     args: argparse.Namespace,
     hvd: Any,
@@ -787,39 +833,9 @@ def train(
     skip_seconds, skip_iters = 0.0, 0
     diverged = False
     for epoch in range(start_epoch, args.epochs):
-        bar = progress(
-            task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
+        loss_sum, steps, diverged = _train_epoch(
+            args, hvd, device, task, epoch, opt, scaler, sched, monitor
         )
-        loss_sum, steps = 0.0, 0
-        for i, batch in enumerate(bar):
-            if i >= task.steps_per_epoch:
-                break
-            batch = task.to_device(batch)
-            monitor.start_iteration()
-            with autocast(args, device):
-                loss = task.loss(batch)
-            try:
-                backward_and_step(loss, opt, scaler, monitor, hvd)
-            except FloatingPointError as e:
-                # Raised on every rank at the same outer step (a collective check): a learning rate
-                # too large for this method. Record the run as diverged (its metrics: those of the
-                # non-finite model) rather than end a sweep or a --plan launch.
-                log0(
-                    rank,
-                    f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
-                )
-                diverged = True
-                break
-            value = loss.item()
-            monitor.end_iteration(value)
-            loss_sum, steps = loss_sum + value, steps + 1
-            sched.step()
-            if opt.num_steps % args.log_every == 0:
-                window = monitor.log_window(opt.num_steps)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}"
-                    )
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
         epoch_loss = loss_sum / steps_all if steps_all else float("nan")

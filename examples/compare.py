@@ -115,6 +115,55 @@ def run_args(
     return flags
 
 
+class _ProgressBars:
+    """A tqdm bar per run of a launch, driven by the runs' event lines (--progress-lines); each
+    run's summary goes into ``summaries``, and one line is printed when it ends.
+
+    Args:
+        disable: no bars (the end-of-run lines are still printed).
+        summaries: run name -> rank 0's summary, filled as runs end.
+    """
+
+    def __init__(self, disable: bool, summaries: dict[str, dict[str, Any]]) -> None:
+        self.disable, self.summaries = disable, summaries
+        self.bar: Any | None = None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        if event["event"] == "start":
+            self.bar = tqdm(
+                total=event["epochs"],
+                initial=event["start_epoch"],
+                desc=f"{event['run']:<22}",
+                unit="epoch",
+                dynamic_ncols=True,
+                leave=False,
+                disable=self.disable,
+            )
+        elif event["event"] == "epoch" and self.bar is not None:
+            self.bar.update(1)
+            acc = event.get("val_accuracy")
+            if acc is not None:
+                loss = event.get("train_full_loss", float("nan"))
+                self.bar.set_postfix(acc=f"{acc:.1f}%", loss=f"{loss:.4f}")
+        elif event["event"] == "end":
+            s = event["summary"]
+            self.summaries[s["run"]] = s
+            self.close()
+            loss = s.get("train_full_loss", s["train_loss"])
+            tqdm.write(
+                f"{s['run']:<22} {s['wall_s']:6.1f} s   test acc "
+                f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
+                f"{s['ms_per_iter']:.1f} ms/iter" + ("   DIVERGED" if s.get("diverged") else "")
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def launch(
     np_: int, script: str, plan: list[list[str]], common_flags: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, dict[str, Any]], int, str]:
@@ -162,53 +211,23 @@ def launch(
 
         timer = threading.Timer(args.timeout, stop)
         timer.start()
-        bar: Any | None = None
+        bars = _ProgressBars(args.no_progress, summaries)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                if PROGRESS_MARK not in line:
-                    tail.append(line.rstrip("\n"))
-                    if args.verbose:
-                        tqdm.write(line.rstrip("\n"))
+                if PROGRESS_MARK in line:
+                    bars.on_event(json.loads(line.split(PROGRESS_MARK, 1)[1]))
                     continue
-                event = json.loads(line.split(PROGRESS_MARK, 1)[1])
-                if event["event"] == "start":
-                    bar = tqdm(
-                        total=event["epochs"],
-                        initial=event["start_epoch"],
-                        desc=f"{event['run']:<22}",
-                        unit="epoch",
-                        dynamic_ncols=True,
-                        leave=False,
-                        disable=args.no_progress,
-                    )
-                elif event["event"] == "epoch" and bar is not None:
-                    bar.update(1)
-                    acc = event.get("val_accuracy")
-                    if acc is not None:
-                        loss = event.get("train_full_loss", float("nan"))
-                        bar.set_postfix(acc=f"{acc:.1f}%", loss=f"{loss:.4f}")
-                elif event["event"] == "end":
-                    s = event["summary"]
-                    summaries[s["run"]] = s
-                    if bar is not None:
-                        bar.close()
-                        bar = None
-                    loss = s.get("train_full_loss", s["train_loss"])
-                    tqdm.write(
-                        f"{s['run']:<22} {s['wall_s']:6.1f} s   test acc "
-                        f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
-                        f"{s['ms_per_iter']:.1f} ms/iter"
-                        + ("   DIVERGED" if s.get("diverged") else "")
-                    )
+                tail.append(line.rstrip("\n"))
+                if args.verbose:
+                    tqdm.write(line.rstrip("\n"))
             proc.wait()
         except BaseException:  # Ctrl-C or SIGTERM: the workers are in another session: stop them
             os.killpg(proc.pid, signal.SIGKILL)
             raise
         finally:
             timer.cancel()
-            if bar is not None:
-                bar.close()
+            bars.close()
     if timed_out.is_set():
         tail.append(f"(stopped after --timeout {args.timeout:g} s)")
     return summaries, proc.returncode, "\n".join(tail)

@@ -241,17 +241,7 @@ def _run(cmd: list[str], timeout: float | None) -> Any:
         return "timeout"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line (see the module docstring).
-
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hvd_slowmo.tools.sweep",
         description=__doc__,
@@ -293,7 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="seconds per launch (default: none)"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _grid(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The ablation's grid with the command line's overrides, checked."""
     grid = dict(ABLATIONS[args.ablation])
     for key, kind in (
         ("lrs", float),
@@ -307,67 +301,105 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = sorted(set(grid["buffers"]) - {"reset", "maintain", "average"})
     if bad:
         raise ValueError(f"--buffers: unknown strategy {bad}; use reset, maintain or average")
+    return grid
+
+
+def _one_launch(
+    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+) -> tuple[int, int] | None:
+    """Every run inside one launch (the script's --plan); (failed, launches), or None after a
+    dry run."""
+    head = launch + [
+        sys.executable,
+        args.script,
+        "--algo",
+        args.algo,
+        "--logdir",
+        logdir,
+        "--no-progress",
+    ]
+    plan = [point_args(args.algo, p) + list(extra) for p in points]
+    if args.dry_run:
+        print(shlex.join(head + ["--plan", "PLAN.json"]))
+        print(json.dumps(plan))
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(plan, f)
+        print(
+            f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        rc = _run(head + ["--plan", plan_path], args.timeout)
+        print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+    return int(rc != 0), 1
+
+
+def _launch_each(
+    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+) -> tuple[int, int] | None:
+    """One launch per run; (failed, launches), or None after a dry run."""
+    cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
+    if args.dry_run:
+        for cmd in cmds:
+            print(shlex.join(cmd))
+        return None
+    failed = 0
+    for i, cmd in enumerate(cmds):
+        print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = _run(cmd, args.timeout)
+        print(
+            f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        failed += rc != 0
+    return failed, len(cmds)
+
+
+def _print_chosen(logdir: str) -> None:
+    """The report of the sweep and the best setting per task and algorithm."""
+    from . import report
+
+    report.main([logdir])
+    if not os.path.isdir(logdir):
+        return
+    print("\nChosen (best mean final validation metric over seeds, per task and algorithm):")
+    for st in report.best_settings(report.load_runs([logdir])):
+        c = st.config
+        beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
+        final = report.fmt_mean_std(st.values("final_val"), ".4g")
+        print(
+            f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
+            f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line (see the module docstring).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = _parser().parse_args(argv)
+    grid = _grid(args)
     seeds = _csv(args.seeds, "--seeds", int)
     logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
     launch = horovodrun_command(args.np, args.launcher, required=not args.dry_run)
     points = sweep_points(grid, args.baseline, seeds)
-    if args.one_launch:
-        head = launch + [
-            sys.executable,
-            args.script,
-            "--algo",
-            args.algo,
-            "--logdir",
-            logdir,
-            "--no-progress",
-        ]
-        plan = [point_args(args.algo, p) + list(extra) for p in points]
-        if args.dry_run:
-            print(shlex.join(head + ["--plan", "PLAN.json"]))
-            print(json.dumps(plan))
-            return 0
-        with tempfile.TemporaryDirectory() as tmp:
-            plan_path = os.path.join(tmp, "plan.json")
-            with open(plan_path, "w", encoding="utf-8") as f:
-                json.dump(plan, f)
-            print(
-                f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
-                flush=True,
-            )
-            t0 = time.perf_counter()
-            rc = _run(head + ["--plan", plan_path], args.timeout)
-            print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
-        failed = int(rc != 0)
-        total = 1
-    else:
-        cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
-        if args.dry_run:
-            for cmd in cmds:
-                print(shlex.join(cmd))
-            return 0
-        failed, total = 0, len(cmds)
-        for i, cmd in enumerate(cmds):
-            print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
-            t0 = time.perf_counter()
-            rc = _run(cmd, args.timeout)
-            print(
-                f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
-                flush=True,
-            )
-            failed += rc != 0
-    from . import report
-
-    report.main([logdir])
-    if os.path.isdir(logdir):
-        print("\nChosen (best mean final validation metric over seeds, per task and algorithm):")
-        for st in report.best_settings(report.load_runs([logdir])):
-            c = st.config
-            beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
-            final = report.fmt_mean_std(st.values("final_val"), ".4g")
-            print(
-                f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
-                f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)"
-            )
+    run = _one_launch if args.one_launch else _launch_each
+    outcome = run(args, launch, points, logdir, extra)
+    if outcome is None:  # a dry run
+        return 0
+    failed, total = outcome
+    _print_chosen(logdir)
     if failed:
         print(f"{failed} of {total} launches failed", file=sys.stderr)
     return 1 if failed else 0
