@@ -71,11 +71,17 @@ def run(
         opt.zero_grad()
         x, y = batch(rank, k)
         loss = ((model(x) - y) ** 2).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
+        hook = None
         if k in skipped and (recipe == "manual" or rank == bad_rank):
             # Overflow: on every rank for the manual recipe (the caller decides to skip everywhere),
-            # on bad_rank only under a scaler (the library must spread the decision).
-            next(model.parameters()).grad[0, 0] = float("inf") if scaler else 1e6
+            # on bad_rank only under a scaler (the library must spread the decision). It happens
+            # inside backward, where a real overflow does, before any gradient is communicated.
+            bad = torch.tensor(float("inf") if scaler else 1e6)
+            at = (torch.tensor(0), torch.tensor(0))
+            hook = next(model.parameters()).register_hook(lambda g: g.index_put(at, bad))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if hook is not None:
+            hook.remove()
         if recipe == "manual":
             opt.synchronize()
             if k in skipped:
