@@ -175,12 +175,9 @@ class GradientSync:
     def _on_gradient(self, param: Tensor) -> None:
         self._synchronized = False
         stages = self._gradient_stages()
-        if not stages:
-            return
+        if not stages or not self.base.averages_gradients:
+            return  # nothing to average, or the node-level average alone: at synchronize()
         buckets = self._bucketed()
-        if not self.base.averages_gradients:
-            buckets.stale()  # node-level only: averaged at synchronize()
-            return
         i = self._param_index[id(param)]
         buckets.gradient_ready(i, stages, self.param_names[i])
         if buckets.last_pass and not self._wait_queued:
@@ -190,13 +187,21 @@ class GradientSync:
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(ref))
 
-    def _average_gradients(self) -> None:
-        """Start whatever gradient average has not started, and wait for all of it."""
+    def _average_gradients(self) -> BucketedAverage | None:
+        """Start whatever gradient average has not started, and wait for all of it.
+
+        Returns:
+            The bucketed average, or None where no gradient is averaged (one worker, or a base
+            that does not average gradients without ``worker="node"``).
+        """
         stages = self._gradient_stages()
-        if stages:
-            t0 = time.perf_counter()
-            self._bucketed().finish(stages)
-            self.timings["base_comm"] += time.perf_counter() - t0
+        if not stages:
+            return None
+        t0 = time.perf_counter()
+        buckets = self._bucketed()
+        buckets.finish(stages)
+        self.timings["base_comm"] += time.perf_counter() - t0
+        return buckets
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``; an average in
@@ -220,7 +225,9 @@ class GradientSync:
         backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
         """
         if not self._synchronized:
-            self._average_gradients()
+            buckets = self._average_gradients()
+            if buckets is not None:
+                buckets.take()
             t0 = time.perf_counter()
             self.base.communicate_gradients()
             self.timings["base_comm"] += time.perf_counter() - t0

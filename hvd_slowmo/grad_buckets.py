@@ -70,8 +70,9 @@ class BucketedAverage:
             [p.numel() * p.element_size() for p in self.params], bucket_bytes
         )
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
-        #: True once the gradients of this step are averaged (until the next backward pass).
-        self.complete = False
+        #: True once this step's gradients are averaged, until :meth:`take` (the step took
+        #: them) or :meth:`discard`: a further backward pass before then is one too many.
+        self.averaged = False
         self._reset()
 
     def _reset(self) -> None:
@@ -101,13 +102,12 @@ class BucketedAverage:
             RuntimeError: more backward passes than ``backward_passes_per_step`` before the
                 average was waited for.
         """
-        self.stale()
-        if self._left[index] == 0:
+        if self.averaged or self._left[index] == 0:
             raise RuntimeError(
                 f"parameter {name!r} got a gradient from more than backward_passes_per_step="
-                f"{self.passes} backward passes before step() or synchronize(); its average "
+                f"{self.passes} backward passes before step() or synchronize(): its average "
                 "has already started. Pass backward_passes_per_step=<passes per step> to "
-                "accumulate gradients locally"
+                "accumulate gradients locally, or call zero_grad() to start the step over"
             )
         self._left[index] -= 1
         if self._left[index]:
@@ -117,19 +117,15 @@ class BucketedAverage:
         while self._started < len(self.buckets) and self._missing[self._started] == 0:
             self._start(self._started, stages)
 
-    def stale(self) -> None:
-        """A gradient changed since the last average: the next :meth:`finish` averages again."""
-        self.complete = False
-
     def finish(self, stages: Sequence[Stage]) -> None:
         """Average whatever has not been averaged yet and wait for every bucket: start the
         remaining buckets in order (a parameter without a gradient joins with zeros, one that
-        saw fewer passes with what it has), then wait. Does nothing once :attr:`complete`.
+        saw fewer passes with what it has), then wait. Does nothing once :attr:`averaged`.
 
         Args:
             stages: the communicators to average over, in turn.
         """
-        if self.complete:
+        if self.averaged:
             return
         try:
             while self._started < len(self.buckets):
@@ -141,7 +137,12 @@ class BucketedAverage:
             # Also after a failed collective: hvd.elastic retries the step with a fresh world,
             # and nothing of this step may stay in flight.
             self._reset()
-        self.complete = True
+        self.averaged = True
+
+    def take(self) -> None:
+        """The step took this step's averaged gradients: the next backward pass starts the next
+        step's average."""
+        self.averaged = False
 
     def discard(self) -> None:
         """Wait for any bucket in flight (the transport may still write the gradients), then
@@ -151,7 +152,7 @@ class BucketedAverage:
                 pending.wait()
         finally:
             self._reset()
-            self.complete = False
+            self.averaged = False
 
     def _grads(self, bucket: int) -> list[Tensor]:
         return grads_or_zeros([self.params[i] for i in self.buckets[bucket]])

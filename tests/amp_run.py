@@ -31,6 +31,13 @@ def snapshot(model: nn.Module):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _overflow(value: float | None):
+    """A gradient hook writing ``value`` (None: inf) into element [0, 0]."""
+    bad = torch.tensor(float("inf") if value is None else value)
+    at = (torch.tensor(0), torch.tensor(0))
+    return lambda g: g.index_put(at, bad)
+
+
 def run(
     model: nn.Module,
     recipe: str,
@@ -76,9 +83,9 @@ def run(
             # Overflow: on every rank for the manual recipe (the caller decides to skip everywhere),
             # on bad_rank only under a scaler (the library must spread the decision). It happens
             # inside backward, where a real overflow does, before any gradient is communicated.
-            bad = torch.tensor(float("inf") if scaler else 1e6)
-            at = (torch.tensor(0), torch.tensor(0))
-            hook = next(model.parameters()).register_hook(lambda g: g.index_put(at, bad))
+            hook = next(model.parameters()).register_hook(
+                _overflow(1e6 if scaler is None else None)
+            )
         (scaler.scale(loss) if scaler else loss).backward()
         if hook is not None:
             hook.remove()
