@@ -19,18 +19,10 @@ import torch
 from torch import Tensor
 
 from .comm.base import Communicator
+from .finite import all_finite, by_device_and_dtype
 from .grad_buckets import BucketedAverage, Stage
 
 __all__ = ["GradientSync", "any_nonfinite", "on_backward", "overflow_anywhere", "unscale_grads_"]
-
-
-def _by_device_and_dtype(
-    tensors: list[Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
 
 
 @torch.no_grad()
@@ -48,24 +40,20 @@ def unscale_grads_(grads: list[Tensor], grad_scale: Tensor) -> bool:
     # The reciprocal in float64, then float32: GradScaler's own rounding of 1/scale.
     inv_scale = grad_scale.double().reciprocal().float()
     found = []
-    for (device, _), group in _by_device_and_dtype(grads).items():
+    for (device, _), group in by_device_and_dtype(grads).items():
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale.to(device))
         found.append(found_inf)
     return bool(sum(float(f) for f in found))
 
 
-@torch.no_grad()
 def any_nonfinite(grads: list[Tensor]) -> bool:
-    """True if any gradient holds inf/NaN (one fused max-norm pass per device and dtype).
+    """True if any gradient holds inf/NaN (:func:`hvd_slowmo.finite.all_finite`).
 
     Args:
         grads: the gradients.
     """
-    for group in _by_device_and_dtype(grads).values():
-        if not bool(torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()):
-            return True
-    return False
+    return not all_finite(grads)
 
 
 def overflow_anywhere(

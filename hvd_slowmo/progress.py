@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import finite
 from .comm.base import Communicator
 
 __all__ = [
@@ -137,14 +138,12 @@ def all_finite_everywhere(
 
 
 def all_finite(params: list[Tensor]) -> bool:
-    """Whether every tensor is finite (one fused max-norm pass; no communication).
+    """Whether every tensor is finite (:func:`hvd_slowmo.finite.all_finite`; no communication).
 
     Args:
         params: this worker's parameters.
     """
-    return not params or bool(
-        torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all()
-    )
+    return finite.all_finite(params)
 
 
 def finite_verdict(
