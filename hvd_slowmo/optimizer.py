@@ -264,8 +264,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.base.before_average()
         t0 = time.perf_counter()
         params = [p.detach() for p in self.params]
+        identical = not self.base.needs_exact_average  # AR-SGD: the same parameters everywhere
         if self.nonfinite != "ignore" and not all_finite_everywhere(
-            self.comm, params, self.nonfinite, self.num_steps, self.outer_steps
+            self.comm, params, self.nonfinite, self.num_steps, self.outer_steps, identical
         ):
             # nonfinite="skip" (it keeps an anchor): every worker restarts from the anchor, so one
             # worker's NaN never reaches the others; push-sum weights reset too.

@@ -115,10 +115,15 @@ def uneven_message(everyone: list[dict[str, Any]]) -> str:
 
 
 def all_finite_everywhere(
-    comm: Communicator, params: list[Tensor], nonfinite: str, num_steps: int, outer_steps: int
+    comm: Communicator,
+    params: list[Tensor],
+    nonfinite: str,
+    num_steps: int,
+    outer_steps: int,
+    identical: bool = False,
 ) -> bool:
     """Agree across workers on whether every worker's parameters are finite, before anything is
-    averaged. One tiny collective (:func:`gather_progress`).
+    averaged. One tiny collective (:func:`gather_progress`), none where ``identical``.
 
     Args:
         comm: the communicator over all workers.
@@ -126,6 +131,9 @@ def all_finite_everywhere(
         nonfinite: ``"raise"`` or ``"skip"``: what a non-finite worker means.
         num_steps: this worker's base steps so far.
         outer_steps: this worker's outer steps so far.
+        identical: every worker holds these same parameters (AR-SGD steps one averaged
+            gradient), so this worker's verdict is everyone's; and workers at different step
+            counts would already be stuck in different gradient averages.
 
     Returns:
         True if all are finite; False (after a warning) if not and ``nonfinite="skip"``.
@@ -133,7 +141,11 @@ def all_finite_everywhere(
     Raises:
         FloatingPointError: on every worker, naming the ranks, with ``nonfinite="raise"``.
     """
-    everyone = gather_progress(comm, "outer step", all_finite(params), num_steps, outer_steps)
+    if identical:
+        mine = {"at": "outer step", "finite": all_finite(params), "num_steps": num_steps}
+        everyone = [dict(mine, outer_steps=outer_steps)] * comm.size
+    else:
+        everyone = gather_progress(comm, "outer step", all_finite(params), num_steps, outer_steps)
     return finite_verdict(everyone, nonfinite, num_steps, outer_steps)
 
 

@@ -34,6 +34,10 @@ class Deferred(ThreadCommunicator):
 
         return PendingAverage(finish), sum(t.numel() * t.element_size() for t in tensors)
 
+    def _average_(self, tensors, name):
+        self.log.append(("average", name))
+        return super()._average_(tensors, name)
+
 
 def assert_equal_runs(got, want):
     for k, (a, b) in enumerate(zip(got["grads"], want["grads"])):
@@ -166,3 +170,41 @@ def test_bad_options_are_refused(option, error):
 
     with pytest.raises(error, match=name):
         threads(1, worker)
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_outer_step_checks_identical_parameters_without_a_collective(nonfinite):
+    models = [run.Net() for _ in range(2)]
+
+    def worker(comm):
+        log = []
+        comm = Deferred(comm, log)
+        model = models[comm.rank]
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            base="allreduce",
+            tau=2,
+            nonfinite=nonfinite,
+            communicator=comm,
+        )
+        for k in range(4):
+            opt.zero_grad()
+            hook = None
+            if k == 3 and comm.rank == 1:  # in backward: the average carries it everywhere
+                hook = model.out.bias.register_hook(lambda g: g * float("nan"))
+            run.loss(model, "plain", comm.rank, k, 0).backward()
+            if hook is not None:
+                hook.remove()
+            try:
+                opt.step()
+            except FloatingPointError as e:
+                return log, str(e), opt.outer_steps
+        return log, None, opt.outer_steps
+
+    for log, error, outer in threads(2, worker):
+        assert [name for _, name in log if "progress" in name] == []
+        if nonfinite == "raise":
+            assert error is not None and "rank(s) [0, 1] after step 4" in error
+        else:
+            assert error is None and outer == 2
