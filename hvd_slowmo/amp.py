@@ -10,7 +10,6 @@ ranks one step apart (see :meth:`hvd_slowmo.DistributedOptimizer.step`).
 """
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,7 +115,8 @@ class GradientSync:
     :meth:`synchronize`.
 
     A mixin: the optimizer provides ``params``, ``param_names``, ``node_comm``, ``base``,
-    ``comm`` and ``timings``, and calls :meth:`_watch_gradients` for its parameters.
+    ``comm`` and ``timer`` (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls
+    :meth:`_watch_gradients` for its parameters.
     """
 
     #: ``torch.amp.GradScaler.step`` always calls ``step()`` and passes its verdict, so the
@@ -185,10 +185,9 @@ class GradientSync:
         stages = self._gradient_stages()
         if not stages:
             return None
-        t0 = time.perf_counter()
         buckets = self._bucketed()
-        buckets.finish(stages)
-        self.timings["base_comm"] += time.perf_counter() - t0
+        with self.timer("base_comm"):
+            buckets.finish(stages)
         return buckets
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -213,12 +212,11 @@ class GradientSync:
         backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
         """
         if not self._synchronized:
-            buckets = self._average_gradients()
-            if buckets is not None:
-                buckets.take()
-            t0 = time.perf_counter()
-            self.base.communicate_gradients()
-            self.timings["base_comm"] += time.perf_counter() - t0
+            with self.timer("base_comm"):
+                buckets = self._average_gradients()
+                if buckets is not None:
+                    buckets.take()
+                self.base.communicate_gradients()
             self._synchronized = True
 
     @contextlib.contextmanager
