@@ -32,15 +32,8 @@ sys.path.insert(
 import horovod
 import horovod.torch as hvd
 from cifar10_resnet18 import ResNet18
-from cluster import (
-    ALGORITHM_BY_KEY,
-    WARMUP_ITERS,
-    Algorithm,
-    cluster_stamps,
-    pool_repeats,
-    ring_bytes,
-    window_stats,
-)
+from cluster_algorithms import ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm
+from cluster_stats import cluster_stamps, pool_repeats, ring_bytes, window_stats
 
 import hvd_slowmo
 
