@@ -42,7 +42,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the cluster_* modules beside it
 
 from cluster_algorithms import ALGORITHM_SETS, ALGORITHMS, select_algorithms
-from cluster_report import human, render_markdown, write_tensorboard
+from cluster_report import (
+    human,
+    load_warning,
+    plot_sweep,
+    render_markdown,
+    sweep_markdown,
+    write_tensorboard,
+)
 from cluster_stats import summarize
 
 __all__ = [
@@ -494,6 +501,85 @@ def _launch(cluster: Cluster, worker_args: list[str], timeout_s: float, nice: in
         server.stop()
 
 
+def _measure(
+    cluster: Cluster,
+    args: argparse.Namespace,
+    rates: list[str],
+    workloads: list[dict[str, Any]],
+    algos: list[str],
+    command: list[str],
+) -> list[dict[str, Any]]:
+    """Build ``cluster`` and measure every workload at every rate on it (the caller tears it
+    down).
+
+    Args:
+        cluster: the emulated cluster (not built yet).
+        args: the parsed command line.
+        rates: the link rates.
+        workloads: the workload specs.
+        algos: the algorithm keys.
+        command: the command line, for the report.
+    """
+    hosts = len(cluster.plan.hosts)
+    stale = cluster.clean_stale()
+    if stale:
+        print(f"removed leftovers of an earlier run: {stale}", flush=True)
+    cluster.build(rates[0])
+    runs = []
+    for rate in rates:
+        cluster.shape(rate)
+        for wl in workloads:
+            back = f"_bw{100 * wl.get('backward_fraction', 0):.0f}"
+            raw = os.path.join(
+                args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}{back}_h{hosts}.json"
+            )
+            spec = {
+                **wl,
+                "algorithms": algos,
+                "iters": args.iters,
+                "windows": args.windows,
+                "repeats": args.repeats,
+                "batch_size": args.batch_size,
+                "output": os.path.abspath(raw),
+            }
+            size = f" {human(wl['params'])}" if "params" in wl else ""
+            # Other work on the machine stretches and scatters the times: say how much there was.
+            load_before = os.getloadavg()[0]
+            print(
+                f"== {wl['workload']}{size} at {rate}: {len(algos)} algorithms on {hosts} hosts "
+                f"(1-minute load average {load_before:.2f})",
+                flush=True,
+            )
+            if warning := load_warning(load_before, None):
+                print(f"!!! {warning}", flush=True)
+            _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
+            load_after = os.getloadavg()[0]
+            print(f"   1-minute load average after: {load_after:.2f}", flush=True)
+            if warning := load_warning(load_before, load_after):
+                print(f"!!! {warning}", flush=True)
+            with open(raw) as f:
+                measured = json.load(f)
+            header = {
+                **measured["header"],
+                "hosts": hosts,
+                "rate": rate,
+                "rate_bits_per_s": parse_rate(rate),
+                "tbf": " ".join(tbf_args(rate)),
+                "cpu_cores": os.cpu_count(),
+                "nice": args.nice,
+                "load_avg_1min": [load_before, load_after],
+                "command": " ".join(command),
+            }
+            header["params_human"] = human(header["params"])
+            run = {"header": header, "results": measured["results"]}
+            run["summary"] = summarize(
+                {k: v for k, v in run["results"].items() if v.get("available", True)}
+            )
+            runs.append(run)
+            print(render_markdown(run), flush=True)
+    return runs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, build the cluster, measure, report, tear down.
 
@@ -503,7 +589,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one Horovod worker each")
+    p.add_argument(
+        "--hosts",
+        default="4",
+        help="emulated hosts, one Horovod worker each; several (2,4,8) sweep them: the same rows "
+        "at each count, plotted as ms/iteration vs workers (sweep_*.png, sweep.md)",
+    )
     p.add_argument(
         "--rate", action="append", help="link rate, tc syntax (repeatable): 1gbit, 100mbit"
     )
@@ -517,6 +608,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--compute-ms",
         default="100",
         help="synthetic compute per iteration (sleep), one value or one per --params entry",
+    )
+    p.add_argument(
+        "--backward-fraction",
+        type=float,
+        default=0.0,
+        help="share of the synthetic compute slept inside the backward pass, between layers, so "
+        "gradient-ready hooks fire while it goes on (0: all before a cheap backward)",
     )
     p.add_argument(
         "--iters",
@@ -583,7 +681,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:
         p.error("--iters, --windows and --repeats must be >= 1")
-    plan = plan_cluster(args.hosts, args.prefix, args.subnet)
+    if not 0.0 <= args.backward_fraction < 1.0:
+        p.error(f"--backward-fraction must be in [0, 1), got {args.backward_fraction}")
+    try:
+        host_counts = [int(n) for n in args.hosts.split(",")]
+        plans = [plan_cluster(n, args.prefix, args.subnet) for n in host_counts]
+    except ValueError as e:
+        p.error(f"--hosts: {e}")
     if os.geteuid() != 0:
         print(
             "cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr
@@ -594,69 +698,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     workloads = (
-        [{"workload": "synthetic", "params": n, "compute_ms": c} for n, c in zip(sizes, compute)]
+        [
+            {"workload": "synthetic", "params": n, "compute_ms": c}
+            | {"backward_fraction": args.backward_fraction}
+            for n, c in zip(sizes, compute)
+        ]
         if args.workload == "synthetic"
         else [{"workload": args.workload, "compute_ms": None}]
     )
     os.makedirs(args.out, exist_ok=True)
-    cluster = Cluster(plan)
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     runs: list[dict[str, Any]] = []
     try:
-        stale = cluster.clean_stale()
-        if stale:
-            print(f"removed leftovers of an earlier run: {stale}", flush=True)
-        cluster.build(rates[0])
-        for rate in rates:
-            cluster.shape(rate)
-            for wl in workloads:
-                raw = os.path.join(
-                    args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json"
-                )
-                spec = {
-                    **wl,
-                    "algorithms": algos,
-                    "iters": args.iters,
-                    "windows": args.windows,
-                    "repeats": args.repeats,
-                    "batch_size": args.batch_size,
-                    "output": os.path.abspath(raw),
-                }
-                size = f" {human(wl['params'])}" if "params" in wl else ""
-                print(
-                    f"== {wl['workload']}{size} at {rate}: "
-                    f"{len(algos)} algorithms on {args.hosts} hosts",
-                    flush=True,
-                )
-                load_before = os.getloadavg()[0]
-                _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
-                with open(raw) as f:
-                    measured = json.load(f)
-                header = {
-                    **measured["header"],
-                    "hosts": args.hosts,
-                    "rate": rate,
-                    "rate_bits_per_s": parse_rate(rate),
-                    "tbf": " ".join(tbf_args(rate)),
-                    "cpu_cores": os.cpu_count(),
-                    "nice": args.nice,
-                    # Other work on the machine inflates and scatters the times: say how much
-                    # there was.
-                    "load_avg_1min": [load_before, os.getloadavg()[0]],
-                    "command": " ".join(command),
-                }
-                header["params_human"] = human(header["params"])
-                run = {"header": header, "results": measured["results"]}
-                run["summary"] = summarize(
-                    {k: v for k, v in run["results"].items() if v.get("available", True)}
-                )
-                runs.append(run)
-                print(render_markdown(run), flush=True)
+        for plan in plans:
+            cluster = Cluster(plan)
+            try:
+                runs += _measure(cluster, args, rates, workloads, algos, command)
+            finally:
+                cluster.teardown()
     except KeyboardInterrupt:
         print("interrupted: tearing the cluster down", file=sys.stderr)
         return 130
     finally:
-        cluster.teardown()
         for s, h in old_handlers.items():
             signal.signal(s, h)
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -664,7 +727,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write("\n".join(render_markdown(r) for r in runs))
     write_tensorboard(os.path.join(args.out, "tensorboard"), runs)
-    print(f"wrote {args.out}/results.json, table.md, tensorboard/", flush=True)
+    wrote = "results.json, table.md, tensorboard/"
+    if len(host_counts) > 1:
+        with open(os.path.join(args.out, "sweep.md"), "w") as f:
+            f.write(sweep_markdown(runs))
+        print(sweep_markdown(runs), flush=True)
+        pngs = plot_sweep(runs, args.out)
+        wrote += ", sweep.md, " + ", ".join(os.path.basename(p) for p in pngs)
+    print(f"wrote {args.out}/: {wrote}", flush=True)
+    warnings = [w for r in runs if (w := load_warning(*r["header"]["load_avg_1min"]))]
+    if warnings:
+        print(
+            f"\n!!! {len(warnings)} of {len(runs)} runs on a busy machine: {warnings[0]}",
+            flush=True,
+        )
     return 0
 
 

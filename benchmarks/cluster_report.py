@@ -3,12 +3,22 @@ the peers beside hvd_slowmo, the load warning, the workers sweep (table and PNG)
 scalars (SlowMo, arXiv 1910.00643)."""
 
 import json
+import os
 from typing import Any
 
 from cluster_algorithms import ALGORITHM_BY_KEY, OVERLAP_ROWS, PEER_ROWS, TABLE2_ROWS
 from cluster_stats import summarize
 
-__all__ = ["human", "render_markdown", "write_tensorboard"]
+__all__ = [
+    "LOAD_LIMIT",
+    "human",
+    "load_warning",
+    "plot_sweep",
+    "render_markdown",
+    "sweep_markdown",
+    "sweep_table",
+    "write_tensorboard",
+]
 
 
 def _fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
@@ -39,7 +49,12 @@ def render_markdown(run: dict[str, Any]) -> str:
         f"### {h['workload']} ({h['params_human']} parameters, "
         f"{_fmt_bytes(h['param_bytes'])} fp32), "
         f"{h['hosts']} hosts, {h['rate']} links"
-        + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
+        + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else "")
+        + (
+            f", {100 * h['backward_fraction']:.0f}% of it inside backward"
+            if h.get("backward_fraction")
+            else ""
+        ),
         "",
         "Emulated with network namespaces + veth + bridge, `tc tbf` both directions; "
         f"Horovod {h.get('horovod', '?')} "
@@ -49,6 +64,7 @@ def render_markdown(run: dict[str, Any]) -> str:
         f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
         f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, "
         f"{_fmt(load[1], '.1f')} after.",
+        *([f"**{warning}**", ""] if (warning := load_warning(*load)) else []),
         "",
         "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
         "",
@@ -234,3 +250,114 @@ def human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g}{suffix}"
     return str(n)
+
+
+#: A 1-minute load average above this (on the benchmark's machine) makes the times unreliable.
+LOAD_LIMIT = 1.5
+
+
+def load_warning(before: float | None, after: float | None) -> str | None:
+    """A loud warning when the machine was busy around a measurement, else None.
+
+    Every emulated host shares this machine's cores: other work stretches and scatters the
+    times, and not every algorithm alike.
+
+    Args:
+        before: the 1-minute load average before the measurement.
+        after: the same after it.
+    """
+    worst = max((x for x in (before, after) if x is not None), default=None)
+    if worst is None or worst <= LOAD_LIMIT:
+        return None
+    return (
+        f"WARNING: 1-minute load average {_fmt(before, '.2f')} before, {_fmt(after, '.2f')} "
+        f"after (above {LOAD_LIMIT}): other work shared the CPU, so these times are not "
+        "timings; rerun on a quiet machine"
+    )
+
+
+def _sweep_key(run: dict[str, Any]) -> tuple:
+    h = run["header"]
+    return (h["workload"], h.get("params_human"), h["rate"], h.get("backward_fraction", 0.0))
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[int, float]]]:
+    """ms/iteration per algorithm and number of hosts, for each (workload, size, rate, backward
+    share) measured at several host counts.
+
+    Args:
+        runs: the harness's runs (each with ``header["hosts"]``).
+
+    Returns:
+        ``{(workload, size, rate, backward_fraction): {algorithm key: {hosts: median ms}}}``.
+    """
+    out: dict[tuple, dict[str, dict[int, float]]] = {}
+    for run in runs:
+        per_algo = out.setdefault(_sweep_key(run), {})
+        for key, r in run["results"].items():
+            if r.get("available", True):
+                per_algo.setdefault(key, {})[run["header"]["hosts"]] = r["median_ms"]
+    return out
+
+
+def sweep_markdown(runs: list[dict[str, Any]]) -> str:
+    """The sweep as markdown: one table per (workload, size, rate, backward share), a row per
+    algorithm, a column per number of hosts.
+
+    Args:
+        runs: the harness's runs.
+    """
+    out = []
+    for (workload, size, rate, back), per_algo in sweep_table(runs).items():
+        hosts = sorted({n for ms in per_algo.values() for n in ms})
+        out += [
+            f"### ms/iteration vs workers: {workload} {size or ''} at {rate}, "
+            f"{100 * back:.0f}% of the compute in backward",
+            "",
+            "| algorithm | " + " | ".join(f"{n} hosts" for n in hosts) + " |",
+            "|---|" + "---|" * len(hosts),
+        ]
+        for key, ms in per_algo.items():
+            cells = " | ".join(_fmt(ms.get(n), ".0f") for n in hosts)
+            out.append(f"| {ALGORITHM_BY_KEY[key].label} | {cells} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_sweep(runs: list[dict[str, Any]], folder: str) -> list[str]:
+    """Plot ms/iteration vs workers, one line per algorithm, one PNG per (workload, size, rate,
+    backward share).
+
+    Args:
+        runs: the harness's runs.
+        folder: where the PNGs go.
+
+    Returns:
+        The paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (workload, size, rate, back), per_algo in sweep_table(runs).items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, ms in per_algo.items():
+            hosts = sorted(ms)
+            ax.plot(hosts, [ms[n] for n in hosts], marker="o", label=ALGORITHM_BY_KEY[key].label)
+        ax.set_xlabel("workers (emulated hosts)")
+        ax.set_ylabel("ms / iteration (median)")
+        ax.set_xticks(sorted({n for ms in per_algo.values() for n in ms}))
+        ax.set_title(
+            f"{workload} {size or ''}, {rate} links, {100 * back:.0f}% compute in backward"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"sweep_{workload}_{size or 'model'}_{rate}_bw{100 * back:.0f}.png"
+        path = os.path.join(folder, name)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -420,6 +420,64 @@ def test_render_markdown_table():
     assert "6.00 MB (computed)" in md
     assert "33.3% of its time" in md
     assert "load average 1.5 before, 2.2 after" in md
+    assert "**WARNING: 1-minute load average 1.50 before, 2.25 after (above 1.5)" in md
+    header["load_avg_1min"] = [0.4, 1.5]
+    assert "WARNING" not in creport.render_markdown({"header": header, "results": res})
+
+
+def test_load_warning():
+    assert creport.load_warning(0.2, 1.5) is None and creport.load_warning(None, None) is None
+    assert "load average 0.20 before, 1.60 after" in creport.load_warning(0.2, 1.6)
+    assert "n/a after" in creport.load_warning(3.0, None)
+
+
+def _sweep_runs():
+    runs = []
+    for hosts, scale in ((2, 1.0), (4, 1.5), (8, 2.0)):
+        header = {"workload": "synthetic", "params_human": "1M", "rate": "1gbit", "hosts": hosts}
+        res = _results(compute=100.0, horovod_ar=120.0 * scale, allreduce=119.0 * scale)
+        if hosts == 8:
+            res["allreduce"] = {"available": False, "reason": "x"}
+        runs.append({"header": dict(header, backward_fraction=0.5), "results": res})
+    return runs
+
+
+def test_sweep_table_and_plot(tmp_path):
+    table = creport.sweep_table(_sweep_runs())
+    assert list(table) == [("synthetic", "1M", "1gbit", 0.5)]
+    per_algo = table[("synthetic", "1M", "1gbit", 0.5)]
+    assert per_algo["horovod_ar"] == {2: 120.0, 4: 180.0, 8: 240.0}
+    assert per_algo["allreduce"] == {2: 119.0, 4: 178.5}  # unavailable at 8 hosts: left out
+    md = creport.sweep_markdown(_sweep_runs())
+    assert "| algorithm | 2 hosts | 4 hosts | 8 hosts |" in md
+    assert "| AR-SGD (hvd_slowmo base=allreduce) | 119 | 178 | n/a |" in md
+    assert "50% of the compute in backward" in md
+    (png,) = creport.plot_sweep(_sweep_runs(), str(tmp_path))
+    assert png.endswith("sweep_synthetic_1M_1gbit_bw50.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synthetic_backward_sleeps_between_layers(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "cluster_worker", os.path.join(ROOT, "benchmarks", "cluster_worker.py")
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    events = []
+    monkeypatch.setattr(worker.time, "sleep", lambda s: events.append(("sleep", round(s, 6))))
+    model = worker.Synthetic(800)
+    for i, p in enumerate(model.chunks):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: events.append(("grad", i)))
+    worker.synthetic_step(80.0, 0.5)(model)
+    # 40 ms before backward, then 5 ms before each layer's gradient, last layer first.
+    want = [("sleep", 0.04)]
+    for i in reversed(range(8)):
+        want += [("sleep", 0.005), ("grad", i)]
+    assert events == want
+    events.clear()
+    worker.synthetic_step(80.0)(model)  # the default: all of it before a cheap backward
+    assert events == [("sleep", 0.08)] + [("grad", i) for i in reversed(range(8))]
 
 
 def test_render_markdown_peers():
