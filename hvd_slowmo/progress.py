@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import finite
 from .comm.base import Communicator
+from .finite import all_finite
 
 __all__ = [
     "PROGRESS",
@@ -105,15 +105,6 @@ def uneven_message(everyone: list[dict[str, Any]]) -> str:
         "hvd.elastic.ElasticSampler); hvd.join() cannot even out outer steps, which are not "
         "allreduces"
     )
-
-
-def all_finite(params: list[Tensor]) -> bool:
-    """Whether every tensor is finite (:func:`hvd_slowmo.finite.all_finite`; no communication).
-
-    Args:
-        params: this worker's parameters.
-    """
-    return finite.all_finite(params)
 
 
 def finite_verdict(
