@@ -30,22 +30,31 @@ __all__ = ["Stage", "BucketedAverage", "plan_buckets"]
 Stage = tuple[Communicator, str]
 
 
-def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+#: The first bucket's limit (DDP's): small, so the first average starts early in backward.
+FIRST_BUCKET_BYTES = 2**20
+
+
+def plan_buckets(
+    nbytes: Sequence[int], bucket_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES
+) -> list[list[int]]:
     """Parameter indices grouped into buckets, the last parameter first.
 
     Backward produces gradients roughly in the reverse of the order in which the forward pass
     uses parameters (their registration order, in most models), so the first bucket fills
-    first. Each bucket holds whole parameters, up to ``bucket_bytes`` of gradient; a parameter
-    larger than that is a bucket of its own.
+    first. Each bucket holds whole parameters, up to ``bucket_bytes`` of gradient (the first
+    one up to ``min(first_bytes, bucket_bytes)``, as DDP does); a parameter larger than that is
+    a bucket of its own.
 
     Args:
         nbytes: each parameter's gradient size in bytes, in parameter index order.
         bucket_bytes: the most bytes a bucket of several parameters may hold (>= 1).
+        first_bytes: the most bytes the first bucket may hold.
     """
     buckets: list[list[int]] = []
     size = 0
     for i in reversed(range(len(nbytes))):
-        if not buckets or size + nbytes[i] > bucket_bytes:
+        limit = min(first_bytes, bucket_bytes) if len(buckets) == 1 else bucket_bytes
+        if not buckets or size + nbytes[i] > limit:
             buckets.append([])
             size = 0
         buckets[-1].append(i)

@@ -55,10 +55,14 @@ def threads(m, fn):
 
 
 def test_plan_buckets_fills_from_the_last_parameter():
-    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
-    assert plan_buckets([4, 20, 4, 4], 8) == [[3, 2], [1], [0]]  # too large: a bucket alone
-    assert plan_buckets([4, 4, 4], 100) == [[2, 1, 0]]
+    assert plan_buckets([4, 4, 4, 4], 8, first_bytes=8) == [[3, 2], [1, 0]]
+    assert plan_buckets([4, 20, 4, 4], 8, first_bytes=8) == [[3, 2], [1], [0]]  # a bucket alone
+    assert plan_buckets([4, 4, 4], 100, first_bytes=100) == [[2, 1, 0]]
     assert plan_buckets([], 8) == []
+    # The first bucket is small (DDP's 1 MB by default), so the first average starts early.
+    assert plan_buckets([4] * 6, 12, first_bytes=4) == [[5], [4, 3, 2], [1, 0]]
+    mb = 2**20
+    assert plan_buckets([mb // 2] * 4, 25 * mb) == [[3, 2], [1, 0]]
 
 
 @pytest.mark.parametrize("transport", ["threads", "deferred"])
