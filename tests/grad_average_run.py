@@ -28,6 +28,8 @@ CASES: dict[str, dict[str, Any]] = {
     "unused-keep": dict(passes=1, clip=None, unused=True, set_to_none=False),
     "accumulate-unused": dict(passes=2, clip=None, unused=True, set_to_none=False),
 }
+#: The scenarios the horovodrun tier runs with worker="node" (four processes: a few, for speed).
+NODE_CASES = ("plain", "clip", "accumulate-unused")
 STEPS = 5
 #: Small buckets, so a step has several (the model's gradients are about 2 KB).
 BUCKET_MB = 300 / 2**20

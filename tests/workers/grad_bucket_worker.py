@@ -4,7 +4,8 @@ horovodrun.
 Usage: grad_bucket_worker.py OUT_DIR [node]
 For every scenario of tests/grad_average_run.py, this rank's gradients after each backward pass
 and parameters after each step, with small buckets, with one bucket, and with fp16 compression
-(``node``: ``worker="node"``, small buckets only); written to OUT_DIR/buckets.RANK.pt.
+(``node``: ``worker="node"``, the NODE_CASES, small buckets only); written to
+OUT_DIR/buckets.RANK.pt.
 """
 
 import os
@@ -24,7 +25,8 @@ def main():
     results = {}
     for case in run.CASES:
         if node:
-            results[case] = run.train(run.Net(), case, hvd.rank(), worker="node")
+            if case in run.NODE_CASES:
+                results[case] = run.train(run.Net(), case, hvd.rank(), worker="node")
             continue
         results[case] = run.train(run.Net(), case, hvd.rank())
         results[(case, "one bucket")] = run.train(run.Net(), case, hvd.rank(), bucket_mb=100)
