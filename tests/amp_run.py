@@ -32,6 +32,13 @@ def snapshot(model: nn.Module):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _overflow(value: float | None):
+    """A gradient hook writing ``value`` (None: inf) into element [0, 0]."""
+    bad = torch.tensor(float("inf") if value is None else value)
+    at = (torch.tensor(0), torch.tensor(0))
+    return lambda g: g.index_put(at, bad)
+
+
 def run(
     model: nn.Module,
     recipe: str,
@@ -72,11 +79,17 @@ def run(
         opt.zero_grad()
         x, y = batch(rank, k)
         loss = ((model(x) - y) ** 2).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
+        hook = None
         if k in skipped and (recipe in ("manual", "unskipped") or rank == bad_rank):
             # Overflow: on every rank for the manual recipe (the caller decides to skip everywhere),
-            # on bad_rank only under a scaler (the library must spread the decision).
-            next(model.parameters()).grad[0, 0] = float("inf") if scaler else 1e6
+            # on bad_rank only under a scaler (the library must spread the decision). It happens
+            # inside backward, where a real overflow does, before any gradient is communicated.
+            hook = next(model.parameters()).register_hook(
+                _overflow(1e6 if scaler is None else None)
+            )
+        (scaler.scale(loss) if scaler else loss).backward()
+        if hook is not None:
+            hook.remove()
         _step(opt, scaler, recipe, skip=k in skipped)
         if k in skipped:
             unchanged_by_skip &= all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
