@@ -477,3 +477,46 @@ def test_monitor_logs_window_and_consensus(tmp_path):
 def test_monitor_rejects_plain_optimizer():
     with pytest.raises(TypeError, match="hvd_slowmo.DistributedOptimizer"):
         TrainingMonitor(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, {})
+
+
+def test_monitor_clock_counts_training_seconds_only(tmp_path):
+    """time/train_s is 0 at the start and the summed iteration times at each evaluation; every
+    scalar's TensorBoard wall time is the start plus those seconds, so a pause outside the
+    iterations (an evaluation) moves neither."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = str(tmp_path / "run")
+
+    def worker(comm):
+        model = torch.nn.Linear(2, 1)
+        opt = hvd_slowmo.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            base="localsgd",
+            tau=2,
+            communicator=comm,
+        )
+        mon = TrainingMonitor(opt, logdir, {"algo": "localsgd"})
+        for _ in range(2):
+            mon.start_iteration()
+            model(torch.ones(1, 2)).sum().backward()
+            time.sleep(0.05)
+            mon.before_step()
+            opt.step()
+            mon.end_iteration(0.0)
+        time.sleep(0.3)  # an evaluation: not training time
+        mon.log_validation(opt.num_steps, {"val_accuracy": 50.0})
+        mon.close()
+        return mon.wall_start, mon.total_seconds
+
+    ((start, trained),) = run_threads(1, worker)
+    assert 0.1 <= trained < 0.3
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    clock = acc.Scalars(TAGS["train_s"])
+    assert [(e.step, e.value) for e in clock] == [(0, 0.0), (2, pytest.approx(trained))]
+    assert [e.wall_time for e in clock] == [start, start + trained]
+    (val,) = acc.Scalars(TAGS["val_accuracy"])
+    assert val.wall_time == start + trained and val.value == 50.0

@@ -620,13 +620,15 @@ def _band(
     )
 
 
-def plot(runs: Sequence[Run], path: str) -> str:
+def plot(runs: Sequence[Run], path: str, seconds: bool = False) -> str:
     """Save, per setting, the mean training-loss and validation curves with a band from the
     lowest to the highest of its seeds, and a stacked bar chart of the mean time split.
 
     Args:
         runs: from :func:`load_runs`.
         path: the PNG file to write.
+        seconds: add a panel of the validation accuracy against training seconds
+            (:func:`hvd_slowmo.tools.time_to_accuracy.plot_accuracy_vs_seconds`).
 
     Returns:
         ``path``.
@@ -637,7 +639,14 @@ def plot(runs: Sequence[Run], path: str) -> str:
     import matplotlib.pyplot as plt
 
     settings = group_settings(runs)
-    fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
+    if seconds:
+        from .time_to_accuracy import plot_accuracy_vs_seconds, run_curve
+
+        fig, (ax_loss, ax_val, ax_seconds, ax_time) = plt.subplots(1, 4, figsize=(22, 4.8))
+        curves = {st.name: [run_curve(r) for r in st.runs] for st in settings}
+        plot_accuracy_vs_seconds(ax_seconds, curves)
+    else:
+        fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
     loss_kinds, val_kinds = set(), set()
     for st in settings:
         n = f" (n={len(st.runs)})" if len(st.runs) > 1 else ""
