@@ -89,7 +89,13 @@ def parse_network(spec: str) -> tuple[str, float]:
         raise ValueError(
             f"--network must be RATE or RATE,DELAY, e.g. 100mbit or 100mbit,20ms, got {spec!r}"
         )
-    parse_rate(parts[0])
+    try:
+        parse_rate(parts[0])
+    except ValueError:
+        raise ValueError(
+            f"--network: the rate must look like 1gbit, 100mbit or 500kbit (bits per second), "
+            f"got {parts[0]!r} in {spec!r}"
+        ) from None
     if len(parts) == 1:
         return parts[0].lower(), 0.0
     m = re.fullmatch(r"(\d+(?:\.\d+)?)ms", parts[1].lower())
