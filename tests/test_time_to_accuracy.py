@@ -26,8 +26,9 @@ def test_default_targets():
     finals = {"allreduce": [92.0, 93.0, 94.0], "localsgd-slowmo": [94.0, 94.4, 94.7]}
     # 85, 90, and the best mean (94.3667) minus one point, rounded down to 0.1.
     assert tta.default_targets(finals) == [85.0, 90.0, 93.3]
-    # Not above the fixed targets: left out; no finals at all: the fixed ones.
-    assert tta.default_targets({"a": [90.5]}) == [85.0, 90.0]
+    # Below or at a fixed target: in order, once; no finals at all: the fixed ones.
+    assert tta.default_targets({"a": [90.5]}) == [85.0, 89.5, 90.0]
+    assert tta.default_targets({"a": [91.0]}) == [85.0, 90.0]
     assert tta.default_targets({"a": [None]}) == [85.0, 90.0]
 
 
