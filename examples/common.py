@@ -200,7 +200,11 @@ def setup(args: argparse.Namespace) -> tuple[Any, torch.device]:
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(hvd.local_size(), 1)))
+        # The local ranks share the cores: a share each. Emulated hosts (hvd_slowmo.tools.netns)
+        # share them too but each sees local_size 1; their launcher sets OMP_NUM_THREADS (torch
+        # read it at import), which is kept: two threads per worker spin against each other.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(hvd.local_size(), 1)))
     # Same seed everywhere: identical initial models (broadcast below makes sure anyway).
     random.seed(args.seed)
     torch.manual_seed(args.seed)

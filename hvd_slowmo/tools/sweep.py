@@ -1,6 +1,8 @@
 """The paper's tuning and ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendices B-C):
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
-best setting per algorithm (mean over seeds).
+best setting per algorithm: the best mean over seeds among the settings where no seed fails
+(:func:`hvd_slowmo.tools.report.seed_failures`: a seed that diverges, falls back from its best,
+or ends far below its siblings rejects its setting).
 
     python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau \\
         --np 4    # tau in {12, 24, 48, 96}
@@ -366,8 +368,15 @@ def _print_chosen(logdir: str) -> None:
     report.main([logdir])
     if not os.path.isdir(logdir):
         return
-    print("\nChosen (best mean final validation metric over seeds, per task and algorithm):")
-    for st in report.best_settings(report.load_runs([logdir])):
+    runs = report.load_runs([logdir])
+    for st in report.group_settings(runs):
+        for name, why in st.failures().items():
+            print(f"rejected {st.name}: seed {name} fails ({why})")
+    print(
+        "\nChosen (among the settings where no seed fails, the best mean final validation "
+        "metric over seeds, per task and algorithm):"
+    )
+    for st in report.best_settings(runs):
         c = st.config
         beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
         final = report.fmt_mean_std(st.values("final_val"), ".4g")
