@@ -8,8 +8,9 @@ tables as mean ± std over seeds, and a figure.
     python examples/compare.py --task digits   # 8x8 digits: fast, saturated, not tuned
     python examples/compare.py --algos localsgd,localsgd-slowmo --seeds 0,1 --epochs 10
 
-Every run of one worker count trains inside a single ``horovodrun -np NP --gloo`` launch (the
-training script's ``--plan``), one run after the other, so the launcher's start-up is paid once
+Every run of one worker count trains inside a single launch (the training script's ``--plan``:
+``horovodrun -np NP --gloo``, or ``torchrun --nproc-per-node NP`` with ``--launcher torchrun`` or
+where Horovod is not installed), one run after the other, so the launcher's start-up is paid once
 and the cores are never shared by more than NP processes. A progress bar per run follows the
 epochs; each run's wall time and the total are printed.
 
@@ -45,7 +46,7 @@ from common import ALGOS, PROGRESS_MARK  # noqa: E402  (also puts the package on
 
 import hvd_slowmo  # noqa: E402
 from hvd_slowmo.tools import report  # noqa: E402
-from hvd_slowmo.tools.sweep import horovodrun_command  # noqa: E402
+from hvd_slowmo.tools.sweep import LAUNCHERS, launch_command, resolve_launcher  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
@@ -118,7 +119,7 @@ def run_args(
 def launch(
     np_: int, script: str, plan: list[list[str]], common_flags: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, dict[str, Any]], int, str]:
-    """Train every run of ``plan`` in one horovodrun launch, with a progress bar per run.
+    """Train every run of ``plan`` in one launch (horovodrun or torchrun), a progress bar per run.
 
     Args:
         np_: workers.
@@ -139,7 +140,7 @@ def launch(
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(plan, f)
         cmd = (
-            horovodrun_command(np_, args.launcher)
+            launch_command(np_, args.launcher)
             + [sys.executable, os.path.join(HERE, script)]
             + common_flags
             + ["--plan", plan_path]
@@ -296,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--logdir", default="runs", help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/"
     )
-    parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="horovodrun --gloo/--mpi or torchrun (auto: horovodrun where Horovod is installed)",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole launch")
     parser.add_argument(
         "--png", default=None, help="figure path (default: LOGDIR/TASK/compare.png)"
@@ -340,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-progress",
         "--progress-lines",
     ] + extra
+    launcher_name = "torchrun" if resolve_launcher(args.launcher) == "torchrun" else "horovodrun"
     print(
         f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "
-        f"{args.np} workers, {epochs} epochs, one horovodrun launch",
+        f"{args.np} workers, {epochs} epochs, one {launcher_name} launch",
         flush=True,
     )
     summaries, rc, tail = launch(args.np, script, plan, common_flags, args) if plan else ({}, 0, "")
