@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 from reference_overlap import reference_overlapped
-from torchrun_launch import torchrun
 
 from hvd_slowmo.comm.base import shard_range
 
 from horovod_launch import ROOT, horovodrun
 from reference import lr_at, reference_allreduce, reference_slowmo
+from torchrun_launch import torchrun
 
 WORKER = os.path.join(ROOT, "tests", "workers", "torchdist_worker.py")
 pytestmark = [pytest.mark.torchdist, pytest.mark.timeout(600)]

@@ -67,7 +67,7 @@ def choose_engine(engine: str) -> str:
         return "horovod"
     if torch_distributed_ready():
         return "torch"
-    if "horovod.torch" in sys.modules:
+    if sys.modules.get("horovod.torch") is not None:
         return "horovod"
     raise ValueError(
         "engine='auto' found no initialized engine: under torchrun call "

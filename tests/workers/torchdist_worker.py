@@ -10,6 +10,7 @@ Usage: torchdist_worker.py OUT_DIR MODE [ARG]
   MODE=node:     worker="node", ARG = a case of tests/test_hierarchy.py.
   MODE=mismatch: rank-dependent tau; writes the error message.
   MODE=comm:     the communicator's collectives on rank-dependent tensors.
+  MODE=core-sgd: the "sgd-reset" run alone, and where hvd_slowmo was imported from.
 """
 
 import os
@@ -239,6 +240,15 @@ def main():
             result = {"error": str(e)}
     elif mode == "comm":
         result = comm_checks()
+    elif mode == "core-sgd":
+        model, opt = build(CORE["sgd-reset"])
+        snaps = []
+        train(model, opt, 0, CORE_STEPS, snaps)
+        result = {
+            "sgd-reset": {"snaps": snaps, "final": model.state_dict()},
+            "comm": type(opt.comm).__name__,
+            "package": hvd_slowmo.__file__,
+        }
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.save(result, path)
