@@ -179,3 +179,51 @@ def test_horovod_and_torch_distributed_give_the_same_trajectory(tmp_path):
                     f"{name} rank {rank}: Horovod and torch.distributed differ at outer step {step}"
                 )
             assert hvd_res[rank][name]["bytes"] == td_res[rank][name]["bytes"], name
+
+
+# --- in-process: the engine choice and the launcher detection -----------------------------------
+def test_engine_choice_without_any_engine_is_a_clear_error(monkeypatch):
+    import sys
+
+    import hvd_slowmo
+    from hvd_slowmo.comm import factory
+
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # as if Horovod were not imported
+    model = torch.nn.Linear(2, 2)
+    make = lambda **kw: hvd_slowmo.DistributedOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **kw
+    )
+    with pytest.raises(ValueError, match="init_process_group"):
+        make()
+    with pytest.raises(
+        ValueError, match="engine must be one of 'auto', 'horovod', 'torch', got 'gpu'"
+    ):
+        make(engine="gpu")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        make(engine="torch")
+    with pytest.raises(ImportError, match="scripts/install_horovod.sh"):
+        make(engine="horovod")
+    assert factory.choose_engine("torch") == "torch"
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovodrun"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "horovodrun"),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}, "torchrun"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "torchrun"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "none"),
+        ({}, "none"),
+    ],
+    ids=["horovodrun-gloo", "mpirun", "torchrun", "env-init", "incomplete", "plain-python"],
+)
+def test_examples_detect_their_launcher(env, expected):
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        from launch import detect_launcher
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    assert detect_launcher(env) == expected

@@ -25,6 +25,7 @@ rank's number and the operation's name.
 """
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -206,18 +207,41 @@ class TorchDistCommunicator(Communicator):
         return PendingAverage(finish), wire
 
     # --- objects -------------------------------------------------------------------------
+    # Pickled bytes in uint8 tensors, by hand: torch's all_gather_object/broadcast_object_list
+    # convert through numpy, which torch does not depend on (a torch-only install has none).
+    def _byte_device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":  # a CUDA-only group carries CUDA tensors
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
+        device = self._byte_device()
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
         with self._named("allgather_object"):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+            dist.all_gather(sizes, size, group=self.group)
+            lengths = [int(n) for n in torch.cat(sizes).tolist()]
+            padded = torch.cat([data, data.new_zeros(max(lengths) - data.numel())])
+            gathered = [torch.empty_like(padded) for _ in range(self.size)]
+            dist.all_gather(gathered, padded, group=self.group)
+        return [pickle.loads(bytes(g[:n].tolist())) for g, n in zip(gathered, lengths)]
 
     def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
-        box = [obj]
+        device = self._byte_device()
         src = self.members[root_rank]  # torch names the root by its global rank
+        mine = self.rank == root_rank
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+        size = torch.tensor([data.numel() if data is not None else 0], device=device)
         with self._named("broadcast_object"):
-            dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+            dist.broadcast(size, src=src, group=self.group)
+            buf = (
+                data.to(device)
+                if data is not None
+                else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            )
+            dist.broadcast(buf, src=src, group=self.group)
+        return obj if mine else pickle.loads(bytes(buf.tolist()))
 
     # --- sharding ------------------------------------------------------------------------
     def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
