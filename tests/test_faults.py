@@ -23,7 +23,7 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
-from conftest import ForwardingCommunicator
+from helpers import ForwardingCommunicator
 from horovod_launch import ROOT, horovodrun_command, launch_env
 from reference import loss_at, make_model, params_of
 

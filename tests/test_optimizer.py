@@ -9,7 +9,7 @@ import torch
 from hvd_slowmo import BaseAlgorithm, DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
-from conftest import assert_same_models, resume_in_fresh_workers
+from helpers import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_allreduce, reference_slowmo
 
 SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731

@@ -11,7 +11,7 @@ from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 
-from conftest import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
