@@ -109,7 +109,9 @@ def _train(
     out: list[str],
 ) -> None:
     scaler = (
-        torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec.get("amp_skip") is not None else None
+        torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        if spec.get("amp_skip") is not None
+        else None
     )
     for k in range(start, stop):
         _set_lrs(opt, k, spec.get("two_groups", False))
@@ -222,11 +224,16 @@ def _scenarios() -> dict[str, dict[str, Any]]:
         out[f"node-d{d}"] = {"kwargs": dict(slow, overlap=d), "node": True, "m": 4}
         out[f"node-sgp-d{d}"] = {"kwargs": dict(slow, base="sgp", overlap=d), "node": True, "m": 4}
         out[f"amp-localsgd-d{d}"] = {"kwargs": dict(slow, overlap=d), "amp_skip": 5}
-        out[f"amp-allreduce-d{d}"] = {"kwargs": dict(slow, base="allreduce", overlap=d), "amp_skip": 4}
+        out[f"amp-allreduce-d{d}"] = {
+            "kwargs": dict(slow, base="allreduce", overlap=d),
+            "amp_skip": 4,
+        }
         out[f"nan-skip-d{d}"] = {"kwargs": dict(slow, overlap=d, nonfinite="skip"), "nan_at": 6}
         out[f"nesterov-outer-d{d}"] = {"kwargs": dict(slow, overlap=d, outer_optimizer="nesterov")}
         out[f"sgp-noaverage-d{d}"] = {"kwargs": dict(slow, base="sgp", overlap=d, average=False)}
-        out[f"plain-localsgd-d{d}"] = {"kwargs": dict(tau=4, slow_lr=1.0, slow_momentum=0.0, overlap=d)}
+        out[f"plain-localsgd-d{d}"] = {
+            "kwargs": dict(tau=4, slow_lr=1.0, slow_momentum=0.0, overlap=d)
+        }
     for kind, extra in (("full", {}), ("sharded", {"shard_slow_state": True}),
                         ("average", {"buffers": "average"}), ("sgp", {"base": "sgp"})):  # fmt: skip
         # Saved at step 9: the boundary at 8 is in flight (lands at 10).
@@ -254,7 +261,11 @@ def write_states(version: int) -> None:
     for name, spec in SCENARIOS.items():
         if "resume_at" not in spec:
             continue
-        m, models, stop = spec.get("m", 3), [make_model() for _ in range(spec.get("m", 3))], spec["resume_at"]
+        m, models, stop = (
+            spec.get("m", 3),
+            [make_model() for _ in range(spec.get("m", 3))],
+            spec["resume_at"],
+        )
 
         def save(comm: Communicator) -> None:
             model = models[comm.rank]

@@ -43,6 +43,9 @@ def test_a_state_of_an_earlier_format_continues_the_trajectory(name, version):
     for rank in range(m):
         with open(saved_state_path(name, rank, version), "rb") as f:
             states.append(f.read())
-    assert torch.load(saved_state_path(name, 0, version), weights_only=False)["opt"]["format"] == version
+    assert (
+        torch.load(saved_state_path(name, 0, version), weights_only=False)["opt"]["format"]
+        == version
+    )
     got = run_scenario(SCENARIOS[name], saved_states=states)
     assert got == GOLDEN[name], _first_difference(got, GOLDEN[name])

@@ -93,9 +93,10 @@ class _P2PExchange(PendingExchange):
         works: list[Any],
         recvs: dict[int, Tensor],
         sends: list[Tensor],
-        named: contextlib.AbstractContextManager[None],
+        rank: int,
+        what: str,
     ) -> None:
-        self._works, self._recvs, self._named = works, recvs, named
+        self._works, self._recvs, self._rank, self._what = works, recvs, rank, what
         self._sends: list[Tensor] | None = sends  # read by the backend until completion
         self._error: BaseException | None = None
         self._finished = threading.Event()
@@ -119,14 +120,16 @@ class _P2PExchange(PendingExchange):
         return all(w.is_completed() for w in self._works)  # NCCL: reads CUDA events
 
     def wait(self) -> dict[int, Tensor]:
-        with self._named:
+        try:
             if self._waiter is not None:
                 self._finished.wait()
             else:
                 for w in self._works:
                     w.wait()
-            if self._error is not None:
-                raise self._error
+        except RuntimeError as e:
+            _rethrow(self._rank, self._what, e)
+        if self._error is not None:
+            _rethrow(self._rank, self._what, self._error)
         self._sends = None
         return self._recvs
 
@@ -326,7 +329,7 @@ class TorchDistCommunicator(Communicator):
         with self._named(f"gossip exchange {tag}"):
             works = dist.batch_isend_irecv(ops)
         return _P2PExchange(
-            works, recvs, list(sends.values()), self._named(f"gossip exchange {tag}")
+            works, recvs, list(sends.values()), self.global_rank, f"gossip exchange {tag}"
         )
 
 

@@ -11,10 +11,12 @@ Usage: torchdist_worker.py OUT_DIR MODE [ARG]
   MODE=mismatch: rank-dependent tau; writes the error message.
   MODE=comm:     the communicator's collectives on rank-dependent tensors.
   MODE=core-sgd: the "sgd-reset" run alone, and where hvd_slowmo was imported from.
+  MODE=amp:      tests/workers/amp_worker.py's runs: AMP overflows on rank 1.
 """
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,12 @@ GOSSIP = {  # every gossip base, with SlowMo's exact average every 3 steps
     "osgp": dict(base="osgp", staleness=1),
     "dpsgd": dict(base="dpsgd", topology="ring"),
 }
+AMP = {  # as tests/workers/amp_worker.py: overflows on rank 1 at iterations AMP_SKIPPED
+    "localsgd": dict(base="localsgd", tau=3, slow_momentum=0.6),
+    "allreduce": dict(base="allreduce", tau=3, slow_momentum=0.6),
+    "sgp": dict(base="sgp", tau=3, slow_momentum=0.6),
+}
+AMP_STEPS, AMP_SKIPPED = 11, {1, 5}
 CORE_STEPS, OVERLAP_STEPS, SHARD_STEPS = 9, 11, 9
 
 
@@ -240,6 +248,19 @@ def main():
             result = {"error": str(e)}
     elif mode == "comm":
         result = comm_checks()
+    elif mode == "amp":
+        import warnings
+
+        import amp_run
+
+        warnings.simplefilter("ignore")  # GradScaler on CPU
+        for case, kwargs in AMP.items():
+            for recipe in ("reference", "scaler", "horovod"):
+                model = amp_run.mlp()
+                broadcast_parameters(model.state_dict())
+                result[(case, recipe)] = amp_run.run(
+                    model, recipe, AMP_SKIPPED, 1, AMP_STEPS, rank, **kwargs
+                )
     elif mode == "core-sgd":
         model, opt = build(CORE["sgd-reset"])
         snaps = []
@@ -274,6 +295,20 @@ def comm_checks():
     exchange = comm.exchange_start(sends, [(rank - h) % m for h in hops], tag=5)
     received = exchange.wait()
     pending.wait()
+    # done() must say False while a message is missing (the gossip deadline polls it): rank 1
+    # sends only after rank 0 has looked.
+    early = None
+    if rank == 0:
+        late_exchange = comm.exchange_start({1: torch.ones(2)}, [1], tag=99)
+        time.sleep(0.5)
+        early = late_exchange.done()
+        comm.allgather_object(None)
+        late_exchange.wait()
+        early = (early, late_exchange.done())
+    else:
+        comm.allgather_object(None)
+        if rank == 1:
+            comm.exchange_start({0: torch.ones(2)}, [0], tag=99).wait()
     return {
         "sent": sent,
         "average": tensors,
@@ -285,6 +320,7 @@ def comm_checks():
         "objects": comm.allgather_object(("rank", rank)),
         "broadcast": comm.broadcast_object(f"from {rank}", root_rank=m - 1),
         "bytes": comm.bytes_sent,
+        "done_before_and_after": early,
     }
 
 
