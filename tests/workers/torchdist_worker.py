@@ -5,13 +5,13 @@ hierarchy_worker) on the torch.distributed engine, chosen automatically (no Horo
 
 Usage: torchdist_worker.py OUT_DIR MODE [ARG]
   MODE=train:    core, overlap, sharded and gossip runs; per rank OUT_DIR/train.RANK.pt.
+  MODE=core:     the core runs alone (as tests/workers/core_worker.py's).
   MODE=save:     train ARG steps (overlap: an average in flight), save.  MODE=resume: finish.
   MODE=full:     the runs of save/resume, uninterrupted.
-  MODE=node:     worker="node", ARG = a case of tests/test_hierarchy.py.
-  MODE=mismatch: rank-dependent tau; writes the error message.
-  MODE=comm:     the communicator's collectives on rank-dependent tensors.
+  MODE=node:     worker="node" for every case of tests/test_hierarchy.py.
+  MODE=comm:     the communicator's collectives on rank-dependent tensors, the configuration
+                 mismatch error (rank 1's tau differs), AMP overflows on rank 1.
   MODE=core-sgd: the "sgd-reset" run alone, and where hvd_slowmo was imported from.
-  MODE=amp:      tests/workers/amp_worker.py's runs: AMP overflows on rank 1.
 """
 
 import os
@@ -173,20 +173,101 @@ def gossip_checks():
     return out
 
 
+def core_runs(result):
+    for name, cfg in CORE.items():
+        model, opt = build(cfg)
+        snaps = []
+        train(model, opt, 0, CORE_STEPS, snaps)
+        result[name] = {"snaps": snaps, "final": model.state_dict(), "bytes": opt.bytes_sent}
+        result[name]["comm"] = type(opt.comm).__name__
+
+
+def checkpoint_runs(mode, stop, out, rank, result):
+    """``save`` after ``stop`` steps, ``resume`` from there, or ``full``: uninterrupted."""
+    for name, cfg, steps in (
+        ("sgd-reset", CORE["sgd-reset"], CORE_STEPS),
+        ("localsgd-d2-maintain", OVERLAP["localsgd-d2-maintain"], OVERLAP_STEPS),
+    ):
+        model, opt = build(cfg)
+        ckpt = os.path.join(out, f"ckpt.{name}.{rank}.pt")
+        if mode == "save":
+            train(model, opt, 0, stop)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt)
+            continue
+        if mode == "resume":
+            state = torch.load(ckpt, weights_only=False)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        train(model, opt, 0 if mode == "full" else stop, steps)
+        result[name] = model.state_dict()
+
+
+def node_runs(rank, result):
+    """worker="node" for every case of tests/test_hierarchy.py."""
+    from test_hierarchy import CASES, loss, mlp
+
+    for case, kwargs in CASES.items():
+        model = mlp()
+        broadcast_parameters(model.state_dict())
+        opt = hvd_slowmo.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+            named_parameters=model.named_parameters(),
+            worker="node",
+            **kwargs,
+        )
+        steps = []
+        for k in range(7):
+            opt.zero_grad()
+            loss(model, *batch(rank, k)).backward()
+            opt.step()
+            steps.append(params_of(model))
+        result[case] = {
+            "steps": steps,
+            "node_gather": opt.node_comm.allgather_object(rank),
+            "cross_gather": opt.base.comm.allgather_object(rank),
+        }
+
+
+def mismatch_error(rank):
+    """The message of the configuration check when rank 1's tau differs."""
+    model = make_model()
+    try:
+        hvd_slowmo.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            tau=3 + (rank == 1),
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def amp_runs(rank):
+    """tests/workers/amp_worker.py's runs: overflows on rank 1, three recipes per base."""
+    import warnings
+
+    import amp_run
+
+    warnings.simplefilter("ignore")  # GradScaler on CPU
+    out = {}
+    for case, kwargs in AMP.items():
+        for recipe in ("reference", "scaler", "horovod"):
+            model = amp_run.mlp()
+            broadcast_parameters(model.state_dict())
+            out[(case, recipe)] = amp_run.run(
+                model, recipe, AMP_SKIPPED, 1, AMP_STEPS, rank, **kwargs
+            )
+    return out
+
+
 def main():
     out, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    path = os.path.join(out, f"{mode}.{rank}.pt")
     result = {}
     if mode == "train":
-        for name, cfg in CORE.items():
-            model, opt = build(cfg)
-            snaps = []
-            train(model, opt, 0, CORE_STEPS, snaps)
-            result[name] = {"snaps": snaps, "final": model.state_dict(), "bytes": opt.bytes_sent}
-            result[name]["comm"] = type(opt.comm).__name__
+        core_runs(result)
         for name, cfg in OVERLAP.items():
             model, opt = build(cfg)
             anchors = []
@@ -195,72 +276,16 @@ def main():
         for shard in (False, True):
             result[f"sharded-{shard}"] = sharded_run(shard)
         result["gossip"] = gossip_checks()
+    elif mode == "core":
+        core_runs(result)
     elif mode in ("save", "resume", "full"):
-        stop = int(sys.argv[3]) if mode != "full" else 0
-        for name, cfg, steps in (
-            ("sgd-reset", CORE["sgd-reset"], CORE_STEPS),
-            ("localsgd-d2-maintain", OVERLAP["localsgd-d2-maintain"], OVERLAP_STEPS),
-        ):
-            model, opt = build(cfg)
-            ckpt = os.path.join(out, f"ckpt.{name}.{rank}.pt")
-            if mode == "save":
-                train(model, opt, 0, stop)
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt)
-                continue
-            if mode == "resume":
-                state = torch.load(ckpt, weights_only=False)
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["opt"])
-            train(model, opt, stop, steps)
-            result[name] = model.state_dict()
+        checkpoint_runs(mode, int(sys.argv[3]) if mode != "full" else 0, out, rank, result)
     elif mode == "node":
-        from test_hierarchy import CASES, loss, mlp
-
-        model = mlp()
-        broadcast_parameters(model.state_dict())
-        opt = hvd_slowmo.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-            named_parameters=model.named_parameters(),
-            worker="node",
-            **CASES[sys.argv[3]],
-        )
-        steps = []
-        for k in range(7):
-            opt.zero_grad()
-            loss(model, *batch(rank, k)).backward()
-            opt.step()
-            steps.append(params_of(model))
-        result = {
-            "steps": steps,
-            "node_gather": opt.node_comm.allgather_object(rank),
-            "cross_gather": opt.base.comm.allgather_object(rank),
-        }
-    elif mode == "mismatch":
-        model = make_model()
-        try:
-            hvd_slowmo.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                named_parameters=model.named_parameters(),
-                tau=3 + (rank == 1),
-            )
-            result = {"error": "no error"}
-        except ValueError as e:
-            result = {"error": str(e)}
+        node_runs(rank, result)
     elif mode == "comm":
         result = comm_checks()
-    elif mode == "amp":
-        import warnings
-
-        import amp_run
-
-        warnings.simplefilter("ignore")  # GradScaler on CPU
-        for case, kwargs in AMP.items():
-            for recipe in ("reference", "scaler", "horovod"):
-                model = amp_run.mlp()
-                broadcast_parameters(model.state_dict())
-                result[(case, recipe)] = amp_run.run(
-                    model, recipe, AMP_SKIPPED, 1, AMP_STEPS, rank, **kwargs
-                )
+        result["mismatch"] = mismatch_error(rank)
+        result["amp"] = amp_runs(rank)
     elif mode == "core-sgd":
         model, opt = build(CORE["sgd-reset"])
         snaps = []
@@ -272,7 +297,7 @@ def main():
         }
     else:
         raise SystemExit(f"unknown mode {mode}")
-    torch.save(result, path)
+    torch.save(result, os.path.join(out, f"{mode}.{rank}.pt"))
     dist.destroy_process_group()
 
 
