@@ -255,7 +255,9 @@ def test_examples_detect_their_launcher(env, expected):
 @pytest.mark.horovod
 def test_main_job_under_torchrun_equals_horovodrun(tmp_path):
     """examples/compare.py, tiny, with each launcher: 2 workers, so every sum is a + b and every
-    value the runs log (losses, accuracies, consensus distance, lr) must be identical."""
+    value the run logs (losses, accuracies, consensus distance, lr) must be identical. SGP: its
+    gossip and the evaluation of the workers' average go through the launcher's engine (the
+    exact average's equality is test_horovod_and_torch_distributed_give_the_same_trajectory)."""
     pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
     from hvd_slowmo.tools import report
 
@@ -263,16 +265,14 @@ def test_main_job_under_torchrun_equals_horovodrun(tmp_path):
     for launcher in ("gloo", "torchrun"):
         logdir = tmp_path / launcher
         cmd = [sys.executable, os.path.join(ROOT, "examples", "compare.py"), "--np", "2"]
-        cmd += ["--epochs", "2", "--max-steps", "12", "--algos", "sgp,localsgd-slowmo"]
+        cmd += ["--epochs", "2", "--max-steps", "12", "--algos", "sgp"]
         cmd += ["--seeds", "0", "--launcher", launcher, "--logdir", str(logdir), "--no-progress"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         name = "torchrun" if launcher == "torchrun" else "horovodrun"
         assert f"one {name} launch" in proc.stdout
         runs[launcher] = {r.name: r for r in report.load_runs([str(logdir / "mnist1d")])}
-    assert (
-        sorted(runs["gloo"]) == sorted(runs["torchrun"]) == ["localsgd-slowmo/seed0", "sgp/seed0"]
-    )
+    assert sorted(runs["gloo"]) == sorted(runs["torchrun"]) == ["sgp/seed0"]
     for name, hvd_run in runs["gloo"].items():
         td_run = runs["torchrun"][name]
         tags = [t for t in hvd_run.scalars if t.split("/")[0] in ("train", "val", "consensus")]
