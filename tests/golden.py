@@ -28,13 +28,13 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hvd_slowmo import DistributedOptimizer  # noqa: E402
-from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange  # noqa: E402
-from hvd_slowmo.comm.local import run_threads  # noqa: E402
-from hvd_slowmo.hierarchy import Hierarchy  # noqa: E402
+from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.hierarchy import Hierarchy
 
-from helpers import ForwardingCommunicator  # noqa: E402
-from reference import batch, lr_at, make_model  # noqa: E402
+from helpers import ForwardingCommunicator
+from reference import batch, lr_at, make_model
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden.json")
 STEPS = 14
@@ -255,29 +255,29 @@ def saved_state_path(name: str, rank: int, version: int) -> str:
     return os.path.join(os.path.dirname(PATH), f"state_v{version}", f"{name}-rank{rank}.pt")
 
 
+def _save_state(name: str, spec: dict[str, Any], version: int) -> None:
+    m = spec.get("m", 3)
+    models = [make_model() for _ in range(m)]
+
+    def save(comm: Communicator) -> None:
+        model = models[comm.rank]
+        opt = _build(comm, model, spec)
+        _train(opt, model, comm.rank, 0, spec["resume_at"], spec, [])
+        path = saved_state_path(name, comm.rank, version)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_threads(m, save)
+
+
 def write_states(version: int) -> None:
     """Save every resume scenario's mid-run states with today's code (format ``version``), so a
     later format's loader can be tested on them."""
     for name, spec in SCENARIOS.items():
-        if "resume_at" not in spec:
-            continue
-        m, models, stop = (
-            spec.get("m", 3),
-            [make_model() for _ in range(spec.get("m", 3))],
-            spec["resume_at"],
-        )
-
-        def save(comm: Communicator) -> None:
-            model = models[comm.rank]
-            opt = _build(comm, model, spec)
-            _train(opt, model, comm.rank, 0, stop, spec, [])
-            path = saved_state_path(name, comm.rank, version)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run_threads(m, save)
+        if "resume_at" in spec:
+            _save_state(name, spec, version)
 
 
 def main() -> None:
