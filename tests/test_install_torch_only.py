@@ -80,7 +80,7 @@ def test_fresh_venv_installs_with_torch_alone_and_runs_torchrun(tmp_path):
     # need the wheel package too); the torch requirement is met by the cached torch.
     run(
         [python, "-m", "pip", "install", "-q", str(repo)],
-        timeout=180,
+        timeout=600,
         env=env,
     )
     probe = (
@@ -100,7 +100,7 @@ def test_fresh_venv_installs_with_torch_alone_and_runs_torchrun(tmp_path):
         [python, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
         + [f"--master-port={free_port()}", str(repo / "tests" / "workers" / "torchdist_worker.py")]
         + [str(out), "core-sgd"],
-        timeout=240,
+        timeout=480,
         env=env,
         cwd=tmp_path,
     )

@@ -21,7 +21,7 @@ from reference import lr_at, reference_allreduce, reference_slowmo
 from torchrun_launch import torchrun
 
 WORKER = os.path.join(ROOT, "tests", "workers", "torchdist_worker.py")
-pytestmark = [pytest.mark.torchdist, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.torchdist, pytest.mark.timeout(900)]
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 ADAM = lambda ps: torch.optim.Adam(ps, lr=0.01)  # noqa: E731

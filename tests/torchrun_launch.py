@@ -18,7 +18,7 @@ def free_port() -> int:
 
 
 def torchrun(
-    nproc: int, args: list[str], nnodes: int = 1, timeout: float = 240, env=None
+    nproc: int, args: list[str], nnodes: int = 1, timeout: float = 480, env=None
 ) -> list[subprocess.CompletedProcess]:
     """Run ``torchrun --nproc-per-node NPROC python ARGS``; with ``nnodes > 1``, one torchrun per
     emulated node on this host (static rendezvous at 127.0.0.1, ``--node-rank`` 0..nnodes-1).
