@@ -81,13 +81,13 @@ def train(model, opt, start, stop, snaps=None, anchors=None):
     for k in range(start, stop):
         for g in opt.param_groups:
             g["lr"] = lr_at(k)
-        pending = opt.pending
+        pending = opt.outer.in_flight
         opt.zero_grad()
         loss_at(model, dist.get_rank(), k).backward()
         opt.step()
         if snaps is not None and opt.inner_step == 0:
             snaps.append(params_of(model))
-        if anchors is not None and pending is not None and opt.pending is None:
+        if anchors is not None and pending is not None and opt.outer.in_flight is None:
             anchors.append([t.clone() for t in pending.sent])
 
 
