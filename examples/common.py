@@ -27,6 +27,8 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launch import Job, init_job
+
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line
 
@@ -180,19 +182,20 @@ def add_common_args(
     )
 
 
-def setup(args: argparse.Namespace) -> tuple[Any, torch.device]:
-    """``hvd.init()``, pick the device (one GPU per local rank), seed, and keep CPU threads
-    from oversubscribing the cores (several ranks share one machine).
+def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
+    """Initialize the launcher's engine (``torchrun``: torch.distributed, ``horovodrun``:
+    Horovod; :mod:`launch`), pick the device (one GPU per local rank), seed, and keep CPU
+    threads from oversubscribing the cores (several ranks share one machine).
 
     Args:
         args: the parsed flags.
 
     Returns:
-        ``(hvd, device)``.
+        ``(hvd, device)``: ``hvd`` is the :class:`launch.Job`, which answers the
+        ``horovod.torch`` calls the examples make (``rank()``, ``size()``, ``allreduce``, ...)
+        under either launcher.
     """
-    import horovod.torch as hvd
-
-    hvd.init()
+    hvd = init_job()
     if args.tau < 1:
         raise ValueError(f"--tau must be >= 1, got {args.tau}")
     if torch.cuda.is_available():
@@ -424,7 +427,7 @@ def backward_and_step(
         opt: the distributed optimizer.
         scaler: the GradScaler or None.
         monitor: the run's monitor (its consensus measurement must precede the step).
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
     """
     opt.zero_grad()
     if scaler is None:
@@ -454,7 +457,7 @@ def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> list[float]:
 
     Args:
         values: this worker's partial sums.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         name: a unique Horovod tensor name.
     """
     t = hvd.allreduce(torch.tensor(list(values), dtype=torch.float64), op=hvd.Sum, name=name)
@@ -508,7 +511,7 @@ def load_checkpoint(
         model: the model.
         opt: the distributed optimizer.
         scaler: the GradScaler or None.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
 
     Returns:
         The epoch to continue from.
@@ -667,7 +670,7 @@ def classifier_metrics(
     Args:
         model: the model to score (the averaged one, see ``opt.use_consensus()``).
         dataset: yields ``(x, y)``.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the device.
         args: the parsed flags (--amp, --workers).
         batch_size: evaluation batch size.
@@ -799,7 +802,7 @@ def train(
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
-        hvd: ``horovod.torch`` (initialized).
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the training device.
         task: the example's data, loss and evaluation.
         model: the model, on ``device``.
@@ -923,7 +926,7 @@ def train_classifier(
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
-        hvd: ``horovod.torch`` (initialized).
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the training device.
         task: the task name recorded in ``config.json``.
         model: the model, on ``device``.

@@ -17,8 +17,9 @@ seconds each method's averaged model needs to first reach 85%, 90% and the best 
 accuracy minus one point (hvd_slowmo.tools.time_to_accuracy), and the figure plots accuracy
 against those seconds.
 
-Every run of one worker count trains inside a single ``horovodrun -np NP --gloo`` launch (the
-training script's ``--plan``), one run after the other, so the launcher's start-up is paid once
+Every run of one worker count trains inside a single launch (the training script's ``--plan``:
+``horovodrun -np NP --gloo``, or ``torchrun --nproc-per-node NP`` with ``--launcher torchrun`` or
+where Horovod is not installed), one run after the other, so the launcher's start-up is paid once
 and the cores are never shared by more than NP processes. A progress bar per run follows the
 epochs; each run's wall time and the total are printed.
 
@@ -63,7 +64,7 @@ from hvd_slowmo.tools.netns import (  # noqa: E402
     parse_network,
     plan_cluster,
 )
-from hvd_slowmo.tools.sweep import horovodrun_command  # noqa: E402
+from hvd_slowmo.tools.sweep import LAUNCHERS, launch_command, resolve_launcher  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
@@ -267,7 +268,7 @@ def write_plan(folder: str, plan: list[list[str]]) -> str:
 def launch(
     np_: int, script: str, plan: list[list[str]], common_flags: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, dict[str, Any]], int, str]:
-    """Train every run of ``plan`` in one horovodrun launch, with a progress bar per run.
+    """Train every run of ``plan`` in one launch (horovodrun or torchrun), a progress bar per run.
 
     Args:
         np_: workers.
@@ -281,7 +282,7 @@ def launch(
     """
     with tempfile.TemporaryDirectory() as tmp:
         cmd = (
-            horovodrun_command(np_, args.launcher)
+            launch_command(np_, args.launcher)
             + [sys.executable, os.path.join(HERE, script)]
             + common_flags
             + ["--plan", write_plan(tmp, plan)]
@@ -523,7 +524,12 @@ def _parser() -> argparse.ArgumentParser:
         help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/ (with --network: "
         "LOGDIR/TASK-network-RATE[-DELAY]/...)",
     )
-    parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="horovodrun --gloo/--mpi or torchrun (auto: horovodrun where Horovod is installed)",
+    )
     parser.add_argument(
         "--network",
         default=None,
@@ -669,10 +675,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-progress",
         "--progress-lines",
     ] + extra
+    launcher_name = "torchrun" if resolve_launcher(args.launcher) == "torchrun" else "horovodrun"
     where = (
         f"{args.np} emulated hosts, links {args.network} each way"
         if network
-        else "one horovodrun launch"
+        else f"one {launcher_name} launch"
     )
     print(
         f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "

@@ -68,13 +68,16 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` for the exact
-            average's payload (Horovod communicator only).
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` (or ``"fp16"`` on the
+            torch engine) for the exact average's payload (default communicators only).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
             a :class:`~hvd_slowmo.hierarchy.Hierarchy` of two communicators for other layouts.
-        communicator: the transport over all ranks; default a Horovod communicator.
+        communicator: the transport over all ranks; default one over ``engine``.
+        engine: who carries the default communicator: ``"horovod"``, ``"torch"``
+            (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
+            ``hvd.init()`` has run, else torch.distributed where it is initialized.
 
     Raises:
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
@@ -110,6 +113,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         overlap: int = 0,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
+        engine: str = "auto",
         **base_options: Any,
     ) -> None:
         # Everything is validated before any state is created, so a bad argument leaves nothing.
@@ -129,8 +133,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
-        self.comm = default_communicator(communicator, compression)
-        hierarchy = worker_hierarchy(worker, communicator)
+        self.comm = default_communicator(communicator, compression, engine)
+        hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None
         super().__init__(optimizer)

@@ -42,7 +42,10 @@ from ..bases import BASES
 
 __all__ = [
     "ABLATIONS",
+    "LAUNCHERS",
     "horovodrun_command",
+    "launch_command",
+    "resolve_launcher",
     "sweep_points",
     "point_args",
     "sweep_commands",
@@ -121,6 +124,47 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
     if launcher == "gloo":
         return cmd + ["--gloo"]
     return cmd + ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root"]
+
+
+#: Values of ``--launcher``: horovodrun over Gloo or MPI, torchrun (torch.distributed), or
+#: ``"auto"``: horovodrun --gloo where Horovod is installed, else torchrun.
+LAUNCHERS = ("auto", "gloo", "mpi", "torchrun")
+
+
+def resolve_launcher(launcher: str) -> str:
+    """``launcher``, with ``"auto"`` resolved: ``"gloo"`` (horovodrun) where horovodrun is
+    installed, else ``"torchrun"``.
+
+    Args:
+        launcher: one of :data:`LAUNCHERS`.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if launcher != "auto":
+        return launcher
+    found = os.path.exists(os.path.join(os.path.dirname(sys.executable), "horovodrun"))
+    return "gloo" if found or shutil.which("horovodrun") else "torchrun"
+
+
+def launch_command(np_: int, launcher: str = "auto", required: bool = True) -> list[str]:
+    """The launcher prefix for ``np_`` local processes, followed by the python command to run
+    (``horovodrun ... --gloo`` or ``torchrun --standalone --nproc-per-node NP --no-python``).
+
+    Args:
+        np_: number of processes (>= 1).
+        launcher: one of :data:`LAUNCHERS`.
+        required: raise if horovodrun is not installed (False: name it anyway, for printing).
+    """
+    launcher = resolve_launcher(launcher)
+    if launcher != "torchrun":
+        return horovodrun_command(np_, launcher, required)
+    if isinstance(np_, bool) or not isinstance(np_, int) or np_ < 1:
+        raise ValueError(f"np must be an integer >= 1, got {np_!r}")
+    # torchrun of this interpreter's torch; --no-python: the caller names the python to run.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone"] + [
+        f"--nproc-per-node={np_}",
+        "--no-python",
+    ]
 
 
 def sweep_points(
@@ -273,7 +317,7 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline", action="store_true", help="also run the base algorithm without SlowMo"
     )
     parser.add_argument("--np", type=int, default=4)
-    parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto")
     parser.add_argument(
         "--one-launch",
         action="store_true",
@@ -401,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid = _grid(args)
     seeds = _csv(args.seeds, "--seeds", int)
     logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
-    launch = horovodrun_command(args.np, args.launcher, required=not args.dry_run)
+    launch = launch_command(args.np, args.launcher, required=not args.dry_run)
     points = sweep_points(grid, args.baseline, seeds)
     run = _one_launch if args.one_launch else _launch_each
     outcome = run(args, launch, points, logdir, extra)
