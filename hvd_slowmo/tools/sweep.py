@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ __all__ = [
     "horovodrun_command",
     "launch_command",
     "resolve_launcher",
+    "require_resolvable_hostname",
     "sweep_points",
     "point_args",
     "sweep_commands",
@@ -99,18 +101,40 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def require_resolvable_hostname(name: str | None = None) -> None:
+    """Raise unless the host name ``name`` resolves to an address.
+
+    Horovod's Gloo looks up this machine's name and, when it does not resolve, crashes (a
+    segfault in Gloo's device.cc) instead of saying so: check before a Gloo launch.
+
+    Args:
+        name: the host name to look up (default: this machine's, as ``hostname`` prints it).
+    """
+    name = socket.gethostname() if name is None else name
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError as err:
+        raise RuntimeError(
+            f"the host name {name!r} does not resolve ({err.strerror}), so horovodrun --gloo "
+            f"would crash: name it in /etc/hosts, as root: echo '127.0.1.1 {name}' >> /etc/hosts"
+        ) from None
+
+
 def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) -> list[str]:
     """The ``horovodrun`` prefix for ``np_`` local processes.
 
     Args:
         np_: number of processes (>= 1).
         launcher: ``"gloo"`` or ``"mpi"`` (OpenMPI as root needs --allow-run-as-root).
-        required: raise if horovodrun is not installed (False: name it anyway, for printing).
+        required: raise if horovodrun is not installed or, for Gloo, the host name does not
+            resolve (False: name it anyway, for printing).
     """
     if isinstance(np_, bool) or not isinstance(np_, int) or np_ < 1:
         raise ValueError(f"np must be an integer >= 1, got {np_!r}")
     if launcher not in ("gloo", "mpi"):
         raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
+    if launcher == "gloo" and required:
+        require_resolvable_hostname()
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(exe):
         exe = shutil.which("horovodrun") or ""
