@@ -8,7 +8,7 @@ in-process threads (:mod:`~hvd_slowmo.comm.local`, for tests).
 The public methods here hold what every transport shares: the one-worker shortcuts, the checks
 on their arguments and the byte counting. A transport implements the ``_``-prefixed hooks and
 declares which optional operations it has (:attr:`Communicator.supports_sharding`,
-:attr:`Communicator.supports_exchange`).
+:attr:`Communicator.supports_alltoall`, :attr:`Communicator.supports_exchange`).
 """
 
 import abc
@@ -108,6 +108,8 @@ class Communicator(abc.ABC):
             all-gather at ``(m-1)/m`` each, a neighbour exchange at its messages' size.
         supports_sharding: :meth:`reduce_scatter_mean` and :meth:`allgather_flat` work
             (``shard_slow_state=True`` needs them).
+        supports_alltoall: :meth:`alltoall_flat` and :meth:`allgather_flat` work (the
+            compressed average, :mod:`hvd_slowmo.compression`, needs them).
         supports_exchange: :meth:`exchange_start` works (the gossip bases need it).
     """
 
@@ -115,6 +117,7 @@ class Communicator(abc.ABC):
     size: int
     bytes_sent: int = 0
     supports_sharding: bool = False
+    supports_alltoall: bool = False
     supports_exchange: bool = False
 
     # --- the operations every communicator has -------------------------------------------
@@ -235,6 +238,47 @@ class Communicator(abc.ABC):
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         """:meth:`allgather_flat` for two or more workers."""
         raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
+
+    # --- all-to-all (supports_alltoall) --------------------------------------------------
+    def alltoall_flat(
+        self, sends: Sequence[Tensor], recv_numels: Sequence[int], name: str
+    ) -> list[Tensor]:
+        """Send ``sends[j]`` to worker ``j``; return what every worker sent this one, in rank order.
+
+        Args:
+            sends: one 1-D tensor per worker, this worker's own included, all of one dtype;
+                lengths may differ.
+            recv_numels: the length of the message from each worker (both sides know it in
+                advance; MPI posts its receives with it); a mismatch raises.
+            name: a label for the operation (Horovod matches collectives by it).
+        """
+        sends = list(sends)
+        recv_numels = [int(n) for n in recv_numels]
+        if len(sends) != self.size or len(recv_numels) != self.size:
+            raise ValueError(
+                f"alltoall_flat: need one message and one receive length per worker "
+                f"({self.size}), got {len(sends)} and {len(recv_numels)}"
+            )
+        if len({s.dtype for s in sends}) != 1 or any(s.dim() != 1 for s in sends):
+            raise ValueError("alltoall_flat: the messages must be 1-D tensors of one dtype")
+        if self.size == 1:
+            return [sends[0].clone()]
+        out = self._alltoall_flat(sends, recv_numels, name)
+        got = [t.numel() for t in out]
+        if got != recv_numels:
+            raise RuntimeError(
+                f"alltoall_flat {name!r}: rank {self.rank} expected {recv_numels} elements from "
+                f"each rank, got {got} (the workers disagree on the message sizes)"
+            )
+        # Direct sends: everything but this worker's message to itself goes on the wire.
+        self.bytes_sent += _nbytes([s for j, s in enumerate(sends) if j != self.rank])
+        return out
+
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        """:meth:`alltoall_flat` for two or more workers, with checked arguments."""
+        raise NotImplementedError(f"{type(self).__name__} does not support alltoall_flat")
 
     # --- neighbour exchanges (supports_exchange) -----------------------------------------
     def exchange_start(

@@ -85,6 +85,7 @@ class HorovodCommunicator(Communicator):
     """
 
     supports_sharding = True
+    supports_alltoall = True
     supports_exchange = True
 
     def __init__(
@@ -237,6 +238,17 @@ class HorovodCommunicator(Communicator):
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         return _hvd().grouped_allgather(shards, name=name, process_set=self.process_set)
+
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        # One flat buffer in destination order with per-destination splits; Horovod returns
+        # the received buffer in source order with the received splits.
+        splits = torch.tensor([s.numel() for s in sends], dtype=torch.int32)
+        out, received = _hvd().alltoall(
+            torch.cat(sends), splits=splits, name=name, process_set=self.process_set
+        )
+        return list(out.split(received.tolist()))
 
     def _exchange_start(
         self,
