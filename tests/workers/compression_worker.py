@@ -1,0 +1,57 @@
+"""The compressed average under horovodrun; each rank writes ``OUT/rank{r}.pt``.
+
+Launched by tests/test_compression_horovod.py::
+
+    horovodrun -np 3 --gloo python tests/workers/compression_worker.py OUT
+    horovodrun -np 3 --mpi  python tests/workers/compression_worker.py OUT
+
+For every codec, with and without error feedback, over the Horovod communicator (and, under an
+MPI launch, the MPI communicator too): ``{(transport, codec, feedback): (average, residual,
+bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+
+import horovod.torch as hvd
+from test_compression import worker_vector
+
+from hvd_slowmo.comm.horovod import HorovodCommunicator
+from hvd_slowmo.comm.mpi import MPICommunicator
+from hvd_slowmo.compression import CODECS, compressed_mean
+
+
+def vector_length(m: int) -> int:
+    """Uneven chunks (``n % m != 0`` for m > 1) whose blocks are cut short at chunk ends."""
+    return 3 * 256 * m + 5 * m + 1
+
+
+def main(out: str) -> None:
+    hvd.init()
+    comms = {"horovod": HorovodCommunicator()}
+    if hvd.mpi_enabled():
+        comms["mpi"] = MPICommunicator.for_horovod(comms["horovod"])
+    n = vector_length(hvd.size())
+    results = {}
+    for transport, comm in comms.items():
+        for codec in CODECS:
+            for feedback in (False, True):
+                residual = 0.1 * worker_vector(hvd.rank(), n, seed=1) if feedback else None
+                before = comm.bytes_sent
+                average = compressed_mean(
+                    comm, worker_vector(hvd.rank(), n), codec, f"cmp.{codec}.{feedback}", residual
+                )
+                results[(transport, codec, feedback)] = (
+                    average,
+                    residual,
+                    comm.bytes_sent - before,
+                )
+    torch.save(results, os.path.join(out, f"rank{hvd.rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
