@@ -17,7 +17,14 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Communicator", "PendingAverage", "PendingExchange", "shard_range", "shard_sizes"]
+__all__ = [
+    "Communicator",
+    "PendingAverage",
+    "PendingExchange",
+    "PendingTensors",
+    "shard_range",
+    "shard_sizes",
+]
 
 
 def shard_sizes(numel: int, size: int) -> list[int]:
@@ -95,6 +102,37 @@ class PendingAverage:
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
+
+
+class PendingTensors:
+    """Tensors that a collective in flight returns (see :meth:`Communicator.alltoall_flat_start`).
+
+    Args:
+        result: the finished tensors, or a function that waits for them.
+        ready: never blocks; True once the function would return at once (None: unknown, say
+            False until waited).
+    """
+
+    def __init__(
+        self,
+        result: list[Tensor] | Callable[[], list[Tensor]],
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self._finish = None if isinstance(result, list) else result
+        self._result = result if isinstance(result, list) else None
+        self._ready = ready
+
+    def done(self) -> bool:
+        """True once :meth:`wait` would not block."""
+        return self._finish is None or (self._ready is not None and self._ready())
+
+    def wait(self) -> list[Tensor]:
+        """Block until the collective is complete and return its tensors (the same each call)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        assert self._result is not None
+        return self._result
 
 
 class Communicator(abc.ABC):
@@ -225,18 +263,37 @@ class Communicator(abc.ABC):
             shards: this worker's 1-D shard of each flat tensor (lengths may differ across workers).
             name: a label for the operation.
         """
+        return self.allgather_flat_start(shards, name).wait()
+
+    def allgather_flat_start(self, shards: Sequence[Tensor], name: str) -> PendingTensors:
+        """Start :meth:`allgather_flat`; its ``wait()`` returns the concatenations. The shards
+        must not change until then. Transports without background progress finish it here.
+
+        Args:
+            shards: this worker's 1-D shard of each flat tensor.
+            name: a label for the operation.
+        """
         shards = list(shards)
         if not shards:
-            return []
+            return PendingTensors([])
         if self.size == 1:
-            return [s.clone() for s in shards]
-        out = self._allgather_flat(shards, name)
-        # Ring all-gather: each worker forwards everyone's shards but its successor's.
-        self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
-        return out
+            return PendingTensors([s.clone() for s in shards])
+        pending = self._allgather_flat_start(shards, name)
+
+        def finish() -> list[Tensor]:
+            out = pending.wait()
+            # Ring all-gather: each worker forwards everyone's shards but its successor's.
+            self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
+            return out
+
+        return PendingTensors(finish, pending.done)
+
+    def _allgather_flat_start(self, shards: list[Tensor], name: str) -> PendingTensors:
+        """:meth:`allgather_flat_start` for two or more workers and a non-empty list."""
+        return PendingTensors(self._allgather_flat(shards, name))
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
-        """:meth:`allgather_flat` for two or more workers."""
+        """:meth:`allgather_flat` for two or more workers (transports that finish at once)."""
         raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
 
     # --- all-to-all (supports_alltoall) --------------------------------------------------
@@ -252,6 +309,19 @@ class Communicator(abc.ABC):
                 advance; MPI posts its receives with it); a mismatch raises.
             name: a label for the operation (Horovod matches collectives by it).
         """
+        return self.alltoall_flat_start(sends, recv_numels, name).wait()
+
+    def alltoall_flat_start(
+        self, sends: Sequence[Tensor], recv_numels: Sequence[int], name: str
+    ) -> PendingTensors:
+        """Start :meth:`alltoall_flat`; its ``wait()`` returns the received tensors. The sends
+        must not change until then. Transports without background progress finish it here.
+
+        Args:
+            sends: as for :meth:`alltoall_flat`.
+            recv_numels: as for :meth:`alltoall_flat`.
+            name: as for :meth:`alltoall_flat`.
+        """
         sends = list(sends)
         recv_numels = [int(n) for n in recv_numels]
         if len(sends) != self.size or len(recv_numels) != self.size:
@@ -262,22 +332,33 @@ class Communicator(abc.ABC):
         if len({s.dtype for s in sends}) != 1 or any(s.dim() != 1 for s in sends):
             raise ValueError("alltoall_flat: the messages must be 1-D tensors of one dtype")
         if self.size == 1:
-            return [sends[0].clone()]
-        out = self._alltoall_flat(sends, recv_numels, name)
-        got = [t.numel() for t in out]
-        if got != recv_numels:
-            raise RuntimeError(
-                f"alltoall_flat {name!r}: rank {self.rank} expected {recv_numels} elements from "
-                f"each rank, got {got} (the workers disagree on the message sizes)"
-            )
+            return PendingTensors([sends[0].clone()])
+        pending = self._alltoall_flat_start(sends, recv_numels, name)
         # Direct sends: everything but this worker's message to itself goes on the wire.
         self.bytes_sent += _nbytes([s for j, s in enumerate(sends) if j != self.rank])
-        return out
+
+        def finish() -> list[Tensor]:
+            out = pending.wait()
+            got = [t.numel() for t in out]
+            if got != recv_numels:
+                raise RuntimeError(
+                    f"alltoall_flat {name!r}: rank {self.rank} expected {recv_numels} elements "
+                    f"from each rank, got {got} (the workers disagree on the message sizes)"
+                )
+            return out
+
+        return PendingTensors(finish, pending.done)
+
+    def _alltoall_flat_start(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> PendingTensors:
+        """:meth:`alltoall_flat_start` for two or more workers, with checked arguments."""
+        return PendingTensors(self._alltoall_flat(sends, recv_numels, name))
 
     def _alltoall_flat(
         self, sends: list[Tensor], recv_numels: list[int], name: str
     ) -> list[Tensor]:
-        """:meth:`alltoall_flat` for two or more workers, with checked arguments."""
+        """:meth:`alltoall_flat` for two or more workers (transports that finish at once)."""
         raise NotImplementedError(f"{type(self).__name__} does not support alltoall_flat")
 
     # --- neighbour exchanges (supports_exchange) -----------------------------------------

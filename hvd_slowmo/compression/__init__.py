@@ -2,12 +2,13 @@
 all-to-all and all-gather (:mod:`.exchange`), with optional error feedback."""
 
 from .codecs import BLOCK_SIZE, CODECS, Encoded, check_codec, decode, encode, encoded_nbytes
-from .exchange import compressed_mean
+from .exchange import PendingMean, compressed_mean
 
 __all__ = [
     "BLOCK_SIZE",
     "CODECS",
     "Encoded",
+    "PendingMean",
     "check_codec",
     "compressed_mean",
     "decode",

@@ -23,10 +23,10 @@ common to all workers and is not fed back.
 import torch
 from torch import Tensor
 
-from ..comm.base import Communicator, shard_sizes
+from ..comm.base import Communicator, PendingTensors, shard_sizes
 from .codecs import BLOCK_SIZE, decode, encode, encoded_nbytes, from_bytes, to_bytes
 
-__all__ = ["compressed_mean"]
+__all__ = ["PendingMean", "compressed_mean"]
 
 
 def compressed_mean(
@@ -55,41 +55,94 @@ def compressed_mean(
     Returns:
         A new 1-D float32 tensor: the decoded average.
     """
-    if flat.dtype != torch.float32 or flat.dim() != 1:
-        raise ValueError(
-            f"compressed_mean: flat must be a 1-D float32 tensor, got {flat.dtype} "
-            f"of shape {tuple(flat.shape)}"
-        )
-    if residual is not None and (residual.dtype != torch.float32 or residual.shape != flat.shape):
-        raise ValueError(
-            f"compressed_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
-            f"{residual.dtype} of shape {tuple(residual.shape)}"
-        )
-    m = comm.size
-    if m == 1:
-        return flat.clone()
-    if not comm.supports_alltoall:
-        raise ValueError(
-            f"a compressed average needs alltoall_flat and allgather_flat, which "
-            f"{type(comm).__name__} does not have; use compression=None"
-        )
-    contribution = flat if residual is None else flat + residual
-    sizes = shard_sizes(flat.numel(), m)
-    encoded = [encode(chunk, codec, block) for chunk in contribution.split(sizes)]
-    if residual is not None:
-        sent = torch.cat([decode(e, codec, block) for e in encoded])
-        torch.sub(contribution, sent, out=residual)
+    return PendingMean(comm, flat, codec, name, residual, block).wait()
 
-    mine = sizes[comm.rank]
-    packet = encoded_nbytes(mine, codec, block)
-    received = comm.alltoall_flat([to_bytes(e) for e in encoded], [packet] * m, f"{name}.a2a")
-    total = decode(from_bytes(received[0], mine, codec, block), codec, block)
-    for src in range(1, m):  # rank order: every worker would sum a chunk the same way
-        total += decode(from_bytes(received[src], mine, codec, block), codec, block)
-    reduced = to_bytes(encode(total / m, codec, block))
 
-    (gathered,) = comm.allgather_flat([reduced], f"{name}.gather")
-    packets = gathered.split([encoded_nbytes(s, codec, block) for s in sizes])
-    return torch.cat(
-        [decode(from_bytes(p, s, codec, block), codec, block) for p, s in zip(packets, sizes)]
-    )
+class PendingMean:
+    """:func:`compressed_mean` in flight: the all-to-all starts on construction, the all-gather
+    as soon as :meth:`poll` finds the all-to-all done (or at :meth:`wait`). Collective.
+
+    On transports without background progress (threads, MPI) each collective finishes when it
+    starts. Arguments as for :func:`compressed_mean`; ``residual`` is updated on construction.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        flat: Tensor,
+        codec: str,
+        name: str,
+        residual: Tensor | None = None,
+        block: int = BLOCK_SIZE,
+    ) -> None:
+        if flat.dtype != torch.float32 or flat.dim() != 1:
+            raise ValueError(
+                f"compressed_mean: flat must be a 1-D float32 tensor, got {flat.dtype} "
+                f"of shape {tuple(flat.shape)}"
+            )
+        if residual is not None and (
+            residual.dtype != torch.float32 or residual.shape != flat.shape
+        ):
+            raise ValueError(
+                f"compressed_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
+                f"{residual.dtype} of shape {tuple(residual.shape)}"
+            )
+        if comm.size > 1 and not comm.supports_alltoall:
+            raise ValueError(
+                f"a compressed average needs alltoall_flat and allgather_flat, which "
+                f"{type(comm).__name__} does not have; use compression=None"
+            )
+        self._comm, self._codec, self._name, self._block = comm, codec, name, block
+        self._sizes = shard_sizes(flat.numel(), comm.size)
+        self._result: Tensor | None = flat.clone() if comm.size == 1 else None
+        self._gather: PendingTensors | None = None
+        if self._result is not None:
+            return
+        contribution = flat if residual is None else flat + residual
+        encoded = [encode(chunk, codec, block) for chunk in contribution.split(self._sizes)]
+        if residual is not None:
+            sent = torch.cat([decode(e, codec, block) for e in encoded])
+            torch.sub(contribution, sent, out=residual)
+        packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
+        self._alltoall = comm.alltoall_flat_start(
+            [to_bytes(e) for e in encoded], [packet] * comm.size, f"{name}.a2a"
+        )
+
+    def poll(self) -> bool:
+        """Advance without blocking (start the all-gather once the all-to-all is done); True
+        once :meth:`wait` would not block."""
+        if self._result is not None:
+            return True
+        if self._gather is None and self._alltoall.done():
+            self._reduce()
+        return self._gather is not None and self._gather.done()
+
+    def wait(self) -> Tensor:
+        """Block until done; returns the decoded average (a new 1-D float32 tensor, the same
+        object on every call)."""
+        if self._result is None:
+            if self._gather is None:
+                self._reduce()
+            assert self._gather is not None
+            (gathered,) = self._gather.wait()
+            codec, block, sizes = self._codec, self._block, self._sizes
+            packets = gathered.split([encoded_nbytes(s, codec, block) for s in sizes])
+            self._result = torch.cat(
+                [
+                    decode(from_bytes(p, s, codec, block), codec, block)
+                    for p, s in zip(packets, sizes)
+                ]
+            )
+        return self._result
+
+    def _reduce(self) -> None:
+        """Sum this worker's chunk over the workers, in rank order (every worker would sum a
+        chunk the same way), average, encode, and start the all-gather."""
+        codec, block, m = self._codec, self._block, self._comm.size
+        mine = self._sizes[self._comm.rank]
+        received = self._alltoall.wait()
+        total = decode(from_bytes(received[0], mine, codec, block), codec, block)
+        for src in range(1, m):
+            total += decode(from_bytes(received[src], mine, codec, block), codec, block)
+        reduced = to_bytes(encode(total / m, codec, block))
+        self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")

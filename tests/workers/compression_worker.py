@@ -7,11 +7,14 @@ Launched by tests/test_compression_horovod.py::
 
 For every codec, with and without error feedback, over the Horovod communicator (and, under an
 MPI launch, the MPI communicator too): ``{(transport, codec, feedback): (average, residual,
-bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``.
+bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``. Transport
+``"horovod-polled"``: the average started and polled to completion in the background
+(:class:`~hvd_slowmo.compression.PendingMean`, as an overlapped outer step runs it).
 """
 
 import os
 import sys
+import time
 
 import torch
 
@@ -22,7 +25,7 @@ from test_compression import worker_vector
 
 from hvd_slowmo.comm.horovod import HorovodCommunicator
 from hvd_slowmo.comm.mpi import MPICommunicator
-from hvd_slowmo.compression import CODECS, compressed_mean
+from hvd_slowmo.compression import CODECS, PendingMean, compressed_mean
 
 
 def vector_length(m: int) -> int:
@@ -50,6 +53,20 @@ def main(out: str) -> None:
                     residual,
                     comm.bytes_sent - before,
                 )
+    comm = comms["horovod"]
+    for codec in CODECS:
+        before = comm.bytes_sent
+        pending = PendingMean(comm, worker_vector(hvd.rank(), n), codec, f"cmp.polled.{codec}")
+        deadline = time.monotonic() + 60
+        while not pending.poll():  # both collectives complete without a blocking wait
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {hvd.rank()}: {codec} never completed by polling")
+            time.sleep(0.001)
+        results[("horovod-polled", codec, False)] = (
+            pending.wait(),
+            None,
+            comm.bytes_sent - before,
+        )
     torch.save(results, os.path.join(out, f"rank{hvd.rank()}.pt"))
 
 
