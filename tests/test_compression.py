@@ -10,6 +10,7 @@ from reference_compression import reference_compressed_mean
 
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import CODECS, compressed_mean, decode, encode, encoded_nbytes
+from hvd_slowmo.compression.averager import PseudoGradientAverage
 from hvd_slowmo.compression.codecs import check_codec, from_bytes, to_bytes
 
 SIZES = range(2, 9)
@@ -130,3 +131,34 @@ def test_alltoall_sizes_must_agree():
 
     with pytest.raises(RuntimeError, match="expected"):
         run_threads(2, fn)
+
+
+def test_pseudo_gradient_average_and_its_residual_state():
+    # Parameters of mixed shapes and dtypes averaged as anchor - mean(anchor - params), where
+    # the mean is the reference's; the residual is saved and taken back only by its own worker.
+    m = 3
+    anchor = [torch.linspace(-2, 2, 300).reshape(20, 15), torch.linspace(5, 6, 77)]
+
+    def params_of(rank):
+        return [a + 0.01 * worker_vector(rank, a.numel()).view_as(a) for a in anchor]
+
+    def fn(comm):
+        avg = PseudoGradientAverage(comm, "int8", error_feedback=True)
+        params = params_of(comm.rank)
+        avg.average_(params, anchor, "pg")
+        saved = avg.state_dict()
+        other = PseudoGradientAverage(comm, "int8", error_feedback=True)
+        other.load_state_dict(saved)
+        mine = other.residual
+        other.load_state_dict(comm.broadcast_object(saved, root_rank=0))  # rank 0's residual
+        return params, saved["residual"].clone(), mine, other.residual
+
+    flat_anchor = torch.cat([a.reshape(-1) for a in anchor])
+    grads = [flat_anchor - torch.cat([p.reshape(-1) for p in params_of(r)]) for r in range(m)]
+    want, want_residuals, _ = reference_compressed_mean(grads, "int8", 256, [0 * g for g in grads])
+    want_params = (flat_anchor - want[0]).split([a.numel() for a in anchor])
+    for rank, (params, residual, mine, from_rank0) in enumerate(run_threads(m, fn)):
+        for p, w in zip(params, want_params):
+            assert torch.equal(p.reshape(-1), w), f"rank {rank}"
+        assert torch.equal(residual, want_residuals[rank]) and torch.equal(mine, residual)
+        assert (from_rank0 is None) == (rank != 0), f"rank {rank} took rank 0's residual"

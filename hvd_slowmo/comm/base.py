@@ -83,14 +83,30 @@ class PendingAverage:
     Args:
         finish: completes the average in place (waits for it); None when it is already done.
         started: False when ``finish`` runs the whole collective (nothing is in flight yet).
+        progress: advances the average without blocking and says whether ``finish`` would
+            return at once (an average made of several collectives starts the next one there);
+            None: nothing to advance.
 
     Attributes:
         started: whether the collective is running (or done): False for a deferred average.
     """
 
-    def __init__(self, finish: Callable[[], None] | None = None, started: bool = True) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], None] | None = None,
+        started: bool = True,
+        progress: Callable[[], bool] | None = None,
+    ) -> None:
         self._finish = finish
+        self._progress = progress
         self.started = started or finish is None
+
+    def poll(self) -> bool:
+        """Advance the average if it has more than one stage (never blocks); True once
+        :meth:`wait` would not block for long. Call it between base steps."""
+        if self._finish is None:
+            return True
+        return self._progress is not None and self.started and self._progress()
 
     @property
     def done(self) -> bool:
