@@ -9,7 +9,8 @@ For every codec, with and without error feedback, over the Horovod communicator 
 MPI launch, the MPI communicator too): ``{(transport, codec, feedback): (average, residual,
 bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``. Transport
 ``"horovod-polled"``: the average started and polled to completion in the background
-(:class:`~hvd_slowmo.compression.PendingMean`, as an overlapped outer step runs it).
+(:class:`~hvd_slowmo.compression.PendingMean`, as an overlapped outer step runs it);
+``"horovod-tiny"``: a vector shorter than the number of workers (empty chunks).
 """
 
 import os
@@ -54,6 +55,12 @@ def main(out: str) -> None:
                     comm.bytes_sent - before,
                 )
     comm = comms["horovod"]
+    tiny = hvd.size() - 1  # fewer elements than workers: empty chunks and messages
+    results[("horovod-tiny", "int8", False)] = (
+        compressed_mean(comm, worker_vector(hvd.rank(), tiny), "int8", "cmp.tiny"),
+        None,
+        0,
+    )
     for codec in CODECS:
         before = comm.bytes_sent
         pending = PendingMean(comm, worker_vector(hvd.rank(), n), codec, f"cmp.polled.{codec}")
