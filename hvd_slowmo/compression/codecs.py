@@ -29,7 +29,7 @@ Used for the pseudo-gradient average of SlowMo's outer step (arXiv 1910.00643): 
 """
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,21 +74,22 @@ class Encoded(NamedTuple):
     scales: Tensor
 
 
-def check_codec(codec: str, device: torch.device | str = "cpu") -> str:
+def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "compression") -> str:
     """``codec`` itself, checked to be a codec name that works on ``device``.
 
     Args:
         codec: one of :data:`CODECS`.
         device: where the codes are made (``fp8`` needs torch's ``float8_e4m3fn`` there).
+        name: the argument's name, for the messages.
 
     Raises:
         TypeError: ``codec`` is not a string.
         ValueError: an unknown name, or ``fp8`` where torch cannot cast to ``float8_e4m3fn``.
     """
     if not isinstance(codec, str):
-        raise TypeError(f"codec must be one of {CODECS}, got {codec!r}")
+        raise TypeError(f"{name} must be one of {CODECS}, got {codec!r}")
     if codec not in CODECS:
-        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        raise ValueError(f"{name} must be one of {CODECS}, got {codec!r}")
     if codec == "fp8":
         dtype = _CODE_DTYPE["fp8"]
         try:
@@ -97,7 +98,7 @@ def check_codec(codec: str, device: torch.device | str = "cpu") -> str:
             ok = False
         if not ok:
             raise ValueError(
-                f"codec 'fp8' needs torch.float8_e4m3fn on {device} (torch {torch.__version__} "
+                f"{name}='fp8' needs torch.float8_e4m3fn on {device} (torch {torch.__version__} "
                 "has no working cast there); use 'int8' or 'bf16'"
             )
     return codec
