@@ -97,3 +97,62 @@ def reference_compressed_mean(
     for i in range(m):
         sent_bytes[i] += int((m - 1) / m * gathered_bytes)
     return [result.clone() for _ in range(m)], new_residuals, sent_bytes
+
+
+def reference_slowmo_compressed(
+    m: int,
+    steps: int,
+    tau: int,
+    slow_lr: float,
+    slow_momentum: float,
+    make_opt,
+    codec: str,
+    error_feedback: bool,
+    block: int = 256,
+):
+    """Replay SlowMo over Local SGD for ``m`` workers, the exact average sent as compressed
+    pseudo-gradients: ``x_avg = x0 - mean_c(x0 - x_i)`` with ``mean_c`` the compressed average
+    above (each worker's residual carried over with error feedback); the model buffers are
+    averaged exactly; buffers reset. The slow update is ``torch.optim.SGD(lr=slow_lr * lr,
+    momentum=slow_momentum)`` on ``(x0 - x_avg) / lr``. Returns each worker's model."""
+    from reference import loss_at, lr_at, make_model
+
+    models = [make_model() for _ in range(m)]
+    opts = [make_opt(mod.parameters()) for mod in models]
+    anchor = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
+    slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum)
+    residuals = None
+    for k in range(steps):
+        for w in range(m):
+            for g in opts[w].param_groups:
+                g["lr"] = lr_at(k)
+            opts[w].zero_grad()
+            loss_at(models[w], w, k).backward()
+            opts[w].step()
+        if (k + 1) % tau:
+            continue
+        with torch.no_grad():
+            plist = [list(mod.parameters()) for mod in models]
+            flat_anchor = torch.cat([a.detach().reshape(-1) for a in anchor])
+            grads = [flat_anchor - torch.cat([p.reshape(-1) for p in ps]) for ps in plist]
+            if error_feedback and residuals is None:
+                residuals = [torch.zeros_like(g) for g in grads]
+            means, new_residuals, _ = reference_compressed_mean(grads, codec, block, residuals)
+            residuals = new_residuals
+            avg = (flat_anchor - means[0]).split([a.numel() for a in anchor])
+            lr = lr_at(k)
+            for a, x in zip(anchor, avg):
+                a.grad = (a - x.view_as(a)) / lr
+            slow.param_groups[0]["lr"] = slow_lr * lr
+            slow.step()
+            for ps in plist:
+                for p, a in zip(ps, anchor):
+                    p.copy_(a)
+            blist = [[b for b in mod.buffers() if b.is_floating_point()] for mod in models]
+            for i in range(len(blist[0])):
+                mean = sum(blist[w][i] for w in range(m)) / m
+                for w in range(m):
+                    blist[w][i].copy_(mean)
+            for o in opts:
+                o.state.clear()
+    return models
