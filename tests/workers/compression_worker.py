@@ -10,7 +10,9 @@ MPI launch, the MPI communicator too): ``{(transport, codec, feedback): (average
 bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``. Transport
 ``"horovod-polled"``: the average started and polled to completion in the background
 (:class:`~hvd_slowmo.compression.PendingMean`, as an overlapped outer step runs it);
-``"horovod-tiny"``: a vector shorter than the number of workers (empty chunks).
+``"horovod-tiny"``: a vector shorter than the number of workers (empty chunks). Under
+``"optimizer"``: the final model of :func:`train_compressed` (int8 with error feedback and
+``overlap=2``, Horovod's asynchronous collectives polled between steps).
 """
 
 import os
@@ -32,6 +34,34 @@ from hvd_slowmo.compression import CODECS, PendingMean, compressed_mean
 def vector_length(m: int) -> int:
     """Uneven chunks (``n % m != 0`` for m > 1) whose blocks are cut short at chunk ends."""
     return 3 * 256 * m + 5 * m + 1
+
+
+def train_compressed(model, rank: int, communicator=None):
+    """SlowMo with int8 pseudo-gradients, error feedback and ``overlap=2``: 14 steps, flushed
+    (no model buffers averaged: an allreduce of Gloo rounds differently from the threads).
+    Shared with the in-process test, which runs it on thread workers."""
+    from hvd_slowmo import DistributedOptimizer
+
+    from reference import loss_at, lr_at
+
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        communicator=communicator,
+        tau=4,
+        overlap=2,
+        slow_momentum=0.5,
+        compression="int8",
+        error_feedback=True,
+    )
+    for k in range(14):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+    opt.flush()
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def main(out: str) -> None:
@@ -74,6 +104,9 @@ def main(out: str) -> None:
             None,
             comm.bytes_sent - before,
         )
+    from reference import make_model
+
+    results["optimizer"] = train_compressed(make_model(), hvd.rank())
     torch.save(results, os.path.join(out, f"rank{hvd.rank()}.pt"))
 
 
