@@ -40,10 +40,7 @@ Paper: arXiv 1910.00643 (SlowMo); Horovod elastic: ``horovod.torch.elastic``.
 
 import copy
 import os
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the optimizer imports this module
-    from .optimizer import DistributedOptimizer
+from typing import Any, Protocol
 
 __all__ = ["is_elastic_launch", "register_state_handler", "sync_optimizer"]
 
@@ -53,7 +50,17 @@ def is_elastic_launch() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def sync_optimizer(opt: "DistributedOptimizer") -> None:
+class Syncable(Protocol):
+    """What :func:`sync_optimizer` needs of a :class:`hvd_slowmo.DistributedOptimizer` (the
+    optimizer imports this module, so it is described here rather than imported)."""
+
+    def reset_base(self) -> None: ...
+    def check_consistent(self) -> None: ...
+    def broadcast_state(self, root_rank: int = 0) -> None: ...
+    def adopt_world(self, why: str) -> None: ...
+
+
+def sync_optimizer(opt: Syncable) -> None:
     """Bring every worker's optimizer to rank 0's state after a membership change. Collective.
 
     Checks that every worker is configured alike, broadcasts rank 0's full state (anchor, slow
