@@ -5,15 +5,15 @@ A codec turns a 1-D float32 tensor into an :class:`Encoded` (``codes`` in a narr
 communicates; :mod:`hvd_slowmo.compression.exchange` builds the reduction from these functions
 and the communicator's collectives.
 
-==========  ==============================  ======================================  ==============
-codec       codes                           scales                                  bytes/element
-==========  ==============================  ======================================  ==============
-``fp32``    the values (no compression)     none                                    4
-``fp16``    ``float16`` cast                none                                    2
-``bf16``    ``bfloat16`` cast               none                                    2
-``int8``    ``round(x / s)`` in [-127, 127]  ``s = absmax / 127`` per block          1 + 4/block
-``fp8``     ``float8_e4m3fn(x / s)``        ``s = absmax / 448`` per block          1 + 4/block
-==========  ==============================  ======================================  ==============
+==========  ===============================  ==============================  =============
+codec       codes                            scales                          bytes/element
+==========  ===============================  ==============================  =============
+``fp32``    the values (no compression)      none                            4
+``fp16``    ``float16`` cast                 none                            2
+``bf16``    ``bfloat16`` cast                none                            2
+``int8``    ``round(x / s)`` in [-127, 127]  ``s = absmax / 127`` per block   1 + 4/block
+``fp8``     ``float8_e4m3fn(x / s)``         ``s = absmax / 448`` per block   1 + 4/block
+==========  ===============================  ==============================  =============
 
 Blocks: block ``b`` of an encoded vector is its elements ``[b * block, (b + 1) * block)``; the
 last block may be shorter. The blocks belong to the vector handed to :func:`encode` (one chunk of
