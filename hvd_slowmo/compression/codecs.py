@@ -11,8 +11,8 @@ codec       codes                            scales                          byt
 ``fp32``    the values (no compression)      none                            4
 ``fp16``    ``float16`` cast                 none                            2
 ``bf16``    ``bfloat16`` cast                none                            2
-``int8``    ``round(x / s)`` in [-127, 127]  ``s = absmax / 127`` per block   1 + 4/block
-``fp8``     ``float8_e4m3fn(x / s)``         ``s = absmax / 448`` per block   1 + 4/block
+``int8``    ``round(x / s)`` in [-127, 127]  ``s = absmax / 127`` per block  1 + 4/block
+``fp8``     ``float8_e4m3fn(x / s)``         ``s = absmax / 448`` per block  1 + 4/block
 ==========  ===============================  ==============================  =============
 
 Blocks: block ``b`` of an encoded vector is its elements ``[b * block, (b + 1) * block)``; the
