@@ -126,6 +126,17 @@ def add_common_args(
         action="store_true",
         help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
     )
+    g.add_argument(
+        "--compression",
+        default="none",
+        choices=("none", "fp16", "bf16", "int8", "fp8"),
+        help="codes of the exact average's pseudo-gradients (none: the fp32 allreduce)",
+    )
+    g.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="with --compression: each worker sends what its codes lost at the next average",
+    )
     t = parser.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=epochs)
     t.add_argument("--batch-size", type=int, default=batch_size, help="per worker")
@@ -241,6 +252,8 @@ def build_optimizer(
         slow_momentum=args.slow_momentum,
         overlap=args.overlap,
     )
+    if args.compression != "none":
+        kwargs.update(compression=args.compression, error_feedback=args.error_feedback)
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":
@@ -278,7 +291,10 @@ def run_name(args: argparse.Namespace) -> str:
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
     return (
         f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
-        f"_{args.buffers}" + (f"_overlap{args.overlap}" if args.overlap else "")
+        f"_{args.buffers}"
+        + (f"_overlap{args.overlap}" if args.overlap else "")
+        + ("" if args.compression == "none" else f"_{args.compression}")
+        + ("_ef" if args.error_feedback else "")
     )
 
 
@@ -303,6 +319,8 @@ def run_config(
         "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
         "buffers": args.buffers,
         "average": not args.no_average,
+        "compression": args.compression,
+        "error_feedback": args.error_feedback,
         "optimizer": optimizer_name,
         "workers": world_size,
         "batch_size": args.batch_size,

@@ -18,6 +18,7 @@ from torch import Tensor
 from .bases import BASES, resolve_base
 from .buffers import BUFFER_STRATEGIES
 from .comm.base import Communicator
+from .compression.codecs import check_codec
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -82,6 +83,13 @@ class SlowMoConfig:
             workers take ``d`` more base steps, then the slow step is applied and each worker
             keeps its progress since the snapshot (:mod:`hvd_slowmo.outer_step`). 0 (default) is
             the paper's algorithm, bit for bit.
+        codec: compress the exact average (:mod:`hvd_slowmo.compression`): every worker sends
+            its pseudo-gradient ``anchor - parameters`` as ``"fp16"``, ``"bf16"``, ``"int8"`` or
+            ``"fp8"`` codes (``"fp32"``: uncompressed, through the same all-to-all), the sums
+            are float32, and every worker ends with the same parameters. Keeps an anchor even
+            without slow momentum. None: the exact average is an allreduce of the parameters.
+        error_feedback: each worker adds what its codes lost to its next pseudo-gradient
+            (needs a ``codec``).
     """
 
     base: Any = "localsgd"
@@ -95,6 +103,8 @@ class SlowMoConfig:
     outer_optimizer: str | OuterFactory = "heavyball"
     shard_slow_state: bool = False
     overlap: int = 0
+    codec: str | None = None
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -172,6 +182,26 @@ class SlowMoConfig:
                 "synchronize workers; use average=False only with a base that "
                 f"communicates every step ({talkers})"
             )
+        if self.codec is not None:
+            check_codec(self.codec)
+        check_bool("error_feedback", self.error_feedback)
+        if self.error_feedback and self.codec is None:
+            raise ValueError(
+                "error_feedback=True needs a compressed average; pass e.g. compression='int8'"
+            )
+        if self.codec is not None and self.shard_slow_state:
+            raise ValueError(
+                f"compression={self.codec!r} with shard_slow_state=True is not supported: the "
+                "compressed average sends pseudo-gradients, which need the whole anchor on "
+                "every worker; use shard_slow_state=False, or compression=None"
+            )
+        if self.codec is not None and not (self.average and base.needs_exact_average):
+            warnings.warn(
+                f"compression={self.codec!r} has nothing to compress: base="
+                f"{base.display_name()!r} with average={self.average} runs no exact average; "
+                "drop compression",
+                stacklevel=4,
+            )
         if not base.needs_exact_average and self.buffers == "average":
             warnings.warn(
                 f"buffers='average' with base={base.display_name()!r} averages buffers that "
@@ -202,8 +232,9 @@ class SlowMoConfig:
 
     @property
     def keeps_anchor(self) -> bool:
-        """An anchor is kept: for the slow update, or to restart a skipped outer step."""
-        return self.slow_enabled or self.nonfinite == "skip"
+        """An anchor is kept: for the slow update, to restart a skipped outer step, or for the
+        pseudo-gradients of a compressed average."""
+        return self.slow_enabled or self.nonfinite == "skip" or self.codec is not None
 
     @property
     def exact_average(self) -> bool:
@@ -224,6 +255,8 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
+            "compression": self.codec,
+            "error_feedback": self.error_feedback,
         }
 
 

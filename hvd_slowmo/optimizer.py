@@ -68,8 +68,15 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16`` (or ``"fp16"`` on the
-            torch engine) for the exact average's payload (default communicators only).
+        compression: how the exact average is sent. A codec name, ``"fp16"``, ``"bf16"``,
+            ``"int8"`` or ``"fp8"`` (``"fp32"``: uncompressed, by the same route): every worker
+            sends its pseudo-gradient ``anchor - parameters`` in that format (int8/fp8 with one
+            float32 scale per 256 values), the sums are float32, and the parameters end bitwise
+            identical on every worker (:mod:`hvd_slowmo.compression`; any communicator). Or
+            ``hvd.Compression.none`` / ``hvd.Compression.fp16``: Horovod's compression of the
+            parameters' allreduce (Horovod communicator only). None: an fp32 allreduce.
+        error_feedback: with a codec, each worker adds what its codes lost to its next
+            pseudo-gradient (the residual is in ``state_dict()``).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
@@ -107,6 +114,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         average: bool = True,
         model_buffers: Iterable[Tensor] | None = None,
         compression: Any = None,
+        error_feedback: bool = False,
         nonfinite: str = "raise",
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
@@ -130,10 +138,19 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
             outer_optimizer=outer_optimizer,
             shard_slow_state=shard_slow_state,
             overlap=overlap,
+            codec=compression if isinstance(compression, str) else None,
+            error_feedback=error_feedback,
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
-        self.comm = default_communicator(communicator, compression, engine)
+        # A codec is the optimizer's; a hvd.Compression belongs to the Horovod communicator.
+        codec = self.config.codec
+        self.comm = default_communicator(communicator, None if codec else compression, engine)
+        if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
+            raise ValueError(
+                f"compression={codec!r} needs a communicator with alltoall_flat and "
+                f"allgather_flat; {type(self.comm).__name__} has none: use compression=None"
+            )
         hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None

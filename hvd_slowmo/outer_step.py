@@ -134,6 +134,12 @@ class InFlight:
                 self.state_sent, name="hvd_slowmo.buffer_average"
             )
 
+    def poll(self) -> None:
+        """Advance the parameters' average if it runs in stages (a compressed average starts its
+        all-gather once its all-to-all is done); never blocks."""
+        if self._average is not None:
+            self._average.poll()
+
     def finish_averages(self, deferred: bool) -> None:
         """Wait for the averages in flight; ``deferred`` also runs those a layout could not
         start in the background (collective).
@@ -239,6 +245,8 @@ class OuterLoop:
         pos = self.position
         pos.num_steps += 1
         pos.inner_step += 1
+        if self.in_flight is not None:
+            self.in_flight.poll()
         lands = self.in_flight is not None and pos.inner_step == self.in_flight.land_at
         boundary = pos.inner_step == self.config.tau
         if not (lands or boundary):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
+from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange, PendingTensors
 from hvd_slowmo.comm.local import run_threads
 
 from reference import make_model
@@ -36,6 +36,7 @@ class ForwardingCommunicator(Communicator):
     size = property(lambda self: self.inner.size)  # type: ignore[assignment]
     supports_sharding = property(lambda self: self.inner.supports_sharding)  # type: ignore[assignment]
     supports_exchange = property(lambda self: self.inner.supports_exchange)  # type: ignore[assignment]
+    supports_alltoall = property(lambda self: self.inner.supports_alltoall)  # type: ignore[assignment]
 
     @property  # type: ignore[override]
     def bytes_sent(self) -> int:
@@ -76,6 +77,14 @@ class ForwardingCommunicator(Communicator):
 
     def allgather_flat(self, shards: Sequence[Tensor], name: str) -> list[Tensor]:
         return self.inner.allgather_flat(shards, name)
+
+    def allgather_flat_start(self, shards: Sequence[Tensor], name: str) -> PendingTensors:
+        return self.inner.allgather_flat_start(shards, name)
+
+    def alltoall_flat_start(
+        self, sends: Sequence[Tensor], recv_numels: Sequence[int], name: str
+    ) -> PendingTensors:
+        return self.inner.alltoall_flat_start(sends, recv_numels, name)
 
     def exchange_start(
         self,

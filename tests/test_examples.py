@@ -80,7 +80,7 @@ def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
-                        overlap=0)  # fmt: skip
+                        overlap=0, compression="none", error_feedback=False)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -89,6 +89,10 @@ def test_run_names_encode_settings():
     assert common.run_name(ns(algo="localsgd", slowmo=False, tau=12)) == "localsgd_tau12"
     assert common.run_name(ns(run_name="mine")) == "mine"
     assert common.run_name(ns(overlap=2)) == "sgp-slowmo_tau48_a1_b0.6_reset_overlap2"
+    assert (
+        common.run_name(ns(compression="int8", error_feedback=True))
+        == "sgp-slowmo_tau48_a1_b0.6_reset_int8_ef"
+    )
 
 
 def test_translation_tokenizer_vocab_and_batches():

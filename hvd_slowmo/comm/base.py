@@ -9,7 +9,7 @@ neighbour collectives (:mod:`~hvd_slowmo.comm.mpi`) or in-process threads
 The public methods here hold what every transport shares: the one-worker shortcuts, the checks
 on their arguments and the byte counting. A transport implements the ``_``-prefixed hooks and
 declares which optional operations it has (:attr:`Communicator.supports_sharding`,
-:attr:`Communicator.supports_exchange`).
+:attr:`Communicator.supports_alltoall`, :attr:`Communicator.supports_exchange`).
 """
 
 import abc
@@ -18,7 +18,14 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Communicator", "PendingAverage", "PendingExchange", "shard_range", "shard_sizes"]
+__all__ = [
+    "Communicator",
+    "PendingAverage",
+    "PendingExchange",
+    "PendingTensors",
+    "shard_range",
+    "shard_sizes",
+]
 
 
 def shard_sizes(numel: int, size: int) -> list[int]:
@@ -77,14 +84,30 @@ class PendingAverage:
     Args:
         finish: completes the average in place (waits for it); None when it is already done.
         started: False when ``finish`` runs the whole collective (nothing is in flight yet).
+        progress: advances the average without blocking and says whether ``finish`` would
+            return at once (an average made of several collectives starts the next one there);
+            None: nothing to advance.
 
     Attributes:
         started: whether the collective is running (or done): False for a deferred average.
     """
 
-    def __init__(self, finish: Callable[[], None] | None = None, started: bool = True) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], None] | None = None,
+        started: bool = True,
+        progress: Callable[[], bool] | None = None,
+    ) -> None:
         self._finish = finish
+        self._progress = progress
         self.started = started or finish is None
+
+    def poll(self) -> bool:
+        """Advance the average if it has more than one stage (never blocks); True once
+        :meth:`wait` would not block for long. Call it between base steps."""
+        if self._finish is None:
+            return True
+        return self._progress is not None and self.started and self._progress()
 
     @property
     def done(self) -> bool:
@@ -98,6 +121,37 @@ class PendingAverage:
             finish()
 
 
+class PendingTensors:
+    """Tensors that a collective in flight returns (see :meth:`Communicator.alltoall_flat_start`).
+
+    Args:
+        result: the finished tensors, or a function that waits for them.
+        ready: never blocks; True once the function would return at once (None: unknown, say
+            False until waited).
+    """
+
+    def __init__(
+        self,
+        result: list[Tensor] | Callable[[], list[Tensor]],
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self._finish = None if isinstance(result, list) else result
+        self._result = result if isinstance(result, list) else None
+        self._ready = ready
+
+    def done(self) -> bool:
+        """True once :meth:`wait` would not block."""
+        return self._finish is None or (self._ready is not None and self._ready())
+
+    def wait(self) -> list[Tensor]:
+        """Block until the collective is complete and return its tensors (the same each call)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        assert self._result is not None
+        return self._result
+
+
 class Communicator(abc.ABC):
     """Collective and point-to-point operations over the workers of one job.
 
@@ -109,6 +163,8 @@ class Communicator(abc.ABC):
             all-gather at ``(m-1)/m`` each, a neighbour exchange at its messages' size.
         supports_sharding: :meth:`reduce_scatter_mean` and :meth:`allgather_flat` work
             (``shard_slow_state=True`` needs them).
+        supports_alltoall: :meth:`alltoall_flat` and :meth:`allgather_flat` work (the
+            compressed average, :mod:`hvd_slowmo.compression`, needs them).
         supports_exchange: :meth:`exchange_start` works (the gossip bases need it).
     """
 
@@ -116,6 +172,7 @@ class Communicator(abc.ABC):
     size: int
     bytes_sent: int = 0
     supports_sharding: bool = False
+    supports_alltoall: bool = False
     supports_exchange: bool = False
 
     # --- the operations every communicator has -------------------------------------------
@@ -223,19 +280,103 @@ class Communicator(abc.ABC):
             shards: this worker's 1-D shard of each flat tensor (lengths may differ across workers).
             name: a label for the operation.
         """
+        return self.allgather_flat_start(shards, name).wait()
+
+    def allgather_flat_start(self, shards: Sequence[Tensor], name: str) -> PendingTensors:
+        """Start :meth:`allgather_flat`; its ``wait()`` returns the concatenations. The shards
+        must not change until then. Transports without background progress finish it here.
+
+        Args:
+            shards: this worker's 1-D shard of each flat tensor.
+            name: a label for the operation.
+        """
         shards = list(shards)
         if not shards:
-            return []
+            return PendingTensors([])
         if self.size == 1:
-            return [s.clone() for s in shards]
-        out = self._allgather_flat(shards, name)
-        # Ring all-gather: each worker forwards everyone's shards but its successor's.
-        self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
-        return out
+            return PendingTensors([s.clone() for s in shards])
+        pending = self._allgather_flat_start(shards, name)
+
+        def finish() -> list[Tensor]:
+            out = pending.wait()
+            # Ring all-gather: each worker forwards everyone's shards but its successor's.
+            self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
+            return out
+
+        return PendingTensors(finish, pending.done)
+
+    def _allgather_flat_start(self, shards: list[Tensor], name: str) -> PendingTensors:
+        """:meth:`allgather_flat_start` for two or more workers and a non-empty list."""
+        return PendingTensors(self._allgather_flat(shards, name))
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
-        """:meth:`allgather_flat` for two or more workers."""
+        """:meth:`allgather_flat` for two or more workers (transports that finish at once)."""
         raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
+
+    # --- all-to-all (supports_alltoall) --------------------------------------------------
+    def alltoall_flat(
+        self, sends: Sequence[Tensor], recv_numels: Sequence[int], name: str
+    ) -> list[Tensor]:
+        """Send ``sends[j]`` to worker ``j``; return what every worker sent this one, in rank order.
+
+        Args:
+            sends: one 1-D tensor per worker, this worker's own included, all of one dtype;
+                lengths may differ.
+            recv_numels: the length of the message from each worker (both sides know it in
+                advance; MPI posts its receives with it); a mismatch raises.
+            name: a label for the operation (Horovod matches collectives by it).
+        """
+        return self.alltoall_flat_start(sends, recv_numels, name).wait()
+
+    def alltoall_flat_start(
+        self, sends: Sequence[Tensor], recv_numels: Sequence[int], name: str
+    ) -> PendingTensors:
+        """Start :meth:`alltoall_flat`; its ``wait()`` returns the received tensors. The sends
+        must not change until then. Transports without background progress finish it here.
+
+        Args:
+            sends: as for :meth:`alltoall_flat`.
+            recv_numels: as for :meth:`alltoall_flat`.
+            name: as for :meth:`alltoall_flat`.
+        """
+        sends = list(sends)
+        recv_numels = [int(n) for n in recv_numels]
+        if len(sends) != self.size or len(recv_numels) != self.size:
+            raise ValueError(
+                f"alltoall_flat: need one message and one receive length per worker "
+                f"({self.size}), got {len(sends)} and {len(recv_numels)}"
+            )
+        if len({s.dtype for s in sends}) != 1 or any(s.dim() != 1 for s in sends):
+            raise ValueError("alltoall_flat: the messages must be 1-D tensors of one dtype")
+        if self.size == 1:
+            return PendingTensors([sends[0].clone()])
+        pending = self._alltoall_flat_start(sends, recv_numels, name)
+        # Direct sends: everything but this worker's message to itself goes on the wire.
+        self.bytes_sent += _nbytes([s for j, s in enumerate(sends) if j != self.rank])
+
+        def finish() -> list[Tensor]:
+            out = pending.wait()
+            got = [t.numel() for t in out]
+            if got != recv_numels:
+                raise RuntimeError(
+                    f"alltoall_flat {name!r}: rank {self.rank} expected {recv_numels} elements "
+                    f"from each rank, got {got} (the workers disagree on the message sizes)"
+                )
+            return out
+
+        return PendingTensors(finish, pending.done)
+
+    def _alltoall_flat_start(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> PendingTensors:
+        """:meth:`alltoall_flat_start` for two or more workers, with checked arguments."""
+        return PendingTensors(self._alltoall_flat(sends, recv_numels, name))
+
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        """:meth:`alltoall_flat` for two or more workers (transports that finish at once)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support alltoall_flat")
 
     # --- neighbour exchanges (supports_exchange) -----------------------------------------
     def exchange_start(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..validation import check_choice
-from .base import Communicator, PendingAverage, PendingExchange, shard_range
+from .base import Communicator, PendingAverage, PendingExchange, PendingTensors, shard_range
 
 __all__ = ["HorovodCommunicator", "check_compression"]
 
@@ -93,6 +93,7 @@ class HorovodCommunicator(Communicator):
     """
 
     supports_sharding = True
+    supports_alltoall = True
     supports_exchange = True
 
     def __init__(
@@ -243,8 +244,28 @@ class HorovodCommunicator(Communicator):
                     out[i] = part.clone() if src == 0 else out[i].add_(part)
         return [t.div_(m) for t in out], wire
 
-    def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
-        return _hvd().grouped_allgather(shards, name=name, process_set=self.process_set)
+    def _allgather_flat_start(self, shards: list[Tensor], name: str) -> PendingTensors:
+        hvd = _hvd()
+        # Horovod keeps the inputs alive until synchronize (its handle map holds them).
+        handle = hvd.grouped_allgather_async(shards, name=name, process_set=self.process_set)
+        return PendingTensors(lambda: list(hvd.synchronize(handle)), lambda: hvd.poll(handle))
+
+    def _alltoall_flat_start(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> PendingTensors:
+        # One flat buffer in destination order with per-destination splits; Horovod returns
+        # the received buffer in source order with the received splits.
+        hvd = _hvd()
+        splits = torch.tensor([s.numel() for s in sends], dtype=torch.int32)
+        handle = hvd.alltoall_async(
+            torch.cat(sends), splits=splits, name=name, process_set=self.process_set
+        )
+
+        def finish() -> list[Tensor]:
+            out, received = hvd.synchronize(handle)
+            return list(out.split(received.tolist()))
+
+        return PendingTensors(finish, lambda: hvd.poll(handle))
 
     def _exchange_start(
         self,

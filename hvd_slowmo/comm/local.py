@@ -103,6 +103,7 @@ class ThreadCommunicator(Communicator):
     """
 
     supports_sharding = True
+    supports_alltoall = True
     supports_exchange = True
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
@@ -142,6 +143,12 @@ class ThreadCommunicator(Communicator):
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         everyone = self.world._gather(self.rank, [s.detach().clone() for s in shards])
         return [torch.cat([everyone[r][i] for r in range(self.size)]) for i in range(len(shards))]
+
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        everyone = self.world._gather(self.rank, [s.detach().clone() for s in sends])
+        return [everyone[src][self.rank] for src in range(self.size)]
 
     def _exchange_start(
         self,

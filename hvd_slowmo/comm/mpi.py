@@ -32,6 +32,14 @@ __all__ = ["MPICommunicator"]
 MAX_CACHED_GRAPHS = 64
 
 
+def _offsets(counts: list[int]) -> list[int]:
+    """Displacements of consecutive blocks of ``counts`` elements."""
+    out = [0]
+    for c in counts[:-1]:
+        out.append(out[-1] + c)
+    return out
+
+
 def _mpi() -> Any:
     from mpi4py import MPI  # imported lazily: under Gloo, importing it creates a one-process world
 
@@ -83,6 +91,7 @@ class MPICommunicator(Communicator):
         RuntimeError: MPI was initialized without ``MPI_THREAD_MULTIPLE``.
     """
 
+    supports_alltoall = True
     supports_exchange = True
 
     def __init__(self, comm: Any = None, cuda_aware: bool = False) -> None:
@@ -143,6 +152,34 @@ class MPICommunicator(Communicator):
 
     def _broadcast_object(self, obj: Any, root_rank: int) -> Any:
         return self._comm.bcast(obj, root=root_rank)
+
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        # Staged through host memory like _average_: a collective of the outer step, where the
+        # copy is small next to the wire time.
+        send = torch.cat([s.detach().to("cpu") for s in sends])
+        recv = torch.empty(sum(recv_numels), dtype=send.dtype)
+        etype = self._elem_type(send.element_size())
+        counts = [s.numel() for s in sends]
+        self._comm.Alltoallv(
+            [self._buffer(send), (counts, _offsets(counts)), etype],
+            [self._buffer(recv), (recv_numels, _offsets(recv_numels)), etype],
+        )
+        return [t.to(sends[0].device) for t in recv.split(recv_numels)]
+
+    def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
+        out = []
+        for shard in shards:
+            host = shard.detach().to("cpu").contiguous()
+            counts = self._comm.allgather(host.numel())
+            recv = torch.empty(sum(counts), dtype=host.dtype)
+            etype = self._elem_type(host.element_size())
+            self._comm.Allgatherv(
+                [self._buffer(host), etype], [self._buffer(recv), (counts, _offsets(counts)), etype]
+            )
+            out.append(recv.to(shard.device))
+        return out
 
     # --- gossip ------------------------------------------------------------------------------
     def _graph_comm(

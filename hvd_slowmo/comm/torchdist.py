@@ -148,6 +148,7 @@ class TorchDistCommunicator(Communicator):
     """
 
     supports_sharding = True
+    supports_alltoall = True
     supports_exchange = True
 
     def __init__(self, group: Any = None, compression: Any = None) -> None:
@@ -290,21 +291,41 @@ class TorchDistCommunicator(Communicator):
         counts = torch.stack(everyone).cpu()  # [rank, shard]
         out: list[Tensor | None] = [None] * len(shards)
         for idx in _flat_groups(shards).values():
+            dtype, size = shards[idx[0]].dtype, shards[idx[0]].element_size()
             per_rank = counts[:, idx].sum(1).tolist()
             longest = max(per_rank)
-            packed = torch.cat([shards[i].detach() for i in idx])
-            padded = torch.cat([packed, packed.new_zeros(longest - packed.numel())])
+            # As bytes: every dtype travels (a compressed average gathers int8 or fp8 codes).
+            packed = torch.cat([shards[i].detach() for i in idx]).view(torch.uint8)
+            padded = torch.cat([packed, packed.new_zeros(longest * size - packed.numel())])
             gathered = [torch.empty_like(padded) for _ in range(m)]
             with self._named(f"allgather {name!r}"):
                 dist.all_gather(gathered, padded, self.group)
             pieces: list[list[Tensor]] = [[] for _ in idx]
             for r in range(m):
-                parts = gathered[r][: per_rank[r]].split(counts[r, idx].tolist())
-                for j, part in enumerate(parts):
+                values = gathered[r][: per_rank[r] * size].view(dtype)
+                for j, part in enumerate(values.split(counts[r, idx].tolist())):
                     pieces[j].append(part)
             for j, i in enumerate(idx):
                 out[i] = torch.cat(pieces[j])
         return out
+
+    # --- all-to-all (a compressed average) -------------------------------------------------
+    def _alltoall_flat(
+        self, sends: list[Tensor], recv_numels: list[int], name: str
+    ) -> list[Tensor]:
+        dtype, size = sends[0].dtype, sends[0].element_size()
+        # As bytes: every dtype travels (int8 and fp8 codes, bf16), on every backend.
+        send = torch.cat([s.detach().reshape(-1) for s in sends]).view(torch.uint8)
+        recv = send.new_empty(sum(recv_numels) * size)
+        with self._named(f"alltoall {name!r}"):
+            dist.all_to_all_single(
+                recv,
+                send,
+                output_split_sizes=[n * size for n in recv_numels],
+                input_split_sizes=[s.numel() * size for s in sends],
+                group=self.group,
+            )
+        return list(recv.view(dtype).split(recv_numels))
 
     # --- gossip --------------------------------------------------------------------------
     def _exchange_start(

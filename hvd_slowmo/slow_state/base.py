@@ -49,6 +49,7 @@ class LoadedSlowState:
         outer_optimizer: the custom outer optimizer, with its state loaded.
         groups: the param group of each anchor tensor.
         layout: what else the layout needs (the sharded buckets).
+        compression: the compressed average's saved state (its error-feedback residual).
     """
 
     anchor: list[Tensor] | None
@@ -56,6 +57,7 @@ class LoadedSlowState:
     outer_optimizer: torch.optim.Optimizer | None = None
     groups: list[int] | None = None
     layout: Any = None
+    compression: Any = None
 
 
 class SlowState(abc.ABC):

@@ -1,6 +1,8 @@
 """The full slow state: every worker keeps the whole anchor ``x_{t,0}`` and slow buffer ``u_t``,
 one tensor per parameter (arXiv 1910.00643, Algorithm 1). The exact average is one allreduce of
-the parameters (and model buffers) in place; the slow update then runs on every worker alike.
+the parameters (and model buffers) in place, or, with a codec, a compressed average of the
+pseudo-gradients ``anchor - parameters`` (:mod:`hvd_slowmo.compression`; the model buffers then
+go through a plain allreduce); the slow update then runs on every worker alike.
 """
 
 from typing import Any
@@ -8,7 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.base import PendingAverage
+from ..comm.base import Communicator, PendingAverage
+from ..compression.averager import PseudoGradientAverage
+from ..config import SlowMoConfig
+from ..timing import PhaseTimer
 from .base import LoadedSlowState, ParamGroups, SlowState
 
 __all__ = ["FullSlowState"]
@@ -33,9 +38,20 @@ class FullSlowState(SlowState):
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
         timer: the optimizer's phase timer.
+
+    Attributes:
+        compressed: the compressed average (``config.codec``), or None.
     """
 
     layout = "full"
+
+    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
+        super().__init__(comm, config, timer)
+        self.compressed = (
+            None
+            if config.codec is None
+            else PseudoGradientAverage(comm, config.codec, config.error_feedback)
+        )
 
     @torch.no_grad()
     def capture_(self, param_groups: ParamGroups) -> None:
@@ -52,17 +68,26 @@ class FullSlowState(SlowState):
             )
 
     def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
-        # One collective for the parameters and the model buffers together.
-        tensors = (params if exact else []) + extra
-        if tensors:
-            self.comm.average_(tensors, name="hvd_slowmo.exact_average")
+        self.average_start_(params, extra, exact).wait()
 
     def average_start_(
         self, params: list[Tensor], extra: list[Tensor], exact: bool
     ) -> PendingAverage:
-        # The same collective as average_, started in the background.
-        tensors = (params if exact else []) + extra
-        return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
+        if self.compressed is None or not exact or not params:
+            # One collective for the parameters and the model buffers together.
+            tensors = (params if exact else []) + extra
+            return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
+        assert self.anchor is not None, "a compressed average keeps an anchor (config)"
+        pending = [
+            self.compressed.start(params, self.anchor, "hvd_slowmo.compressed_average"),
+            self.comm.average_start(extra, name="hvd_slowmo.exact_average"),
+        ]
+
+        def finish() -> None:
+            for p in pending:
+                p.wait()
+
+        return PendingAverage(finish, progress=pending[0].poll)
 
     def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         if self.captured:
@@ -72,6 +97,10 @@ class FullSlowState(SlowState):
     def restore_(self, params: list[Tensor]) -> None:
         assert self.anchor is not None, "restore_ needs a captured anchor"
         torch._foreach_copy_(params, self.anchor)
+        if self.compressed is not None:
+            # The residual was lost with the steps since the anchor (and may hold the NaN of a
+            # skipped outer step).
+            self.compressed.reset()
 
     def check_world(self, old_world: tuple[int, int], why: str) -> None:
         pass  # the whole state is the same on every worker: any of them can go on with it
@@ -83,6 +112,7 @@ class FullSlowState(SlowState):
             "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
             "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
             "outer_optimizer": outer,
+            "compression": None if self.compressed is None else self.compressed.state_dict(),
         }
 
     def prepare_load(
@@ -115,12 +145,22 @@ class FullSlowState(SlowState):
                 "load_state_dict: the state has no anchor but was saved inside an outer "
                 "step; it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
             )
+        compression = saved.get("compression")
         if anchor is None or not self.config.keeps_anchor:
-            return LoadedSlowState(anchor=None)
+            return LoadedSlowState(anchor=None, compression=compression)
         slow, outer = self._load_slow(buffer, saved.get("outer_optimizer"), anchor)
         return LoadedSlowState(
-            anchor=anchor, slow_buffer=slow, outer_optimizer=outer, groups=groups
+            anchor=anchor,
+            slow_buffer=slow,
+            outer_optimizer=outer,
+            groups=groups,
+            compression=compression,
         )
+
+    def commit_load(self, loaded: LoadedSlowState) -> None:
+        super().commit_load(loaded)
+        if self.compressed is not None:
+            self.compressed.load_state_dict(loaded.compression)
 
     @staticmethod
     def _load_tensors(

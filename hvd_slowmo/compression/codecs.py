@@ -1,0 +1,212 @@
+"""Codecs for the compressed exact average: pure functions from an fp32 vector to codes and back.
+
+A codec turns a 1-D float32 tensor into an :class:`Encoded` (``codes`` in a narrow dtype, and
+``scales``, one float32 per block, for the scaled codecs) and back into float32. Nothing here
+communicates; :mod:`hvd_slowmo.compression.exchange` builds the reduction from these functions
+and the communicator's collectives.
+
+==========  ===============================  ==============================  =============
+codec       codes                            scales                          bytes/element
+==========  ===============================  ==============================  =============
+``fp32``    the values (no compression)      none                            4
+``fp16``    ``float16`` cast                 none                            2
+``bf16``    ``bfloat16`` cast                none                            2
+``int8``    ``round(x / s)`` in [-127, 127]  ``s = absmax / 127`` per block  1 + 4/block
+``fp8``     ``float8_e4m3fn(x / s)``         ``s = absmax / 448`` per block  1 + 4/block
+==========  ===============================  ==============================  =============
+
+Blocks: block ``b`` of an encoded vector is its elements ``[b * block, (b + 1) * block)``; the
+last block may be shorter. The blocks belong to the vector handed to :func:`encode` (one chunk of
+the exchange), not to the model's tensors. Casts and ``fp8`` round to nearest, ties to even;
+``int8`` rounds with ``torch.round`` (to nearest, ties to even). A block whose scale is zero
+(all zeros, or an absmax so small that ``absmax / 127`` underflows, below about 1.8e-43) has
+codes 0 and decodes to zeros. A block holding a NaN or an infinity decodes to NaN everywhere
+(its scale is NaN or inf), so a non-finite value is never silently turned into a finite one.
+``fp16`` overflows to inf beyond 65504, like ``hvd.Compression.fp16``.
+
+Used for the pseudo-gradient average of SlowMo's outer step (arXiv 1910.00643): the codes carry
+``anchor - parameters``, whose scale does not grow with the weights.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CODECS",
+    "Encoded",
+    "check_codec",
+    "decode",
+    "encode",
+    "encoded_nbytes",
+    "from_bytes",
+    "to_bytes",
+]
+
+#: The codecs by name.
+CODECS = ("fp32", "fp16", "bf16", "int8", "fp8")
+#: Elements per scale of the ``int8`` and ``fp8`` codecs (4 bytes of scale per 256 codes: +1.6%).
+BLOCK_SIZE = 256
+
+_CODE_DTYPE = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": getattr(torch, "float8_e4m3fn", None),
+}
+#: The largest code of a scaled codec: a block's absmax maps to it.
+_CODE_MAX = {"int8": 127.0, "fp8": 448.0}  # 448 = torch.finfo(torch.float8_e4m3fn).max
+
+
+class Encoded(NamedTuple):
+    """An encoded vector.
+
+    Attributes:
+        codes: 1-D, one code per element, in the codec's dtype.
+        scales: 1-D float32, one per block (``int8``, ``fp8``); empty for the casts.
+    """
+
+    codes: Tensor
+    scales: Tensor
+
+
+def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "compression") -> str:
+    """``codec`` itself, checked to be a codec name that works on ``device``.
+
+    Args:
+        codec: one of :data:`CODECS`.
+        device: where the codes are made (``fp8`` needs torch's ``float8_e4m3fn`` there).
+        name: the argument's name, for the messages.
+
+    Raises:
+        TypeError: ``codec`` is not a string.
+        ValueError: an unknown name, or ``fp8`` where torch cannot cast to ``float8_e4m3fn``.
+    """
+    if not isinstance(codec, str):
+        raise TypeError(f"{name} must be one of {CODECS}, got {codec!r}")
+    if codec not in CODECS:
+        raise ValueError(f"{name} must be one of {CODECS}, got {codec!r}")
+    if codec == "fp8":
+        dtype = _CODE_DTYPE["fp8"]
+        try:
+            ok = dtype is not None and torch.ones(1, device=device).to(dtype).float().item() == 1.0
+        except (RuntimeError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name}='fp8' needs torch.float8_e4m3fn on {device} (torch {torch.__version__} "
+                "has no working cast there); use 'int8' or 'bf16'"
+            )
+    return codec
+
+
+def _num_blocks(numel: int, block: int) -> int:
+    return math.ceil(numel / block)
+
+
+def _blocked(x: Tensor, block: int) -> Tensor:
+    """``x`` zero-padded to whole blocks, one row per block (zeros change no block's absmax)."""
+    pad = _num_blocks(x.numel(), block) * block - x.numel()
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
+
+
+def encode(x: Tensor, codec: str, block: int = BLOCK_SIZE) -> Encoded:
+    """Encode a 1-D float32 vector.
+
+    Args:
+        x: the vector (float32, 1-D, any length including 0).
+        codec: one of :data:`CODECS`.
+        block: elements per scale (``int8``, ``fp8``).
+    """
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(
+            f"encode: need a 1-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}"
+        )
+    dtype = _CODE_DTYPE[codec]
+    if codec not in _CODE_MAX:
+        return Encoded(x.to(dtype, copy=True), x.new_empty(0))
+    code_max = _CODE_MAX[codec]
+    rows = _blocked(x, block)
+    scales = rows.abs().amax(dim=1) / code_max if rows.numel() else x.new_empty(0)
+    # A zero scale divides by one instead (its codes are 0); a NaN or inf scale is kept for the
+    # decode, which then yields NaN for the whole block.
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scaled = (rows / divisor[:, None]).reshape(-1)[: x.numel()]
+    if codec == "int8":
+        codes = scaled.round().clamp_(-code_max, code_max).to(torch.int8)
+    else:
+        codes = scaled.clamp(-code_max, code_max).to(dtype)
+    return Encoded(codes, scales)
+
+
+def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
+    """The float32 vector an :class:`Encoded` stands for.
+
+    Args:
+        enc: from :func:`encode` (or :func:`from_bytes`).
+        codec: the codec it was encoded with.
+        block: the block size it was encoded with.
+    """
+    if codec not in _CODE_MAX:
+        return enc.codes.to(torch.float32, copy=True)
+    n = enc.codes.numel()
+    rows = _blocked(enc.codes.to(torch.float32), block)
+    return (rows * enc.scales[:, None]).reshape(-1)[:n]
+
+
+def encoded_nbytes(numel: int, codec: str, block: int = BLOCK_SIZE) -> int:
+    """Bytes of :func:`to_bytes` for a vector of ``numel`` elements (codes and scales).
+
+    Args:
+        numel: the vector's length.
+        codec: one of :data:`CODECS`.
+        block: elements per scale.
+    """
+    itemsize = torch.empty(0, dtype=_CODE_DTYPE[codec]).element_size()
+    scales = 4 * _num_blocks(numel, block) if codec in _CODE_MAX else 0
+    return numel * itemsize + scales
+
+
+def to_bytes(enc: Encoded) -> Tensor:
+    """One uint8 packet: the scales' bytes, then the codes' bytes (what goes on the wire).
+
+    Args:
+        enc: the encoded vector.
+    """
+    return torch.cat([enc.scales.view(torch.uint8), enc.codes.view(torch.uint8)])
+
+
+def _view(buf: Tensor, dtype: torch.dtype) -> Tensor:
+    # Tensor.view(dtype) needs the byte offset to be a multiple of the new element size; a
+    # packet received at an odd offset of a larger buffer is copied first.
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if buf.storage_offset() % itemsize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def from_bytes(packet: Tensor, numel: int, codec: str, block: int = BLOCK_SIZE) -> Encoded:
+    """The :class:`Encoded` of a :func:`to_bytes` packet.
+
+    Args:
+        packet: 1-D uint8, as made by :func:`to_bytes`.
+        numel: the encoded vector's length.
+        codec: its codec.
+        block: its block size.
+
+    Raises:
+        ValueError: the packet's length is not that of ``numel`` elements of ``codec``.
+    """
+    want = encoded_nbytes(numel, codec, block)
+    if packet.dtype != torch.uint8 or packet.numel() != want:
+        raise ValueError(
+            f"from_bytes: a {codec} packet of {numel} elements has {want} bytes, got "
+            f"{packet.numel()} of {packet.dtype}"
+        )
+    n_scales = 4 * _num_blocks(numel, block) if codec in _CODE_MAX else 0
+    scales = _view(packet[:n_scales], torch.float32)
+    return Encoded(_view(packet[n_scales:], _CODE_DTYPE[codec]), scales)

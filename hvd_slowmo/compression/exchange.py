@@ -1,0 +1,148 @@
+"""The compressed exact average, built from collectives (no collective sums codes).
+
+For ``m`` workers and a flat float32 vector ``v`` of ``n`` elements (the pseudo-gradient
+``anchor - parameters`` of SlowMo's outer step, arXiv 1910.00643):
+
+1. ``v`` is split into ``m`` chunks as :func:`~hvd_slowmo.comm.base.shard_range` splits it
+   (``n // m`` each, one more for the first ``n % m``); each worker encodes its ``m`` chunks.
+2. An all-to-all sends chunk ``j``'s codes and scales to worker ``j``.
+3. Worker ``j`` decodes the ``m`` chunks it received, sums them in float32 in rank order,
+   divides by ``m`` and encodes the result (its reduced chunk).
+4. An all-gather returns every reduced chunk to every worker, and every worker decodes the same
+   bits: the average is bitwise identical everywhere.
+
+The wire carries ``(m-1)/m`` of the encoded vector in each of the two collectives, like a ring
+allreduce of the encoded vector; the sums are float32, as the fp32 allreduce's.
+
+Error feedback (optional): each worker keeps the residual of its own contribution,
+``e <- (v + e) - decode(encode(v + e))``, and adds it to its next contribution, so what the
+quantizer dropped is sent later instead of lost. The second rounding (of the reduced chunk) is
+common to all workers and is not fed back.
+"""
+
+import torch
+from torch import Tensor
+
+from ..comm.base import Communicator, PendingTensors, shard_sizes
+from .codecs import BLOCK_SIZE, decode, encode, encoded_nbytes, from_bytes, to_bytes
+
+__all__ = ["PendingMean", "compressed_mean"]
+
+
+def compressed_mean(
+    comm: Communicator,
+    flat: Tensor,
+    codec: str,
+    name: str,
+    residual: Tensor | None = None,
+    block: int = BLOCK_SIZE,
+) -> Tensor:
+    """The average over all workers of ``flat``, exchanged with ``codec``; identical bits on
+    every worker. Collective.
+
+    With one worker the average is ``flat`` itself (copied; nothing is encoded).
+
+    Args:
+        comm: the workers (needs :attr:`~hvd_slowmo.comm.base.Communicator.supports_alltoall`).
+        flat: this worker's 1-D float32 vector; the same length on every worker.
+        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`, the same on every worker.
+        name: a label for the two collectives (Horovod matches them by name).
+        residual: this worker's error-feedback residual (1-D float32, ``flat``'s length): added
+            to ``flat`` before encoding, and updated in place to what the encoding lost.
+            None: no error feedback.
+        block: elements per scale of the scaled codecs.
+
+    Returns:
+        A new 1-D float32 tensor: the decoded average.
+    """
+    return PendingMean(comm, flat, codec, name, residual, block).wait()
+
+
+class PendingMean:
+    """:func:`compressed_mean` in flight: the all-to-all starts on construction, the all-gather
+    as soon as :meth:`poll` finds the all-to-all done (or at :meth:`wait`). Collective.
+
+    On transports without background progress (threads, MPI) each collective finishes when it
+    starts. Arguments as for :func:`compressed_mean`; ``residual`` is updated on construction.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        flat: Tensor,
+        codec: str,
+        name: str,
+        residual: Tensor | None = None,
+        block: int = BLOCK_SIZE,
+    ) -> None:
+        if flat.dtype != torch.float32 or flat.dim() != 1:
+            raise ValueError(
+                f"compressed_mean: flat must be a 1-D float32 tensor, got {flat.dtype} "
+                f"of shape {tuple(flat.shape)}"
+            )
+        if residual is not None and (
+            residual.dtype != torch.float32 or residual.shape != flat.shape
+        ):
+            raise ValueError(
+                f"compressed_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
+                f"{residual.dtype} of shape {tuple(residual.shape)}"
+            )
+        if comm.size > 1 and not comm.supports_alltoall:
+            raise ValueError(
+                f"a compressed average needs alltoall_flat and allgather_flat, which "
+                f"{type(comm).__name__} does not have; use compression=None"
+            )
+        self._comm, self._codec, self._name, self._block = comm, codec, name, block
+        self._sizes = shard_sizes(flat.numel(), comm.size)
+        self._result: Tensor | None = flat.clone() if comm.size == 1 else None
+        self._gather: PendingTensors | None = None
+        if self._result is not None:
+            return
+        contribution = flat if residual is None else flat + residual
+        encoded = [encode(chunk, codec, block) for chunk in contribution.split(self._sizes)]
+        if residual is not None:
+            sent = torch.cat([decode(e, codec, block) for e in encoded])
+            torch.sub(contribution, sent, out=residual)
+        packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
+        self._alltoall = comm.alltoall_flat_start(
+            [to_bytes(e) for e in encoded], [packet] * comm.size, f"{name}.a2a"
+        )
+
+    def poll(self) -> bool:
+        """Advance without blocking (start the all-gather once the all-to-all is done); True
+        once :meth:`wait` would not block."""
+        if self._result is not None:
+            return True
+        if self._gather is None and self._alltoall.done():
+            self._reduce()
+        return self._gather is not None and self._gather.done()
+
+    def wait(self) -> Tensor:
+        """Block until done; returns the decoded average (a new 1-D float32 tensor, the same
+        object on every call)."""
+        if self._result is None:
+            if self._gather is None:
+                self._reduce()
+            assert self._gather is not None
+            (gathered,) = self._gather.wait()
+            codec, block, sizes = self._codec, self._block, self._sizes
+            packets = gathered.split([encoded_nbytes(s, codec, block) for s in sizes])
+            self._result = torch.cat(
+                [
+                    decode(from_bytes(p, s, codec, block), codec, block)
+                    for p, s in zip(packets, sizes)
+                ]
+            )
+        return self._result
+
+    def _reduce(self) -> None:
+        """Sum this worker's chunk over the workers, in rank order (every worker would sum a
+        chunk the same way), average, encode, and start the all-gather."""
+        codec, block, m = self._codec, self._block, self._comm.size
+        mine = self._sizes[self._comm.rank]
+        received = self._alltoall.wait()
+        total = decode(from_bytes(received[0], mine, codec, block), codec, block)
+        for src in range(1, m):
+            total += decode(from_bytes(received[src], mine, codec, block), codec, block)
+        reduced = to_bytes(encode(total / m, codec, block))
+        self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
