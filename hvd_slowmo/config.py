@@ -82,6 +82,14 @@ class SlowMoConfig:
             workers take ``d`` more base steps, then the slow step is applied and each worker
             keeps its progress since the snapshot (:mod:`hvd_slowmo.overlap`). 0 (default) is
             the paper's algorithm, bit for bit.
+        fragments: ``P``, streaming SlowMo (arXiv 2501.18512): the parameters are split by
+            layer, strided, into ``P`` fragments, each with its own outer step at its own inner
+            step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
+            the model's number of layers. 1 (default) is the whole model at once.
+        eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
+            is in flight every worker continues from a provisional slow step taken with its own
+            fresh outer gradient in its share of the average; the exact step replaces it at the
+            landing. Needs ``overlap >= 1``.
     """
 
     base: Any = "localsgd"
@@ -95,6 +103,8 @@ class SlowMoConfig:
     outer_optimizer: str | OuterFactory = "heavyball"
     shard_slow_state: bool = False
     overlap: int = 0
+    fragments: int = 1
+    eager: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -151,6 +161,19 @@ class SlowMoConfig:
                 f"overlap must be smaller than tau={self.tau} (the average must land before the "
                 f"next outer step starts), got overlap={self.overlap}; e.g. overlap=1"
             )
+        check_int("fragments", self.fragments, 1, "fragments=1 is the whole model at once")
+        if self.fragments > self.tau:
+            raise ValueError(
+                f"fragments must be at most tau={self.tau} (each fragment's outer step starts at "
+                f"its own inner step of the period), got fragments={self.fragments}"
+            )
+        check_bool("eager", self.eager)
+        if self.eager and not self.overlap:
+            raise ValueError(
+                "eager=True needs overlap >= 1 (it acts while the average is in flight); "
+                "e.g. overlap=1, eager=True"
+            )
+        self._check_streaming(base)
         check_choice("buffers", self.buffers, BUFFER_STRATEGIES)
         check_bool("average", self.average)
         check_choice("nonfinite", self.nonfinite, NONFINITE)
@@ -179,6 +202,36 @@ class SlowMoConfig:
                 stacklevel=4,
             )
 
+    def _check_streaming(self, base: Any) -> None:
+        """Refuse the combinations of ``fragments > 1`` or ``eager`` that are not supported."""
+        what = " and ".join(
+            w for w, on in (("fragments > 1", self.fragments > 1), ("eager=True", self.eager)) if on
+        )
+        if not what:
+            return
+        if base.communicates_every_step and base.needs_exact_average:
+            raise ValueError(
+                f"{what} with base={base.display_name()!r}: a gossip base's push-sum weight is one "
+                "per worker and returns to 1 only when the whole model is averaged at once; use "
+                "base='localsgd' or 'allreduce', or fragments=1 and eager=False"
+            )
+        if self.shard_slow_state:
+            raise ValueError(
+                f"{what} with shard_slow_state=True is not supported (the shards span every "
+                "fragment); use shard_slow_state=False"
+            )
+        if callable(self.outer_optimizer):
+            raise ValueError(
+                f"{what} with a custom outer_optimizer is not supported (its step cannot be "
+                "taken per fragment or provisionally); use outer_optimizer='heavyball' or "
+                "'nesterov'"
+            )
+        if self.fragments > 1 and self.nonfinite == "skip":
+            raise ValueError(
+                "fragments > 1 with nonfinite='skip' is not supported (a skip restarts every "
+                "fragment from its anchor); use nonfinite='raise' or 'ignore'"
+            )
+
     # --- what the settings imply -------------------------------------------------------------
     @property
     def base_name(self) -> str:
@@ -202,8 +255,9 @@ class SlowMoConfig:
 
     @property
     def keeps_anchor(self) -> bool:
-        """An anchor is kept: for the slow update, or to restart a skipped outer step."""
-        return self.slow_enabled or self.nonfinite == "skip"
+        """An anchor is kept: for the slow update, to restart a skipped outer step, or for the
+        provisional step of eager updates."""
+        return self.slow_enabled or self.nonfinite == "skip" or self.eager
 
     @property
     def exact_average(self) -> bool:
@@ -224,6 +278,8 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
+            "fragments": self.fragments,
+            "eager": self.eager,
         }
 
 

@@ -1,0 +1,125 @@
+"""Streaming SlowMo (fragments) and eager updates: the pure split, schedule and eager math,
+the hand-written reference (tests/reference_streaming.py) checked against the other references,
+and the configuration's refusals."""
+
+import pytest
+import torch
+from reference_overlap import reference_overlapped
+from reference_streaming import reference_streaming
+
+from hvd_slowmo.config import SlowMoConfig
+from hvd_slowmo.fragments import boundaries, fragment_of
+from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
+
+from reference import lr_at, reference_slowmo
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+
+
+def test_split_is_strided_by_layer():
+    names = ["emb.weight", "0.w", "0.b", "1.w", "1.b", "2.w", "head", "3.w"]
+    #          layer 0       1      1      2      2      3      4       5
+    assert fragment_of(names, 1) == [0] * 8
+    assert fragment_of(names, 2) == [0, 1, 1, 0, 0, 1, 0, 1]
+    assert fragment_of(names, 3) == [0, 1, 1, 2, 2, 0, 1, 2]
+    assert fragment_of(names, 6) == [0, 1, 1, 2, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "value,error", [(0, ValueError), (7, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_split_refuses_bad_counts(value, error):
+    names = ["a.w", "a.b", "b.w", "c.w", "d", "e", "f.w"]  # 6 layers
+    with pytest.raises(error, match="fragments"):
+        fragment_of(names, value)
+
+
+def test_schedule_ends_at_the_period_and_spreads_the_boundaries():
+    assert boundaries(12, 1) == [12]
+    assert boundaries(12, 4) == [3, 6, 9, 12]
+    assert boundaries(5, 3) == [1, 3, 5]
+    for tau in range(1, 20):
+        for p in range(1, tau + 1):
+            b = boundaries(tau, p)
+            assert b[-1] == tau and all(y - x >= tau // p for x, y in zip([0] + b, b))
+    with pytest.raises(ValueError, match="tau=3"):
+        boundaries(3, 4)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavyball", "nesterov"])
+def test_eager_math_is_the_recurrence(nesterov):
+    """x^0 = x0 - alpha gamma (beta u + c + g/m) [Nesterov: (G^ + beta u^)], c <- -g/m, and after
+    the landing c = G - g/m: the other workers' shares (checked against direct formulas)."""
+    torch.manual_seed(0)
+    x0, u, s, c, avg = (torch.randn(5, dtype=torch.float64) for _ in range(5))
+    gamma, alpha, beta, m = 0.3, 0.7, 0.6, 4
+    snap, others = [s.clone()], [c.clone()]
+    eager_anchor_(snap, [x0], [u.clone()], others, gamma, alpha, beta, m, nesterov=nesterov)
+    g = (x0 - s) / gamma
+    est = c + g / m
+    u_hat = beta * u + est
+    want = x0 - alpha * gamma * ((est + beta * u_hat) if nesterov else u_hat)
+    torch.testing.assert_close(snap[0], want)
+    torch.testing.assert_close(others[0], -g / m)
+    eager_landed_(others, [x0], [avg], gamma)
+    torch.testing.assert_close(others[0], (x0 - avg) / gamma - g / m)
+
+
+def test_eager_with_one_worker_and_plain_averaging_changes_nothing():
+    """alpha = 1, beta = 0, m = 1, no stale share: the provisional anchor is the snapshot."""
+    x0, s = torch.randn(6), torch.randn(6)
+    snap = [s.clone()]
+    eager_anchor_(snap, [x0], [torch.zeros(6)], [torch.zeros(6)], 0.5, 1.0, 0.0, 1)
+    torch.testing.assert_close(snap[0], s)
+
+
+def _same(a, b, exact):
+    for x, y in zip(a, b):
+        for p, q in zip(x.state_dict().values(), y.state_dict().values()):
+            if exact:
+                assert torch.equal(p, q)
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_reference_with_one_fragment_is_the_overlapped_reference(delay):
+    """A test of the reference: P = 1, not eager, is overlap=d (d = 0: the paper's algorithm),
+    from two independently written replays."""
+    got, _ = reference_streaming(3, 11, 4, delay, 1, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    want = reference_overlapped(3, 11, 4, delay, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    _same(got, want, exact=False)
+    if delay == 0:
+        _same(got, reference_slowmo(3, 11, 4, 0.7, 0.6, SGD, lr_schedule=lr_at), exact=False)
+
+
+def test_reference_fragments_and_eager_change_the_trajectory():
+    """A test of the test: fragments and eager each change where the workers end."""
+    base, _ = reference_streaming(3, 9, 4, 1, 1, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    frag, _ = reference_streaming(3, 9, 4, 1, 3, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    eager, _ = reference_streaming(3, 9, 4, 1, 1, True, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    w = [next(mods[0].parameters()) for mods in (base, frag, eager)]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+
+
+REFUSED = {  # settings -> what the message names
+    "eager-without-overlap": (dict(eager=True), "overlap"),
+    "fragments-over-tau": (dict(tau=3, fragments=4), "tau=3"),
+    "fragments-zero": (dict(fragments=0), "fragments"),
+    "eager-not-bool": (dict(overlap=1, eager=1), "eager"),
+    "fragments-sgp": (dict(fragments=2, base="sgp"), "push-sum"),
+    "eager-osgp": (dict(overlap=1, eager=True, base="osgp"), "push-sum"),
+    "fragments-sharded": (dict(fragments=2, shard_slow_state=True), "shard_slow_state"),
+    "eager-custom-outer": (
+        dict(overlap=1, eager=True, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
+        "outer_optimizer",
+    ),
+    "fragments-skip": (dict(fragments=2, nonfinite="skip"), "nonfinite"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_combinations_are_refused(case):
+    kwargs, match = REFUSED[case]
+    with pytest.raises((ValueError, TypeError), match=match):
+        SlowMoConfig(**kwargs)
