@@ -85,7 +85,8 @@ class SlowMoConfig:
         fragments: ``P``, streaming SlowMo (arXiv 2501.18512): the parameters are split by
             layer, strided, into ``P`` fragments, each with its own outer step at its own inner
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
-            the model's number of layers. 1 (default) is the whole model at once.
+            the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
+            flight at a time). 1 (default) is the whole model at once.
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with its own
             fresh outer gradient in its share of the average; the exact step replaces it at the
@@ -166,6 +167,13 @@ class SlowMoConfig:
             raise ValueError(
                 f"fragments must be at most tau={self.tau} (each fragment's outer step starts at "
                 f"its own inner step of the period), got fragments={self.fragments}"
+            )
+        if self.fragments > 1 and self.overlap > self.tau // self.fragments:
+            raise ValueError(
+                f"overlap={self.overlap} with fragments={self.fragments}, tau={self.tau}: a "
+                f"fragment's average must land by the next fragment's boundary (overlap <= "
+                f"tau // fragments = {self.tau // self.fragments}), so one fragment is in flight "
+                "at a time; lower overlap or fragments"
             )
         check_bool("eager", self.eager)
         if self.eager and not self.overlap:

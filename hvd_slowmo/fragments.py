@@ -18,14 +18,14 @@ are alike (the transformer blocks of the paper are; an embedding is not).
 outer-step boundary of ``fragments=1``, so ``P = 1`` is today's schedule. ``P <= tau`` keeps the
 boundaries distinct (consecutive ones are at least ``tau // P`` steps apart). Every
 pseudo-gradient of a fragment covers exactly ``tau`` base steps, except its first (``b_k``).
-Fragment ``k``'s average is in flight for ``d`` steps (``overlap=d``, ``1 <= d < tau``) and
-lands at ``b_k + d``, before its own next boundary at ``b_k + tau``. With
-``d <= tau // P`` (the phase) at most one fragment is in flight at a time, so the overlap
-copies (snapshot and tensors in flight) are of one fragment, ``1/P`` of the model; a longer
-``d`` (up to ``tau - 1``) is allowed, and several fragments are then in flight at once
-(disjoint parameters, so they do not interact). At a step where one fragment lands and another
-starts, the landing comes first. Model buffers (BatchNorm statistics) travel with the last
-fragment, at the period's end.
+Fragment ``k``'s average is in flight for ``d`` steps (``overlap=d``) and lands at
+``b_k + d``. With ``P > 1``, ``d <= tau // P`` (the shortest phase): the landing comes by the
+next fragment's boundary, so one fragment is in flight at a time (the overlap copies, snapshot
+and tensors in flight, are of one fragment, ``1/P`` of the model, and no two collectives of one
+name are ever in flight). The recurrences would allow more (fragments are disjoint, and
+``d < tau`` keeps each fragment's landing before its own next boundary), at the cost of more
+copies in flight. At a step where one fragment lands and the next starts, the landing comes
+first. Model buffers (BatchNorm statistics) travel with the last fragment, at the period's end.
 
 **Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
 ``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);

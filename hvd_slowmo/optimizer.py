@@ -22,6 +22,7 @@ from .comm.base import Communicator
 from .comm.factory import default_communicator, worker_hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, saved_config_changes
 from .elastic import is_elastic_launch, register_state_handler, restart_from_anchor
+from .fragments import boundaries, fragment_of
 from .hierarchy import Hierarchy
 from .overlap import PendingOuterStep, land_outer_step, load_pending, start_outer_step
 from .progress import (
@@ -60,7 +61,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         named_parameters: ``model.named_parameters()``; names appear in error messages and in
             the cross-rank configuration check. Every optimizer parameter must be named.
         base, tau, slow_lr, slow_momentum, buffers, average, nonfinite, outer_optimizer,
-            shard_slow_state, overlap, base_options: the algorithm's settings
+            shard_slow_state, overlap, fragments, eager, base_options: the algorithm's settings
             (``base_options``: the base algorithm's own keyword options, e.g. a gossip
             topology); each is documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
@@ -103,6 +104,8 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
         overlap: int = 0,
+        fragments: int = 1,
+        eager: bool = False,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         **base_options: Any,
@@ -130,9 +133,18 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             outer_optimizer=outer_optimizer,
             shard_slow_state=shard_slow_state,
             overlap=overlap,
+            fragments=fragments,
+            eager=eager,
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
+        split = fragment_of(self.param_names, self.config.fragments)
+        #: The parameter indices of each fragment (:mod:`hvd_slowmo.fragments`).
+        self.fragment_members = [
+            [j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)
+        ]
+        #: The inner step at which each fragment's outer step starts.
+        self.fragment_starts = boundaries(self.config.tau, self.config.fragments)
         self.comm = default_communicator(communicator, compression)
         hierarchy = worker_hierarchy(worker, communicator)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
@@ -167,6 +179,13 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.timings: dict[str, float] = {"base_comm": 0.0, "average": 0.0, "slow_update": 0.0}
         #: An outer step whose exact average is in flight (``overlap >= 1``).
         self.pending: PendingOuterStep | None = None
+        #: ``eager=True``: the other workers' shares of the last outer gradient, per parameter
+        #: (``c_i`` in :mod:`hvd_slowmo.fragments`); None until the first boundary.
+        self.eager_shares: list[Tensor] | None = None
+        #: This worker's RMS distance from the workers' average at the boundary of the last
+        #: outer step that landed (``|s_i - avg|`` over its fragment; overlapped or fragmented
+        #: outer steps only, no communication); None before the first.
+        self.replica_spread: float | None = None
         self._watch_gradients(params)
 
     def __repr__(self) -> str:
@@ -183,6 +202,11 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         Args:
             param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
+        if self.config.fragments > 1:
+            raise ValueError(
+                "add_param_group with fragments > 1: the split into fragments is made once, at "
+                "construction; put every parameter in the optimizer before wrapping it"
+            )
         self.optimizer.add_param_group(param_group)
         new = self.optimizer.param_groups[-1]["params"]
         for i, p in enumerate(new):
@@ -193,6 +217,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
                     "parameters can be averaged"
                 )
         self.params.extend(new)
+        self.fragment_members[0] = list(range(len(self.params)))
+        if self.eager_shares is not None:
+            self.eager_shares.extend(torch.zeros_like(p) for p in new)
         self._watch_gradients(new)
         self.param_names.extend(
             f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new))
@@ -241,12 +268,13 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.num_steps += 1
         self.inner_step += 1
         lands = self.pending is not None and self.inner_step == self.pending.apply_at
-        if lands or self.inner_step == self.tau:
+        starts = self.inner_step in self.fragment_starts
+        if lands or starts:
             try:
                 if lands:
                     land_outer_step(self)
-                if self.inner_step == self.tau:
-                    self._outer_step()
+                if starts:
+                    self._outer_step(self.fragment_starts.index(self.inner_step))
             except Exception as e:
                 # A failed collective (a dead or frozen worker) or a check that raised: say where,
                 # without changing the type (hvd.elastic catches HorovodInternalError by type).
@@ -257,9 +285,11 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         return loss
 
     @torch.no_grad()
-    def _outer_step(self) -> None:
-        if self.config.overlap:
-            start_outer_step(self)
+    def _outer_step(self, fragment: int) -> None:
+        if self.config.overlap or self.config.fragments > 1:
+            start_outer_step(self, fragment)
+            if self.pending is not None and self.pending.apply_at == self.inner_step:
+                land_outer_step(self)  # overlap=0 with fragments: lands where it starts
             return
         self.base.before_average()
         t0 = time.perf_counter()
@@ -334,10 +364,12 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         if self.pending is not None:
             # The average in flight belongs to the old workers: drop it, and restart the outer
             # step before it from its anchor (the steps since that anchor are dropped).
+            last = self.pending.fragment == len(self.fragment_members) - 1
             self.pending = None
-            if self.slow_state.captured:
+            if self.slow_state.captured and last:  # it started at the previous period's end
                 self.inner_step += self.tau
                 self.outer_steps -= 1
+        self.eager_shares = None  # the other workers' shares belong to the old workers
         restart_from_anchor(self, why)
 
     def _settings(self) -> dict[str, Any]:
@@ -377,6 +409,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
                 "outer_steps": self.outer_steps,
                 **self.slow_state.state_dict(),
                 "overlap": None if self.pending is None else self.pending.state_dict(),
+                "eager_shares": None
+                if self.eager_shares is None
+                else dict(enumerate(self.eager_shares)),
                 "base_algorithm": self.base.state_dict(),
             },
         }
@@ -396,6 +431,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         loaded = self.slow_state.prepare_load(s, self.param_groups, inner, self.param_names)
         self.base.check_state_dict(s.get("base_algorithm", {}))
         pending = load_pending(self, s.get("overlap"), inner, state_dict["base_optimizer"])
+        shares = self._load_eager_shares(s.get("eager_shares"))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.inner_step = inner
@@ -403,8 +439,10 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         self.outer_steps = int(s["outer_steps"])
         self.slow_state.commit_load(loaded)
         self.pending = pending
+        self.eager_shares = shares
         if pending is not None and self.buffers == "average":
-            pending.state_live = averageable_buffers(self.optimizer.state, self.params)
+            live = [self.params[j] for j in self.fragment_members[pending.fragment]]
+            pending.state_live = averageable_buffers(self.optimizer.state, live)
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
             msg = "; ".join(changes)
@@ -420,6 +458,25 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             self.adopt_world(
                 f"a state saved by {saved_size} workers was loaded by {self.comm.size}"
             )
+
+    def _load_eager_shares(self, saved: Any) -> list[Tensor] | None:
+        """Check the saved eager shares against this model; changes nothing.
+
+        Args:
+            saved: the ``"eager_shares"`` entry of a saved state (None: none yet, or not eager).
+        """
+        if saved is None or not self.config.eager:
+            return None  # a state without them starts the estimate again from zero shares
+        if (
+            not isinstance(saved, dict)
+            or set(saved) != set(range(len(self.params)))
+            or any(
+                not isinstance(saved[i], Tensor) or saved[i].shape != p.shape
+                for i, p in enumerate(self.params)
+            )
+        ):
+            raise ValueError("load_state_dict: 'eager_shares' does not match this model")
+        return [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self.params)]
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Give every rank ``root_rank``'s full optimizer state (base state, anchor, slow buffer,

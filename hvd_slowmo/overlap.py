@@ -30,6 +30,10 @@ lands; ``average=False`` keeps each worker's own weight. The progress check (equ
 finite parameters) rides in the background too, under the same collective name as
 :meth:`~hvd_slowmo.DistributedOptimizer.finish` uses, and is read at the apply step. Memory:
 two more copies of the parameters (the snapshot and the tensors in flight).
+
+Streaming (``fragments=P``) and eager updates (``eager=True``) run through the same two
+functions, one fragment at a time: the split, the schedule and their recurrences are in
+:mod:`hvd_slowmo.fragments`.
 """
 
 import time
@@ -42,6 +46,7 @@ from torch import Tensor
 from .buffers import averageable_buffers, reset_buffers
 from .comm.base import Communicator, PendingAverage
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
+from .slowmo import eager_anchor_, eager_landed_
 
 __all__ = ["PendingOuterStep", "land_outer_step", "load_pending", "start_outer_step"]
 
@@ -55,7 +60,8 @@ class PendingOuterStep:
     """An outer step whose exact average is in flight.
 
     Attributes:
-        apply_at: the inner step at which the slow step lands (the delay ``d``).
+        apply_at: the inner step at which the slow step lands (the delay ``d`` after the
+            fragment's boundary, counted in the inner steps of its period).
         lrs: each param group's lr at the boundary.
         sent: what is averaged: the parameters at the boundary (numerators for push-sum); after
             the average (and the slow update), the new anchor.
@@ -67,6 +73,7 @@ class PendingOuterStep:
             nothing is checked (``nonfinite="ignore"``).
         probe: the progress probe, averaged in the background (None without a check).
         averaged: whether ``sent`` already holds the average (after :meth:`wait`).
+        fragment: the fragment in flight (:mod:`hvd_slowmo.fragments`); 0 for the whole model.
     """
 
     apply_at: int
@@ -81,6 +88,7 @@ class PendingOuterStep:
     mine: dict[str, Any] | None = None
     probe: Tensor | None = None
     averaged: bool = False
+    fragment: int = 0
     _average: PendingAverage | None = None
     _others: tuple[PendingAverage, ...] = ()
 
@@ -133,6 +141,7 @@ class PendingOuterStep:
             "state_snapshot": self.state_snapshot,
             "mine": self.mine,
             "probe": self.probe,
+            "fragment": self.fragment,
         }
 
 
@@ -186,15 +195,21 @@ def _snapshot(
 
 
 @torch.no_grad()
-def start_outer_step(opt: Any) -> None:
-    """The boundary of an overlapped outer step: snapshot, start the averages, go on. Collective.
+def start_outer_step(opt: Any, fragment: int = 0) -> None:
+    """The boundary of an overlapped outer step (of one fragment): snapshot, start the averages,
+    take the provisional step (eager), go on. Collective.
 
     Args:
-        opt: a :class:`hvd_slowmo.DistributedOptimizer` with ``overlap >= 1``, at the boundary.
+        opt: a :class:`hvd_slowmo.DistributedOptimizer` with ``overlap >= 1`` or ``fragments >
+            1``, at the fragment's boundary.
+        fragment: which fragment (0 for the whole model).
     """
     opt.base.before_average()  # push-sum: every message home, parameters hold numerators
     t0 = time.perf_counter()
-    params = [p.detach() for p in opt.params]
+    members = opt.fragment_members[fragment]
+    last = fragment == len(opt.fragment_members) - 1  # the period's end: model buffers go too
+    live = [opt.params[j] for j in members]
+    params = [p.detach() for p in live]
     exact = opt.config.exact_average
     sent = _clone(params) if exact else []
     opt.base.after_average(False)  # de-biased; a push-sum weight is kept until landing
@@ -207,29 +222,93 @@ def start_outer_step(opt: Any) -> None:
         opt.slow_state,
         params,
         sent or _clone(params),
-        opt.model_buffers if opt.average else [],
-        averageable_buffers(opt.optimizer.state, opt.params) if opt.buffers == "average" else [],
+        opt.model_buffers if opt.average and last else [],
+        averageable_buffers(opt.optimizer.state, live) if opt.buffers == "average" else [],
         [float(g["lr"]) for g in opt.param_groups],
-        opt.config.overlap,
+        opt.config.overlap + (0 if last else opt.inner_step),
         exact,
         mine,
     )
+    opt.pending.fragment = fragment
+    if opt.config.eager:
+        _provisional_step(opt, opt.pending, members)
+        torch._foreach_copy_(params, opt.pending.snapshot)
     opt.timings["average"] += time.perf_counter() - t0
-    opt.inner_step = 0
-    opt.outer_steps += 1
+    if last:
+        opt.inner_step = 0
+        opt.outer_steps += 1
+
+
+def _by_group(opt: Any, members: list[int]) -> list[tuple[int, list[int]]]:
+    """The positions in ``members`` of each param group's parameters, per group."""
+    group_of = [g for g, group in enumerate(opt.param_groups) for _ in group["params"]]
+    out = []
+    for g in range(len(opt.param_groups)):
+        pos = [k for k, j in enumerate(members) if group_of[j] == g]
+        if pos:
+            out.append((g, pos))
+    return out
+
+
+def _provisional_step(opt: Any, pending: PendingOuterStep, members: list[int]) -> None:
+    """Eager updates: the snapshot becomes the provisional anchor ``x^0`` (recurrence in
+    :mod:`hvd_slowmo.fragments`), from which this worker continues until the landing."""
+    state = opt.slow_state
+    if opt.eager_shares is None:  # no previous outer step: the other workers' shares are 0
+        opt.eager_shares = [torch.zeros_like(p) for p in opt.params]
+    cfg = opt.config
+    for g, pos in _by_group(opt, members):
+        lr = pending.lrs[g]
+        if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average): nothing to guess
+            continue
+        idx = [members[k] for k in pos]
+        eager_anchor_(
+            [pending.snapshot[k] for k in pos],
+            [state.anchor[j] for j in idx],
+            None if state.slow_buffer is None else [state.slow_buffer[j] for j in idx],
+            [opt.eager_shares[j] for j in idx],
+            lr,
+            cfg.slow_lr,
+            cfg.slow_momentum,
+            opt.comm.size,
+            nesterov=cfg.nesterov,
+        )
+
+
+def _replica_spread(opt: Any, pending: PendingOuterStep, members: list[int]) -> float:
+    """This worker's RMS distance from the average at the boundary, ``|s_i - avg|``, over the
+    fragment (before the slow step; with eager updates ``s_i - avg = (x0 - avg) + lr m c_i``,
+    since the snapshot holds the provisional anchor)."""
+    if not pending.sent:
+        return 0.0
+    diff = list(torch._foreach_sub(pending.snapshot, pending.sent))
+    if opt.config.eager:
+        for g, pos in _by_group(opt, members):
+            if pending.lrs[g] > 0:  # else no provisional step was taken: the snapshot is s_i
+                for k in pos:
+                    j = members[k]
+                    diff[k] = (opt.slow_state.anchor[j] - pending.sent[k]).add_(
+                        opt.eager_shares[j], alpha=pending.lrs[g] * opt.comm.size
+                    )
+    square = sum(float(d.double().square().sum()) for d in diff)
+    return (square / max(sum(d.numel() for d in diff), 1)) ** 0.5
 
 
 @torch.no_grad()
 def land_outer_step(opt: Any) -> None:
-    """The slow step of the outer step in flight (``opt.pending``); each worker keeps its
-    progress since the snapshot. Collective.
+    """The slow step of the outer step in flight (``opt.pending``, one fragment); each worker
+    keeps its progress since the snapshot (since the provisional anchor, with eager updates).
+    Collective.
 
     Args:
         opt: a :class:`hvd_slowmo.DistributedOptimizer` with an outer step in flight.
     """
     pending, opt.pending = opt.pending, None
     t0 = time.perf_counter()
-    params = [p.detach() for p in opt.params]
+    members = opt.fragment_members[pending.fragment]
+    last = pending.fragment == len(opt.fragment_members) - 1
+    live = [opt.params[j] for j in members]
+    params = [p.detach() for p in live]
     exact = opt.config.exact_average
 
     def average_now() -> PendingAverage:
@@ -239,23 +318,41 @@ def land_outer_step(opt: Any) -> None:
     if everyone is not None and not finite_verdict(
         everyone, opt.nonfinite, opt.num_steps, opt.outer_steps
     ):
-        # nonfinite="skip": every worker restarts from the previous anchor (the steps since the
-        # boundary are dropped too); the average, which holds the NaN, is not used.
+        # nonfinite="skip" (whole model only): every worker restarts from the previous anchor
+        # (the steps since the boundary are dropped too); the average, which holds the NaN, is
+        # not used, nor are the eager shares of this outer step.
         pending.wait(average_now)
         opt.base.before_average()
         opt.slow_state.restore_(params)
-        reset_buffers(opt.optimizer.state, opt.params)
+        reset_buffers(opt.optimizer.state, live)
         opt.base.after_average(True)
+        opt.eager_shares = None
         return
     pending.wait(average_now)
     opt.base.before_average()  # push-sum: the last steps' messages home
     opt.base.after_average(False)  # the progress is measured on de-biased parameters
+    opt.replica_spread = _replica_spread(opt, pending, members)
+    if opt.config.eager:
+        anchor = opt.slow_state.anchor
+        for g, pos in _by_group(opt, members):
+            if pending.lrs[g] > 0:
+                idx = [members[k] for k in pos]
+                eager_landed_(
+                    [opt.eager_shares[j] for j in idx],
+                    [anchor[j] for j in idx],
+                    [pending.sent[k] for k in pos],
+                    pending.lrs[g],
+                )
     t1 = time.perf_counter()
     groups = [dict(g, lr=lr) for g, lr in zip(opt.param_groups, pending.lrs)]
-    t1 += opt.slow_state.update_(pending.sent, groups + opt.param_groups[len(groups) :])
-    _land(pending, params, opt.model_buffers if opt.average else [])
+    groups += opt.param_groups[len(groups) :]
+    if len(opt.fragment_members) > 1:
+        t1 += opt.slow_state.update_(pending.sent, groups, members)
+    else:
+        t1 += opt.slow_state.update_(pending.sent, groups)
+    _land(pending, params, opt.model_buffers if opt.average and last else [])
     if opt.buffers == "reset":
-        reset_buffers(opt.optimizer.state, opt.params)
+        reset_buffers(opt.optimizer.state, live)
     if opt.average:
         opt.base.after_average(True)  # push-sum weight back to 1
     opt.timings["average"] += t1 - t0  # the exposed part only: the wait for the average
@@ -309,13 +406,21 @@ def load_pending(
         raise ValueError(
             "load_state_dict: 'overlap' is not an outer step in flight: a damaged state"
         )
-    if not inner < saved["apply_at"] < opt.tau:
+    fragment = saved.get("fragment", 0)
+    count = len(opt.fragment_members)
+    if not isinstance(fragment, int) or not 0 <= fragment < count:
+        raise ValueError(
+            f"load_state_dict: the outer step in flight is of fragment {fragment!r}, this "
+            f"optimizer has fragments={count}: resume with the fragments it was saved with"
+        )
+    if not inner < saved["apply_at"] <= opt.tau:
         raise ValueError(
             f"load_state_dict: the outer step in flight lands at inner step {saved['apply_at']}, "
-            f"outside ({inner}, tau={opt.tau}): the state was saved with another tau or overlap"
+            f"outside ({inner}, tau={opt.tau}]: the state was saved with another tau or overlap"
         )
-    params = [p.detach() for p in opt.params]
-    extra = opt.model_buffers if opt.average else []
+    live = [opt.params[j] for j in opt.fragment_members[fragment]]
+    params = [p.detach() for p in live]
+    extra = opt.model_buffers if opt.average and fragment == count - 1 else []
 
     def like(key: str, model: list[Tensor]) -> list[Tensor]:
         tensors = saved.get(key)
@@ -331,7 +436,7 @@ def load_pending(
     if opt.buffers == "average":
         saved_state = base_state.get("state", {})
         by_param = {p: saved_state[i] for i, p in enumerate(opt.params) if i in saved_state}
-        state_saved = averageable_buffers(by_param, opt.params)
+        state_saved = averageable_buffers(by_param, live)
     return PendingOuterStep(
         apply_at=saved["apply_at"],
         lrs=[float(lr) for lr in saved.get("lrs", [])],
@@ -345,4 +450,5 @@ def load_pending(
         mine=saved.get("mine"),
         probe=None if saved.get("probe") is None else saved["probe"].clone(),
         averaged=bool(saved.get("averaged")),
+        fragment=fragment,
     )

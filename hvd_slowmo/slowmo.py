@@ -61,7 +61,7 @@ def slow_momentum_step_(
 def eager_anchor_(
     snapshot: list[Tensor],
     anchor: list[Tensor],
-    slow_buffer: list[Tensor],
+    slow_buffer: list[Tensor] | None,
     others: list[Tensor],
     lr: float,
     slow_lr: float,
@@ -77,7 +77,7 @@ def eager_anchor_(
     Args:
         snapshot: ``s``, this worker's parameters at the boundary on entry; ``x^0`` on return.
         anchor: ``x0``.
-        slow_buffer: ``u``.
+        slow_buffer: ``u``; None without a slow update (``alpha = 1, beta = 0``).
         others: ``c``, the other workers' shares of the previous outer gradient (zeros before
             the first landing); ``-g / m`` on return (:func:`eager_landed_` completes it).
         lr: the base learning rate ``gamma`` at the boundary (must be > 0).
@@ -93,8 +93,11 @@ def eager_anchor_(
     own = torch._foreach_sub(anchor, snapshot)  # g / m
     torch._foreach_mul_(own, 1.0 / (lr * workers))
     torch._foreach_add_(others, own)  # others holds the estimate G^ now
-    step = torch._foreach_mul(slow_buffer, slow_momentum)
-    torch._foreach_add_(step, others)  # u^
+    if slow_buffer is None:  # no slow update (alpha = 1, beta = 0): x^0 = x0 - lr G^
+        step = others
+    else:
+        step = torch._foreach_mul(slow_buffer, slow_momentum)
+        torch._foreach_add_(step, others)  # u^
     if nesterov:
         torch._foreach_add_(others, step, alpha=slow_momentum)
         step = others

@@ -2,16 +2,22 @@
 the hand-written reference (tests/reference_streaming.py) checked against the other references,
 and the configuration's refusals."""
 
+import warnings
+
 import pytest
 import torch
 from reference_overlap import reference_overlapped
 from reference_streaming import reference_streaming
 
+from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.base import PendingAverage
+from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.config import SlowMoConfig
 from hvd_slowmo.fragments import boundaries, fragment_of
 from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
 
-from reference import lr_at, reference_slowmo
+from conftest import ForwardingCommunicator, assert_same_models
+from reference import loss_at, lr_at, make_model, reference_slowmo
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 
@@ -123,3 +129,87 @@ def test_unsupported_combinations_are_refused(case):
     kwargs, match = REFUSED[case]
     with pytest.raises((ValueError, TypeError), match=match):
         SlowMoConfig(**kwargs)
+
+
+# --- the library on thread workers against the reference -------------------------------------
+
+
+class InFlight(ForwardingCommunicator):
+    """A transport whose averages stay in flight until ``wait()`` (reading early shows)."""
+
+    def average_start(self, tensors, name):
+        tensors = list(tensors)
+        return PendingAverage(lambda: self.inner.average_(tensors, name))
+
+
+def run(m, steps, models=None, **kwargs):
+    """Train ``m`` thread workers with lr_at; per rank: (model, the anchor after every step,
+    optimizer)."""
+    models = models or [make_model() for _ in range(m)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=InFlight(comm),
+            **kwargs,
+        )
+        anchors = []
+        for k in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+            anchors.append([a.clone() for a in opt.slow_state.anchor or []])
+        return model, anchors, opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_threads(m, worker)
+
+
+CASES = {  # tau, overlap, fragments, eager, alpha, beta, buffers, outer
+    "p1-d2": (4, 2, 1, False, 0.7, 0.6, "reset", "heavyball"),
+    "p2-d0": (4, 0, 2, False, 0.7, 0.6, "reset", "heavyball"),
+    "p2-d2": (4, 2, 2, False, 1.0, 0.5, "maintain", "heavyball"),
+    "p3-d1-tau5": (5, 1, 3, False, 0.8, 0.6, "reset", "nesterov"),
+    "eager-p1-d1": (4, 1, 1, True, 0.7, 0.6, "reset", "heavyball"),
+    "eager-p1-d3-plain": (4, 3, 1, True, 1.0, 0.0, "maintain", "heavyball"),
+    "eager-p2-d2-nesterov": (4, 2, 2, True, 0.8, 0.5, "reset", "nesterov"),
+    "eager-p3-d2": (6, 2, 3, True, 1.0, 0.6, "maintain", "heavyball"),
+}
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Bitwise comparisons need one intra-op thread: with two, a matmul in the main thread (the
+    reference) may split its work differently from the same matmul in a worker thread (seen
+    here: MKL, 2 OpenMP threads), which changes its last bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
+    tau, d, p, eager, alpha, beta, buffers, outer = CASES[case]
+    m, steps = 3, 15
+    got = run(
+        m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=alpha,
+        slow_momentum=beta, buffers=buffers, outer_optimizer=outer,
+    )  # fmt: skip
+    want, anchors = reference_streaming(
+        m, steps, tau, d, p, eager, alpha, beta, SGD, buffers, lr_at, outer == "nesterov"
+    )
+    assert len(anchors) >= 3
+    assert_same_models([r[0] for r in got], want)
+    for per_rank in zip(*[r[1] for r in got]):  # the anchor: bitwise the same on every rank
+        for tensors in zip(*per_rank):
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
+    spreads = [r[2].replica_spread for r in got]
+    assert all(s is not None and s > 0 for s in spreads), spreads

@@ -3,6 +3,7 @@ one tensor per parameter (arXiv 1910.00643, Algorithm 1). The exact average is o
 the parameters (and model buffers) in place; the slow update then runs on every worker alike.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,9 +62,13 @@ class FullSlowState(SlowState):
         tensors = (params if exact else []) + extra
         return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
 
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
-        if self.captured:
-            self._slow_update_(params, param_groups)  # params are the averages: updated in place
+    def update_(
+        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> float:
+        """:meth:`SlowState.update_`; ``indices``: the parameters ``params`` are (one fragment,
+        :mod:`hvd_slowmo.fragments`), empty for all."""
+        if self.captured:  # params are the averages: updated in place
+            self._slow_update_(params, param_groups, indices)
         return 0.0
 
     @torch.no_grad()
