@@ -408,7 +408,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
                 "world_size": self.comm.size,
                 "outer_steps": self.outer_steps,
                 **self.slow_state.state_dict(),
-                "overlap": None if self.pending is None else self.pending.state_dict(),
+                "overlap": None
+                if self.pending is None
+                else {**self.pending.state_dict(), "fragments": len(self.fragment_members)},
                 "eager_shares": None
                 if self.eager_shares is None
                 else dict(enumerate(self.eager_shares)),

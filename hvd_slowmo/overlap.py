@@ -406,12 +406,12 @@ def load_pending(
         raise ValueError(
             "load_state_dict: 'overlap' is not an outer step in flight: a damaged state"
         )
-    fragment = saved.get("fragment", 0)
-    count = len(opt.fragment_members)
-    if not isinstance(fragment, int) or not 0 <= fragment < count:
+    fragment, count = saved.get("fragment", 0), len(opt.fragment_members)
+    if saved.get("fragments", 1) != count or fragment not in range(count):
         raise ValueError(
-            f"load_state_dict: the outer step in flight is of fragment {fragment!r}, this "
-            f"optimizer has fragments={count}: resume with the fragments it was saved with"
+            f"load_state_dict: the state was saved with fragments={saved.get('fragments', 1)!r} "
+            f"and one in flight, this optimizer has fragments={count}: resume with the "
+            "fragments it was saved with, or save when opt.pending is None"
         )
     if not inner < saved["apply_at"] <= opt.tau:
         raise ValueError(

@@ -16,8 +16,8 @@ from hvd_slowmo.config import SlowMoConfig
 from hvd_slowmo.fragments import boundaries, fragment_of
 from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
 
-from conftest import ForwardingCommunicator, assert_same_models
-from reference import loss_at, lr_at, make_model, reference_slowmo
+from conftest import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 
@@ -213,3 +213,149 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
     spreads = [r[2].replica_spread for r in got]
     assert all(s is not None and s > 0 for s in spreads), spreads
+
+
+def train(opt, model, rank, start, stop):
+    for k in range(start, stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+
+
+def build(**kwargs):
+    def make(comm, model):
+        return DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=InFlight(comm),
+            tau=6,
+            slow_momentum=0.6,
+            **kwargs,
+        )
+
+    return make
+
+
+RESUMES = {  # settings, the step to save at (a fragment in flight there), its fragment
+    "p3-d2-average": (dict(overlap=2, fragments=3, buffers="average"), 11, 1),
+    "eager-p2-d3": (dict(overlap=3, fragments=2, eager=True), 10, 0),
+    "eager-p1-d2": (dict(overlap=2, eager=True), 13, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
+    kwargs, stop, fragment = RESUMES[case]
+
+    def check(opt):
+        assert opt.pending is not None and opt.pending.fragment == fragment
+        assert opt.eager_shares is not None or not kwargs.get("eager")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = resume_in_fresh_workers(3, build(**kwargs), train, stop, 17, check=check)
+        whole = resume_in_fresh_workers(3, build(**kwargs), train, 17, 17)
+    assert_same_models(resumed, whole)
+
+
+def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = build(overlap=2, fragments=3, eager=True)(comm, model)
+        train(opt, model, comm.rank, 0, 3)  # fragment 0: boundary at 2, lands at 4
+        assert opt.pending is not None and opt.pending.fragment == 0
+        opt.flush()
+        assert opt.pending is None and opt.replica_spread > 0
+        train(opt, model, comm.rank, 3, 5)  # fragment 1: boundary at 4, lands at 6
+        anchor = [a.clone() for a in opt.slow_state.anchor]
+        opt.adopt_world("a test")
+        assert opt.pending is None and opt.eager_shares is None
+        assert (opt.num_steps, opt.inner_step) == (0, 0)
+        assert all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
+        train(opt, model, comm.rank, 0, 12)  # and it trains on
+        return params_of(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = run_threads(2, worker)
+    assert all(torch.isfinite(x).all() for x in a)
+
+
+def test_allreduce_base_and_node_workers_keep_ranks_identical():
+    """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
+    estimate differs from the average there, and the landing corrects it); with worker="node"
+    the two ranks of a node are identical at every step."""
+    from hvd_slowmo.hierarchy import Hierarchy
+
+    models = [make_model() for _ in range(4)]
+
+    def worker(comm, kwargs):
+        r = comm.rank
+        model = models[r]
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=InFlight(comm),
+            tau=4,
+            slow_momentum=0.5,
+            overlap=2,
+            fragments=2,
+            eager=True,
+            **kwargs(comm),
+        )
+        train(opt, model, r, 0, 11)
+        return params_of(model)
+
+    node = lambda c: dict(  # noqa: E731
+        worker=Hierarchy(
+            node=c.world.split([[0, 1], [2, 3]])[c.rank],
+            cross=c.world.split([[0, 2], [1, 3]])[c.rank],
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = run_threads(4, lambda c: worker(c, lambda _: dict(base="allreduce")))
+        nodes = run_threads(4, lambda c: worker(c, node))
+    for got, pairs in ((same, [(0, 1), (0, 2), (0, 3)]), (nodes, [(0, 1), (2, 3)])):
+        for a, b in pairs:
+            assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
+    assert not all(torch.equal(x, y) for x, y in zip(nodes[0], nodes[2]))
+
+
+def test_bad_settings_at_construction_name_the_fix():
+    model = make_model()  # 3 layers
+
+    def worker(comm):
+        def make(**kwargs):
+            return DistributedOptimizer(
+                SGD(model.parameters()),
+                named_parameters=model.named_parameters(),
+                communicator=comm,
+                tau=6,
+                **kwargs,
+            )
+
+        with pytest.raises(ValueError, match="number of layers"):
+            make(fragments=4)
+        with pytest.raises(ValueError, match="tau // fragments = 2"):
+            make(fragments=3, overlap=3)
+        opt = make(fragments=2)
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+        assert len(opt.params) == 6 and len(opt.param_groups) == 1
+        train(opt, model, 0, 0, 4)  # fragment 0 in flight? no: overlap=0 lands at once
+        saved = make(fragments=2, overlap=1)
+        train(saved, model, 0, 0, 3)  # fragment 0: boundary at 3, lands at 4
+        state = saved.state_dict()
+        other = make(fragments=3, overlap=1)
+        with pytest.raises(ValueError, match="fragments=3"):
+            other.load_state_dict(state)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_threads(1, worker)
