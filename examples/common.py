@@ -123,6 +123,17 @@ def add_common_args(
         help="base steps the exact average stays in flight (0: the paper's algorithm)",
     )
     g.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming SlowMo: outer steps of P fragments at P phases of tau (1: whole model)",
+    )
+    g.add_argument(
+        "--eager",
+        action="store_true",
+        help="eager updates while the average is in flight (needs --overlap >= 1)",
+    )
+    g.add_argument(
         "--no-average",
         action="store_true",
         help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
@@ -236,6 +247,8 @@ def build_optimizer(
         slow_lr=args.slow_lr,
         slow_momentum=args.slow_momentum,
         overlap=args.overlap,
+        fragments=args.fragments,
+        eager=args.eager,
     )
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
@@ -274,7 +287,10 @@ def run_name(args: argparse.Namespace) -> str:
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
     return (
         f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
-        f"_{args.buffers}" + (f"_overlap{args.overlap}" if args.overlap else "")
+        f"_{args.buffers}"
+        + (f"_overlap{args.overlap}" if args.overlap else "")
+        + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
+        + ("_eager" if args.eager else "")
     )
 
 
@@ -591,8 +607,14 @@ def at_consensus(opt: hvd_slowmo.DistributedOptimizer) -> bool:
     """
     if opt.comm.size == 1 or opt.num_steps == 0 or not opt.base.needs_exact_average:
         return True
-    # With overlap the boundary's average is still in flight: the workers differ until it lands.
-    return opt.inner_step == 0 and opt.average and opt.pending is None
+    # With overlap the boundary's average is still in flight: the workers differ until it lands;
+    # with fragments the others have moved on since their own boundaries.
+    return (
+        opt.inner_step == 0
+        and opt.average
+        and opt.pending is None
+        and len(opt.fragment_members) == 1
+    )
 
 
 @contextlib.contextmanager

@@ -112,6 +112,8 @@ def run_args(
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
         flags += ["--overlap", str(args.overlap)] if args.overlap else []
+        flags += ["--fragments", str(args.fragments)] if args.fragments > 1 else []
+        flags += ["--eager"] if args.eager else []
     return flags
 
 
@@ -285,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="SlowMo runs: base steps the exact average stays in flight",
+    )
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="SlowMo runs: streaming fragments (1: none)"
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="SlowMo runs: eager updates (needs --overlap)"
     )
     parser.add_argument("--algos", default=None, help=f"comma-separated (default: {DEFAULT_ALGOS})")
     parser.add_argument(

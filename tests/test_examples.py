@@ -82,7 +82,7 @@ def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
-                        overlap=0)  # fmt: skip
+                        overlap=0, fragments=1, eager=False)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -91,6 +91,9 @@ def test_run_names_encode_settings():
     assert common.run_name(ns(algo="localsgd", slowmo=False, tau=12)) == "localsgd_tau12"
     assert common.run_name(ns(run_name="mine")) == "mine"
     assert common.run_name(ns(overlap=2)) == "sgp-slowmo_tau48_a1_b0.6_reset_overlap2"
+    assert common.run_name(ns(overlap=2, fragments=4, eager=True)).endswith(
+        "_overlap2_fragments4_eager"
+    )
 
 
 def test_translation_tokenizer_vocab_and_batches():
@@ -115,7 +118,7 @@ def test_compare_parses_algorithms():
 
 
 def test_compare_runs_each_method_at_its_own_settings():
-    ns = SimpleNamespace(overlap=0)
+    ns = SimpleNamespace(overlap=0, fragments=1, eager=False)
     settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
     flags = compare.run_args("sgp-slowmo", settings, 2, ns)
     assert flags == [
@@ -137,7 +140,9 @@ def test_compare_runs_each_method_at_its_own_settings():
         "--slow-momentum",
         "0.6",
     ]
-    assert compare.run_args("sgp-slowmo", settings, 2, SimpleNamespace(overlap=1))[-2:] == [
+    assert compare.run_args(
+        "sgp-slowmo", settings, 2, SimpleNamespace(overlap=1, fragments=1, eager=False)
+    )[-2:] == [
         "--overlap",
         "1",
     ]
@@ -243,6 +248,7 @@ def stub_opt(
     needs_exact_average=True,
     num_steps=5,
     pending=None,
+    fragment_members=([0],),
 ):
     base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
     return SimpleNamespace(
@@ -252,6 +258,7 @@ def stub_opt(
         average=average,
         base=base,
         pending=pending,
+        fragment_members=fragment_members,
     )
 
 
@@ -285,10 +292,11 @@ def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed(
         (dict(inner_step=4), False),  # inside an outer step
         (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
         (dict(inner_step=0, pending=object()), False),  # overlap: the average is still in flight
+        (dict(inner_step=0, fragment_members=([0], [1])), False),  # the other fragments moved on
         (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
         (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
     ],
-    ids=["boundary", "inside", "no-average", "in-flight", "allreduce", "start"],
+    ids=["boundary", "inside", "no-average", "in-flight", "fragments", "allreduce", "start"],
 )
 def test_at_consensus(case, expected):
     comm = SimpleNamespace(size=4)
