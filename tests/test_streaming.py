@@ -359,3 +359,38 @@ def test_bad_settings_at_construction_name_the_fix():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_threads(1, worker)
+
+
+def test_nonfinite_raise_names_the_rank_and_eager_skip_restarts_from_the_anchor():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm, **kwargs):
+        model = models[comm.rank] if kwargs.get("nonfinite") == "skip" else make_model()
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=InFlight(comm),
+            tau=4,
+            overlap=2,
+            slow_momentum=0.5,
+            **kwargs,
+        )
+        anchor = None
+        for k in range(6):  # boundary at 4, lands at 6
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            if k == 2 and comm.rank == 1:
+                next(model.parameters()).grad.fill_(float("nan"))
+            if k == 5:
+                anchor = [a.clone() for a in opt.slow_state.anchor]
+            opt.step()
+        return params_of(model), anchor, opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_threads(2, lambda c: worker(c, nonfinite="skip", eager=True))
+        for params, anchor, opt in got:
+            assert opt.pending is None and opt.eager_shares is None
+            assert all(torch.equal(p, a) for p, a in zip(params, anchor))
+        with pytest.raises(FloatingPointError, match=r"rank\(s\) \[1\]"):
+            run_threads(2, lambda c: worker(c, nonfinite="raise", fragments=2))
