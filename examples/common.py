@@ -7,7 +7,6 @@ path). Paper: arXiv 1910.00643.
 """
 
 import argparse
-import contextlib
 import glob
 import json
 import math
@@ -15,7 +14,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +52,6 @@ __all__ = [
     "progress",
     "log0",
     "write_summary",
-    "at_consensus",
-    "averaged_model",
     "OuterStepEpochs",
     "classifier_metrics",
     "Task",
@@ -63,9 +60,9 @@ __all__ = [
     "run_cli",
 ]
 
-#: Base algorithms selectable with --algo (the gossip ones need their base registered in
-#: hvd_slowmo.BASES).
-ALGOS = ("allreduce", "localsgd", "sgp", "osgp", "dpsgd")
+#: Base algorithms selectable with --algo: every registered one (a base registered in
+#: hvd_slowmo.BASES appears here, in compare.py and in the sweep tool).
+ALGOS = tuple(hvd_slowmo.BASES)
 #: With --progress-lines, rank 0 prints one line per event starting with this mark, then JSON
 #: (examples/compare.py draws its progress bars from them).
 PROGRESS_MARK = "@hvd_slowmo_progress "
@@ -596,78 +593,6 @@ def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:
         json.dump(summary, f, indent=1, sort_keys=True)
 
 
-# --- the averaged model ------------------------------------------------------------------------
-def at_consensus(opt: hvd_slowmo.DistributedOptimizer) -> bool:
-    """True when every worker holds the same model: always with AR-SGD (gradients are averaged
-    every step); with the other bases before the first step and right after an exact average,
-    i.e. at an outer-step boundary (never for a gossip base run without exact averages).
-
-    Args:
-        opt: the distributed optimizer.
-    """
-    if opt.comm.size == 1 or opt.num_steps == 0 or not opt.base.needs_exact_average:
-        return True
-    # With overlap the boundary's average is still in flight: the workers differ until it lands;
-    # with fragments the others have moved on since their own boundaries.
-    return (
-        opt.inner_step == 0
-        and opt.average
-        and opt.pending is None
-        and len(opt.fragment_members) == 1
-    )
-
-
-@contextlib.contextmanager
-def averaged_model(
-    model: torch.nn.Module, opt: hvd_slowmo.DistributedOptimizer, hvd: Any
-) -> Iterator[bool]:
-    """Inside the block, ``model`` holds the workers' averaged model; afterwards it holds this
-    worker's own parameters again, bitwise, so training continues undisturbed. Collective.
-
-    At consensus (:func:`at_consensus`) the model already is the average and nothing is done.
-    Otherwise a copy is kept, and the parameters (and floating-point buffers, e.g. BatchNorm
-    statistics) are replaced by their average over workers. With push-sum bases (SGP, OSGP) the
-    model holds ``z = x / w``, and the consensus value is ``sum_i x_i / sum_i w_i``; OSGP
-    shares still in flight are not counted. None of this goes through ``opt.comm``, so the
-    optimizer's traffic counters do not see it.
-
-    Args:
-        model: this worker's model.
-        opt: its distributed optimizer.
-        hvd: ``horovod.torch``.
-
-    Yields:
-        True when the model was already the average (an outer-step boundary or AR-SGD).
-    """
-    if at_consensus(opt):
-        yield True
-        return
-    params = [p for p in model.parameters()]
-    buffers = [b for b in model.buffers() if b.is_floating_point()]
-    saved = [t.detach().clone() for t in params + buffers]
-    weight = float(getattr(opt.base, "ps_weight", 1.0))
-    with torch.no_grad():
-        flat = torch.cat(
-            [p.detach().reshape(-1).to(torch.float64) * weight for p in params]
-            + [torch.full((1,), weight, dtype=torch.float64, device=params[0].device)]
-            + [b.detach().reshape(-1).to(torch.float64) for b in buffers]
-        )
-        flat = hvd.allreduce(flat, op=hvd.Sum, name="examples.average_for_eval")
-        n_params = sum(p.numel() for p in params)
-        total_weight = flat[n_params]
-        averages = torch.cat([flat[:n_params] / total_weight, flat[n_params + 1 :] / hvd.size()])
-        offset = 0
-        for t in params + buffers:
-            t.copy_(averages[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-    try:
-        yield False
-    finally:
-        with torch.no_grad():
-            for t, s in zip(params + buffers, saved):
-                t.copy_(s)
-
-
 # --- data ---------------------------------------------------------------------------------------
 class OuterStepEpochs:
     """This worker's minibatches of an in-memory training set, in epochs of whole outer steps.
@@ -753,7 +678,7 @@ def classifier_metrics(
     scores every ``size``-th example (an exact partition) and the sums are added. Collective.
 
     Args:
-        model: the model to score (the averaged one, see :func:`averaged_model`).
+        model: the model to score (the averaged one, see ``opt.use_consensus()``).
         dataset: yields ``(x, y)``.
         hvd: ``horovod.torch``.
         device: the device.
@@ -836,7 +761,7 @@ def train(
 ) -> dict[str, Any]:
     """The training loop every example runs: SlowMo around ``base_optimizer``, a per-step lr
     schedule, AMP, checkpoints, TensorBoard, rank-0 logs, and at the end of every epoch the
-    metrics of the workers' averaged model (:func:`averaged_model`).
+    metrics of the workers' averaged model (``opt.use_consensus()``).
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
@@ -914,7 +839,7 @@ def train(
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
         epoch_loss = loss_sum / steps_all if steps_all else float("nan")
-        with averaged_model(model, opt, hvd) as already_averaged:
+        with opt.use_consensus() as already_averaged:
             metrics = task.evaluate()
         at_boundary = already_averaged
         monitor.log_validation(opt.num_steps, metrics)

@@ -25,10 +25,16 @@ Usage::
 """
 
 from .bases import BASES, BaseAlgorithm
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    broadcast_optimizer_state,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import SlowMoConfig
 from .hierarchy import Hierarchy
-from .optimizer import STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state
+from .optimizer import DistributedOptimizer
+from .state_format import STATE_FORMAT
 
 __all__ = [
     "BASES",

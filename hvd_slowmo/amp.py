@@ -10,7 +10,6 @@ ranks one step apart (see :meth:`hvd_slowmo.DistributedOptimizer.step`).
 """
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,8 +115,9 @@ class GradientSync:
     pass's gradients once (inside the node, then the base algorithm's), and decide under a
     ``GradScaler`` whether this step happens, the same way on every worker.
 
-    A mixin: the optimizer provides ``params``, ``node_comm``, ``base``, ``comm`` and
-    ``timings``, and calls :meth:`_watch_gradients` for its parameters.
+    A mixin: the optimizer provides ``params``, ``node_comm``, ``base``, ``comm`` and ``timer``
+    (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls :meth:`_watch_gradients` for its
+    parameters.
     """
 
     #: ``torch.amp.GradScaler.step`` always calls ``step()`` and passes its verdict, so the
@@ -153,13 +153,12 @@ class GradientSync:
         backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
         """
         if not self._synchronized:
-            t0 = time.perf_counter()
-            if self.node_comm is not None and self.node_comm.size > 1:
-                self.node_comm.average_(
-                    grads_or_zeros(self.params), name="hvd_slowmo.node_grad_average"
-                )
-            self.base.communicate_gradients()
-            self.timings["base_comm"] += time.perf_counter() - t0
+            with self.timer("base_comm"):
+                if self.node_comm is not None and self.node_comm.size > 1:
+                    self.node_comm.average_(
+                        grads_or_zeros(self.params), name="hvd_slowmo.node_grad_average"
+                    )
+                self.base.communicate_gradients()
             self._synchronized = True
 
     @contextlib.contextmanager

@@ -18,7 +18,9 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
+from .optimizer import DistributedOptimizer
+
+__all__ = ["CheckpointError", "broadcast_optimizer_state", "load_checkpoint", "save_checkpoint"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -102,3 +104,19 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu", weights_only: boo
             "hvd_slowmo.save_checkpoint writes atomically, so a job that dies while saving keeps "
             "the previous file intact." + hint
         ) from e
+
+
+def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """Give every rank ``root_rank``'s full optimizer state (see
+    :meth:`DistributedOptimizer.broadcast_state`). Collective.
+
+    Args:
+        optimizer: the optimizer on this rank.
+        root_rank: the rank whose state is sent.
+    """
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(
+            "broadcast_optimizer_state expects a hvd_slowmo.DistributedOptimizer; "
+            "use hvd.broadcast_optimizer_state for plain optimizers"
+        )
+    optimizer.broadcast_state(root_rank)

@@ -26,9 +26,10 @@ What happens on a membership change (workers lost or added), in Horovod's order:
    construction under elastic, because a joiner constructs its optimizer alone), rank 0's full
    optimizer state is broadcast, then :meth:`DistributedOptimizer.adopt_world` rebuilds the
    base algorithm for the new rank/size (gossip graph and transport) and restarts the current
-   outer step from the anchor ``x_{t,0}``, identical on every worker; the base steps taken
-   since the anchor are dropped (``opt.num_steps`` goes back with them). One log line on rank 0
-   says what was done.
+   outer step from the anchor ``x_{t,0}``, identical on every worker
+   (:meth:`hvd_slowmo.outer_step.OuterLoop.restart`); the base steps taken since the anchor
+   are dropped (``opt.num_steps`` goes back with them). One log line on rank 0 says what was
+   done.
 
 When Horovod skips ``sync`` (workers removed gracefully at a commit), the optimizer notices the
 new world size at its next ``step()`` and does the same rebuild and restart locally (no
@@ -38,17 +39,10 @@ Paper: arXiv 1910.00643 (SlowMo); Horovod elastic: ``horovod.torch.elastic``.
 """
 
 import copy
-import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-
-from .buffers import reset_buffers
-
-__all__ = ["is_elastic_launch", "register_state_handler", "restart_from_anchor", "sync_optimizer"]
-
-log = logging.getLogger("hvd_slowmo")
+__all__ = ["is_elastic_launch", "register_state_handler", "sync_optimizer"]
 
 
 def is_elastic_launch() -> bool:
@@ -56,51 +50,17 @@ def is_elastic_launch() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-@torch.no_grad()
-def restart_from_anchor(opt: Any, why: str) -> None:
-    """Continue with the current workers: rebuild the base algorithm and restart the outer step
-    from the anchor, identical on every worker (the base steps since the anchor are dropped,
-    ``opt.num_steps`` goes back with them). One log line on rank 0 says what was done.
+class Syncable(Protocol):
+    """What :func:`sync_optimizer` needs of a :class:`hvd_slowmo.DistributedOptimizer` (the
+    optimizer imports this module, so it is described here rather than imported)."""
 
-    Without an anchor (``slow_lr=1, slow_momentum=0`` and ``nonfinite != "skip"``) there is no
-    common point: the outer step continues from the parameters as they are.
-
-    Args:
-        opt: a :class:`hvd_slowmo.DistributedOptimizer`.
-        why: what changed the workers, for the log line and errors.
-    """
-    comm = opt.comm
-    opt.slow_state.check_world(opt.world, why)
-    old, opt.world = opt.world, (comm.rank, comm.size)
-    opt.reset_base()
-    dropped = 0
-    if opt.slow_state.captured and opt.inner_step > 0:
-        dropped = opt.inner_step
-        opt.slow_state.restore_([p.detach() for p in opt.params])
-        if opt.buffers == "reset":
-            reset_buffers(opt.optimizer.state, opt.params)
-        opt.num_steps -= dropped
-        opt.inner_step = 0
-    if comm.rank == 0 and (old != opt.world or dropped):
-        change = f"{old[1]} -> {comm.size} workers, " if old[1] != comm.size else ""
-        what = (
-            f"outer step {opt.outer_steps} restarts from its anchor ({dropped} base steps "
-            f"dropped, num_steps back to {opt.num_steps})"
-            if dropped
-            else f"continuing at step {opt.num_steps} (inner step {opt.inner_step})"
-        )
-        log.warning(
-            "hvd_slowmo: %s (%sbase %r rebuilt for %d workers): %s. The learning rate is "
-            "yours: rescale it in a reset callback if it depends on the number of workers",
-            why,
-            change,
-            opt.base_name,
-            comm.size,
-            what,
-        )
+    def reset_base(self) -> None: ...
+    def check_consistent(self) -> None: ...
+    def broadcast_state(self, root_rank: int = 0) -> None: ...
+    def adopt_world(self, why: str) -> None: ...
 
 
-def sync_optimizer(opt: Any) -> None:
+def sync_optimizer(opt: Syncable) -> None:
     """Bring every worker's optimizer to rank 0's state after a membership change. Collective.
 
     Checks that every worker is configured alike, broadcasts rank 0's full state (anchor, slow

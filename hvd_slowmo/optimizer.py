@@ -8,7 +8,6 @@ of: the configuration (:mod:`.config`), the base algorithm (:mod:`.bases`), the 
 (:mod:`.slow_state`) and the communicators (:mod:`.comm`).
 """
 
-import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,33 +16,36 @@ import torch
 from torch import Tensor
 
 from .amp import GradientSync
-from .buffers import averageable_buffers, reset_buffers
+from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import default_communicator, worker_hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, saved_config_changes
-from .elastic import is_elastic_launch, register_state_handler, restart_from_anchor
-from .fragments import boundaries, fragment_of
+from .consensus import ConsensusView
+from .elastic import is_elastic_launch, register_state_handler
+from .fragments import fragment_of
 from .hierarchy import Hierarchy
-from .overlap import PendingOuterStep, land_outer_step, load_pending, start_outer_step
-from .progress import (
-    STATE_FORMAT,
-    all_finite_everywhere,
-    check_saved_state,
-    gather_progress,
-    outer_step_note,
-    uneven_message,
-)
+from .outer_step import OuterLoop
+from .progress import gather_progress, outer_step_note, uneven_message
 from .slow_state import make_slow_state
+from .state_format import STATE_FORMAT, check_saved_state
+from .timing import PhaseTimer
+from .validation import check_base_optimizer
 from .wrapper import WrappedOptimizer
 
-__all__ = ["STATE_FORMAT", "DistributedOptimizer", "broadcast_optimizer_state"]
+__all__ = ["STATE_FORMAT", "DistributedOptimizer"]
 
 
 def _setting(name: str) -> property:
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (read-only).")
 
 
-class DistributedOptimizer(GradientSync, WrappedOptimizer):
+def _counter(name: str) -> property:
+    return property(
+        lambda self: getattr(self.outer.position, name), doc=f"Position: ``{name}`` (read-only)."
+    )
+
+
+class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
     """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
 
     Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
@@ -87,6 +89,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
     average = _setting("average")
     nonfinite = _setting("nonfinite")
     base_name = _setting("base_name")
+    num_steps = _counter("num_steps")  # base steps taken in total
+    inner_step = _counter("inner_step")  # base steps taken in the current outer step
+    outer_steps = _counter("outer_steps")  # outer-step boundaries passed
 
     def __init__(
         self,
@@ -111,16 +116,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         **base_options: Any,
     ) -> None:
         # Everything is validated before any state is created, so a bad argument leaves nothing.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
-            )
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError(
-                "optimizer is already a hvd_slowmo.DistributedOptimizer; wrap the base "
-                "optimizer once"
-            )
+        check_base_optimizer(optimizer, DistributedOptimizer)
         self.config = SlowMoConfig(
             base=base,
             base_options=base_options,
@@ -139,12 +135,6 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         split = fragment_of(self.param_names, self.config.fragments)
-        #: The parameter indices of each fragment (:mod:`hvd_slowmo.fragments`).
-        self.fragment_members = [
-            [j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)
-        ]
-        #: The inner step at which each fragment's outer step starts.
-        self.fragment_starts = boundaries(self.config.tau, self.config.fragments)
         self.comm = default_communicator(communicator, compression)
         hierarchy = worker_hierarchy(worker, communicator)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
@@ -155,11 +145,12 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         ]
         #: The parameters, in the index order used on every rank (and in the saved state).
         self.params = params
-        # The base algorithm runs between workers: between nodes in hierarchical mode.
-        self.base = self.config.base(
-            hierarchy.cross if hierarchy else self.comm, **self.config.base_options
-        )
-        self.slow_state = make_slow_state(self.comm, self.config)
+        #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
+        #: ``"average"`` counts only the exposed part of the exact average (with ``overlap``,
+        #: the time spent at the boundary and waiting for it to land).
+        self.timer = PhaseTimer(("base_comm", "average", "slow_update"))
+        self.timings = self.timer.totals
+        self.slow_state = make_slow_state(self.comm, self.config, self.timer)
         if is_elastic_launch():
             # A worker that joins an elastic job later builds its optimizer alone while the others
             # wait in hvd.elastic's state sync: a collective here would deadlock. The same check
@@ -167,26 +158,33 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             register_state_handler(DistributedOptimizer)
         else:
             self.check_consistent()
-        self.base.attach(params)
-        self.inner_step = 0  # base steps taken in the current outer step
-        self.num_steps = 0  # base steps taken in total
-        self.outer_steps = 0
-        #: ``(rank, size)`` of the workers the base was built for.
-        self.world = (self.comm.rank, self.comm.size)
-        #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
-        #: ``"average"`` counts only the exposed part of the exact average (with ``overlap``,
-        #: the time spent at the boundary and waiting for it to land).
-        self.timings: dict[str, float] = {"base_comm": 0.0, "average": 0.0, "slow_update": 0.0}
-        #: An outer step whose exact average is in flight (``overlap >= 1``).
-        self.pending: PendingOuterStep | None = None
-        #: ``eager=True``: the other workers' shares of the last outer gradient, per parameter
-        #: (``c_i`` in :mod:`hvd_slowmo.fragments`); None until the first boundary.
-        self.eager_shares: list[Tensor] | None = None
-        #: This worker's RMS distance from the workers' average at the boundary of the last
-        #: outer step that landed (``|s_i - avg|`` over its fragment; overlapped or fragmented
-        #: outer steps only, no communication); None before the first.
-        self.replica_spread: float | None = None
+        # The base algorithm runs between workers: between nodes in hierarchical mode.
+        base_comm = hierarchy.cross if hierarchy else self.comm
+        #: The outer loop: step counters, and each outer step's start, landing, skip, restart.
+        self.outer = OuterLoop(
+            self.config,
+            self.comm,
+            optimizer,
+            params,
+            self.model_buffers,
+            self.slow_state,
+            lambda: self.config.base(base_comm, **self.config.base_options),
+            self.timer,
+            [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
+        )
         self._watch_gradients(params)
+
+    @property
+    def base(self) -> BaseAlgorithm:
+        """The base algorithm (rebuilt after a change of workers)."""
+        return self.outer.base
+
+    @property
+    def replica_spread(self) -> float | None:
+        """This worker's RMS distance from the workers' average at the boundary of the last
+        outer step that landed (over its fragment; ``overlap >= 1``; no communication), or None:
+        a measure of how far the replicas drift apart between exact averages."""
+        return self.outer.replica_spread
 
     def __repr__(self) -> str:
         return (
@@ -217,9 +215,9 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
                     "parameters can be averaged"
                 )
         self.params.extend(new)
-        self.fragment_members[0] = list(range(len(self.params)))
-        if self.eager_shares is not None:
-            self.eager_shares.extend(torch.zeros_like(p) for p in new)
+        self.outer.fragments = [list(range(len(self.params)))]
+        if self.outer.eager_shares is not None:
+            self.outer.eager_shares.extend(torch.zeros_like(p) for p in new)
         self._watch_gradients(new)
         self.param_names.extend(
             f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new))
@@ -252,7 +250,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if (self.comm.rank, self.comm.size) != self.world:
+        if (self.comm.rank, self.comm.size) != self.outer.position.world:
             # Horovod elastic re-initialized with other workers and skipped its state sync
             # (workers removed at a commit): nothing may communicate with the old world's layout.
             self.adopt_world("workers changed without an elastic state sync")
@@ -262,72 +260,24 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             return loss
         self.base.pre_step()
         self.optimizer.step()
-        t0 = time.perf_counter()
-        self.base.post_step(self.num_steps)
-        self.timings["base_comm"] += time.perf_counter() - t0
-        self.num_steps += 1
-        self.inner_step += 1
-        lands = self.pending is not None and self.inner_step == self.pending.apply_at
-        starts = self.inner_step in self.fragment_starts
-        if lands or starts:
-            try:
-                if lands:
-                    land_outer_step(self)
-                if starts:
-                    self._outer_step(self.fragment_starts.index(self.inner_step))
-            except Exception as e:
-                # A failed collective (a dead or frozen worker) or a check that raised: say where,
-                # without changing the type (hvd.elastic catches HorovodInternalError by type).
-                e.add_note(
-                    outer_step_note(e, self.comm, self.outer_steps, self.num_steps, self.base_name)
-                )
-                raise
-        return loss
-
-    @torch.no_grad()
-    def _outer_step(self, fragment: int) -> None:
-        if self.config.overlap or self.config.fragments > 1:
-            start_outer_step(self, fragment)
-            if self.pending is not None and self.pending.apply_at == self.inner_step:
-                land_outer_step(self)  # overlap=0 with fragments: lands where it starts
-            return
-        self.base.before_average()
-        t0 = time.perf_counter()
-        params = [p.detach() for p in self.params]
-        if self.nonfinite != "ignore" and not all_finite_everywhere(
-            self.comm, params, self.nonfinite, self.num_steps, self.outer_steps
-        ):
-            # nonfinite="skip" (it keeps an anchor): every worker restarts from the anchor, so one
-            # worker's NaN never reaches the others; push-sum weights reset too.
-            self.slow_state.restore_(params)
-            reset_buffers(self.optimizer.state, self.params)
-            self.base.after_average(True)
-        else:
-            self.slow_state.average_(
-                params, self.model_buffers if self.average else [], self.config.exact_average
+        with self.timer("base_comm"):
+            self.base.post_step(self.num_steps)
+        try:
+            self.outer.advance()
+        except Exception as e:
+            # A failed collective (a dead or frozen worker) or a check that raised: say where,
+            # without changing the type (hvd.elastic catches HorovodInternalError by type).
+            e.add_note(
+                outer_step_note(e, self.comm, self.outer_steps, self.num_steps, self.base_name)
             )
-            self.base.after_average(self.average)
-            if self.buffers == "average":
-                self.comm.average_(
-                    averageable_buffers(self.optimizer.state, self.params),
-                    name="hvd_slowmo.buffer_average",
-                )
-            t1 = time.perf_counter()
-            t1 += self.slow_state.update_(params, self.param_groups)  # its collectives: averaging
-            if self.buffers == "reset":
-                reset_buffers(self.optimizer.state, self.params)
-            self.timings["average"] += t1 - t0
-            self.timings["slow_update"] += time.perf_counter() - t1
-        self.inner_step = 0
-        self.outer_steps += 1
+            raise
+        return loss
 
     def flush(self) -> None:
         """Land an outer step whose average is in flight now (``overlap``), and mix in gossip
         messages in flight (OSGP). Call it on every rank at the end of training, before the
         final evaluation or checkpoint. Collective."""
-        if self.pending is not None:
-            land_outer_step(self)
-        self.base.flush()
+        self.outer.flush()
 
     # --- reliability: uneven steps, membership changes (docs/reliability.md) ---------------
     def finish(self) -> None:
@@ -342,8 +292,7 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
         Raises:
             RuntimeError: the workers took different numbers of steps.
         """
-        if self.pending is not None:
-            self.pending.check_progress(self.comm)  # its probe shares the name of the one below
+        self.outer.check_progress()  # a probe in flight shares the name of the one below
         everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps)
         if len({p["num_steps"] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))
@@ -351,26 +300,16 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
     def reset_base(self) -> None:
         """Build a fresh base algorithm for the current workers (gossip graph, transport,
         push-sum weight); messages of the previous one still in flight are dropped."""
-        self.base = self.config.base(self.base.comm, **self.config.base_options)
-        self.base.attach(self.params)
+        self.outer.rebuild_base()
 
     def adopt_world(self, why: str) -> None:
         """Continue with the current workers: rebuild the base and restart the outer step from
-        the anchor (:func:`hvd_slowmo.elastic.restart_from_anchor`).
+        the anchor (:meth:`hvd_slowmo.outer_step.OuterLoop.restart`; one log line on rank 0).
 
         Args:
             why: what changed the workers, for the log line and errors.
         """
-        if self.pending is not None:
-            # The average in flight belongs to the old workers: drop it, and restart the outer
-            # step before it from its anchor (the steps since that anchor are dropped).
-            last = self.pending.fragment == len(self.fragment_members) - 1
-            self.pending = None
-            if self.slow_state.captured and last:  # it started at the previous period's end
-                self.inner_step += self.tau
-                self.outer_steps -= 1
-        self.eager_shares = None  # the other workers' shares belong to the old workers
-        restart_from_anchor(self, why)
+        self.outer.restart(why)
 
     def _settings(self) -> dict[str, Any]:
         """The configuration as saved and compared across ranks, with the run's layout."""
@@ -389,96 +328,62 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
 
     # --- checkpoints ----------------------------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly, keyed by parameter index (not tensor identity).
-
-        Contains the base optimizer's ``state_dict``, the slow state (anchor and slow buffer, or
-        this rank's shards), the step counters (position inside the outer step), the base
-        algorithm's own state and the configuration. Tensors are references, as in torch's own
-        ``state_dict``; ``torch.save`` copies them.
-        """
+        """Everything needed to continue exactly, keyed by parameter index (not tensor identity):
+        the base optimizer's ``state_dict``, the position (step counters), the slow state, an
+        outer step in flight, the base algorithm's own state and the configuration (layout:
+        :mod:`hvd_slowmo.state_format`). Tensors are references, as in torch's own
+        ``state_dict``; ``torch.save`` copies them."""
         return {
             "format": STATE_FORMAT,
             "base_optimizer": self.optimizer.state_dict(),
             "slowmo": {
                 "config": self._settings(),
                 "num_params": len(self.params),
-                "inner_step": self.inner_step,
-                "num_steps": self.num_steps,
-                # A state loaded by another number of workers restarts its outer step.
-                "world_size": self.comm.size,
-                "outer_steps": self.outer_steps,
-                **self.slow_state.state_dict(),
-                "overlap": None
-                if self.pending is None
-                else {**self.pending.state_dict(), "fragments": len(self.fragment_members)},
-                "eager_shares": None
-                if self.eager_shares is None
-                else dict(enumerate(self.eager_shares)),
+                **self.outer.state_dict(),
+                "slow_state": self.slow_state.state_dict(),
                 "base_algorithm": self.base.state_dict(),
             },
         }
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; on any error the optimizer is left unchanged.
+        """Restore :meth:`state_dict` output (of this or an earlier format); on any error the
+        optimizer is left unchanged.
 
         Args:
             state_dict: from :meth:`state_dict` (any rank's, or rank 0's broadcast).
 
         Raises:
-            ValueError: a state from another format version, model, or configuration.
+            ValueError: a state from an unknown format version, another model, or configuration.
         """
         s = check_saved_state(state_dict, len(self.params), self.tau)
-        inner = s["inner_step"]
+        position = s["position"]
         changes = saved_config_changes(s.get("config"), self._settings())
-        loaded = self.slow_state.prepare_load(s, self.param_groups, inner, self.param_names)
+        loaded = self.slow_state.prepare_load(
+            s["slow_state"], self.param_groups, position, self.param_names
+        )
         self.base.check_state_dict(s.get("base_algorithm", {}))
-        pending = load_pending(self, s.get("overlap"), inner, state_dict["base_optimizer"])
-        shares = self._load_eager_shares(s.get("eager_shares"))
+        in_flight = self.outer.prepare_load(
+            position, s.get("in_flight"), state_dict["base_optimizer"]
+        )
+        shares = self.outer.prepare_eager_shares(s.get("eager_shares"))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
-        self.inner_step = inner
-        self.num_steps = int(s["num_steps"])
-        self.outer_steps = int(s["outer_steps"])
         self.slow_state.commit_load(loaded)
-        self.pending = pending
-        self.eager_shares = shares
-        if pending is not None and self.buffers == "average":
-            live = [self.params[j] for j in self.fragment_members[pending.fragment]]
-            pending.state_live = averageable_buffers(self.optimizer.state, live)
+        self.outer.commit_load(position, in_flight, shares)
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
-            msg = "; ".join(changes)
             warnings.warn(
-                f"load_state_dict: the state was saved with other settings ({msg}); "
+                f"load_state_dict: the state was saved with other settings ({'; '.join(changes)}); "
                 "training continues with this optimizer's",
                 stacklevel=2,
             )
-        saved_size = s.get("world_size")  # absent in states written before it was recorded
+        saved_size = position.get("world_size")  # absent in states written before it was recorded
         if saved_size is not None and saved_size != self.comm.size:
             # Inside an outer step each worker's parameters and base state are its own: with
             # another number of workers only the anchor is common, so restart from it.
             self.adopt_world(
                 f"a state saved by {saved_size} workers was loaded by {self.comm.size}"
             )
-
-    def _load_eager_shares(self, saved: Any) -> list[Tensor] | None:
-        """Check the saved eager shares against this model; changes nothing.
-
-        Args:
-            saved: the ``"eager_shares"`` entry of a saved state (None: none yet, or not eager).
-        """
-        if saved is None or not self.config.eager:
-            return None  # a state without them starts the estimate again from zero shares
-        if (
-            not isinstance(saved, dict)
-            or set(saved) != set(range(len(self.params)))
-            or any(
-                not isinstance(saved[i], Tensor) or saved[i].shape != p.shape
-                for i, p in enumerate(self.params)
-            )
-        ):
-            raise ValueError("load_state_dict: 'eager_shares' does not match this model")
-        return [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self.params)]
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Give every rank ``root_rank``'s full optimizer state (base state, anchor, slow buffer,
@@ -497,19 +402,3 @@ class DistributedOptimizer(GradientSync, WrappedOptimizer):
             )
         mine = self.state_dict() if self.comm.rank == root_rank else None
         self.load_state_dict(self.comm.broadcast_object(mine, root_rank=root_rank))
-
-
-def broadcast_optimizer_state(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
-    """Give every rank ``root_rank``'s full optimizer state (see
-    :meth:`DistributedOptimizer.broadcast_state`). Collective.
-
-    Args:
-        optimizer: the optimizer on this rank.
-        root_rank: the rank whose state is sent.
-    """
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise TypeError(
-            "broadcast_optimizer_state expects a hvd_slowmo.DistributedOptimizer; "
-            "use hvd.broadcast_optimizer_state for plain optimizers"
-        )
-    optimizer.broadcast_state(root_rank)

@@ -1,5 +1,4 @@
-"""Where the workers are: equal step counts and finite parameters at each outer step, and the
-position a saved state resumes from.
+"""Where the workers are: equal step counts and finite parameters at each outer step.
 
 SlowMo's outer steps (arXiv 1910.00643, Algorithm 1) are count-based: every worker must reach
 each one after the same number of base steps, and one worker's NaN must not be averaged into the
@@ -15,21 +14,15 @@ from torch import Tensor
 from .comm.base import Communicator
 
 __all__ = [
-    "STATE_FORMAT",
     "PROGRESS",
     "all_finite",
-    "all_finite_everywhere",
     "finite_verdict",
-    "progress_probe",
-    "read_progress",
-    "check_saved_state",
     "gather_progress",
     "outer_step_note",
+    "progress_probe",
+    "read_progress",
     "uneven_message",
 ]
-
-#: Version of the ``state_dict`` layout; ``DistributedOptimizer.load_state_dict`` refuses others.
-STATE_FORMAT = 1
 
 
 def gather_progress(
@@ -113,29 +106,6 @@ def uneven_message(everyone: list[dict[str, Any]]) -> str:
     )
 
 
-def all_finite_everywhere(
-    comm: Communicator, params: list[Tensor], nonfinite: str, num_steps: int, outer_steps: int
-) -> bool:
-    """Agree across workers on whether every worker's parameters are finite, before anything is
-    averaged. One tiny collective (:func:`gather_progress`).
-
-    Args:
-        comm: the communicator over all workers.
-        params: this worker's parameters.
-        nonfinite: ``"raise"`` or ``"skip"``: what a non-finite worker means.
-        num_steps: this worker's base steps so far.
-        outer_steps: this worker's outer steps so far.
-
-    Returns:
-        True if all are finite; False (after a warning) if not and ``nonfinite="skip"``.
-
-    Raises:
-        FloatingPointError: on every worker, naming the ranks, with ``nonfinite="raise"``.
-    """
-    everyone = gather_progress(comm, "outer step", all_finite(params), num_steps, outer_steps)
-    return finite_verdict(everyone, nonfinite, num_steps, outer_steps)
-
-
 def all_finite(params: list[Tensor]) -> bool:
     """Whether every tensor is finite (one fused max-norm pass; no communication).
 
@@ -204,51 +174,3 @@ def outer_step_note(
         f"hvd_slowmo: raised on rank {comm.rank} of {comm.size} at outer step {outer_steps} "
         f"(after step {num_steps}), base {base_name!r}{hint}"
     )
-
-
-def check_saved_state(state_dict: Any, num_params: int, tau: int) -> dict[str, Any]:
-    """Check the envelope and step counters of a saved optimizer state; returns its ``"slowmo"``
-    entry.
-
-    Args:
-        state_dict: a :meth:`hvd_slowmo.DistributedOptimizer.state_dict` output, or not.
-        num_params: this optimizer's number of parameters.
-        tau: this optimizer's ``tau``.
-
-    Raises:
-        ValueError: not an optimizer state, another format version, another model, a larger
-            ``tau`` inside the outer step, or damaged counters.
-    """
-    if (
-        not isinstance(state_dict, dict)
-        or "slowmo" not in state_dict
-        or "base_optimizer" not in state_dict
-    ):
-        raise ValueError(
-            "load_state_dict: not a hvd_slowmo.DistributedOptimizer state (no 'slowmo' and "
-            "'base_optimizer' keys); a plain optimizer state belongs in "
-            "opt.optimizer.load_state_dict"
-        )
-    if state_dict.get("format") != STATE_FORMAT:
-        raise ValueError(
-            f"load_state_dict: state format {state_dict.get('format')!r} is not supported "
-            f"(this version reads format {STATE_FORMAT})"
-        )
-    saved = state_dict["slowmo"]
-    if saved.get("num_params") != num_params:
-        raise ValueError(
-            f"load_state_dict: the state has {saved.get('num_params')} parameters, this "
-            f"optimizer {num_params}: it comes from another model"
-        )
-    inner = saved.get("inner_step")
-    if not isinstance(inner, int) or not 0 <= inner < tau:
-        raise ValueError(
-            f"load_state_dict: inner_step {inner!r} is outside [0, tau={tau}); the state "
-            "was saved with a larger tau"
-        )
-    for key in ("num_steps", "outer_steps"):
-        if not isinstance(saved.get(key), int) or saved[key] < 0:
-            raise ValueError(
-                f"load_state_dict: '{key}' is {saved.get(key)!r}, not a step count: a damaged state"
-            )
-    return saved

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 __all__ = ["check_bool", "check_choice", "check_int", "check_number"]
 
 
@@ -94,3 +96,24 @@ def check_choice(name: str, value: Any, choices: Sequence[str], fix: str = "") -
     if value not in choices:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}{_fix(fix)}")
     return value
+
+
+def check_base_optimizer(optimizer: Any, wrapper: type) -> None:
+    """Raise unless ``optimizer`` is a plain torch optimizer (not already wrapped).
+
+    Args:
+        optimizer: the ``optimizer`` argument of ``DistributedOptimizer``.
+        wrapper: the ``DistributedOptimizer`` class (passed in: this module does not import it).
+
+    Raises:
+        TypeError: not a ``torch.optim.Optimizer``, or already a ``wrapper``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+        )
+    if isinstance(optimizer, wrapper):
+        raise TypeError(
+            "optimizer is already a hvd_slowmo.DistributedOptimizer; wrap the base optimizer once"
+        )

@@ -173,11 +173,11 @@ def corrupt(state, case):
     elif case == "other-model":
         s["slowmo"]["num_params"] += 1
     elif case == "bigger-tau":
-        s["slowmo"]["inner_step"] = 7
+        s["slowmo"]["position"]["inner_step"] = 7
     elif case == "wrong-shape":
-        s["slowmo"]["anchor"][0] = torch.zeros(9, 9)
+        s["slowmo"]["slow_state"]["anchor"][0] = torch.zeros(9, 9)
     elif case == "missing-anchor-entry":
-        del s["slowmo"]["slow_buffer"][1]
+        del s["slowmo"]["slow_state"]["slow_buffer"][1]
     elif case == "base-groups":
         s["base_optimizer"]["param_groups"][0]["params"] = [0]
     return s

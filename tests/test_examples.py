@@ -31,8 +31,6 @@ import compare  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import translation_transformer as tt  # noqa: E402
 
-from hvd_slowmo.comm.local import run_threads  # noqa: E402
-
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -222,92 +220,6 @@ def test_outer_step_epochs_end_at_outer_step_boundaries():
     assert common.OuterStepEpochs(400, 32, 0, 4, 0, 48).steps_per_epoch == 48
     with pytest.raises(ValueError, match="--batch-size 64 does not fit"):
         common.OuterStepEpochs(100, 64, 0, 4, 0, 12)
-
-
-class ThreadHvd:
-    """The part of horovod.torch that averaged_model uses, over in-process thread workers."""
-
-    Sum = "sum"
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def size(self):
-        return self.comm.size
-
-    def allreduce(self, tensor, op, name):
-        assert op == self.Sum
-        return torch.stack(self.comm.allgather_object(tensor.clone())).sum(0)  # rank order: exact
-
-
-def stub_opt(
-    comm,
-    inner_step,
-    ps_weight=1.0,
-    average=True,
-    needs_exact_average=True,
-    num_steps=5,
-    pending=None,
-    fragment_members=([0],),
-):
-    base = SimpleNamespace(needs_exact_average=needs_exact_average, ps_weight=ps_weight)
-    return SimpleNamespace(
-        comm=comm,
-        num_steps=num_steps,
-        inner_step=inner_step,
-        average=average,
-        base=base,
-        pending=pending,
-        fragment_members=fragment_members,
-    )
-
-
-def test_averaged_model_is_the_push_sum_average_and_leaves_training_undisturbed():
-    """Worker r holds z = 1 + 2r with push-sum weight w = 0.5 + r: the consensus value is
-    sum(w z) / sum(w) = (0.5 + 4.5) / 2 = 2.5; BatchNorm statistics are plainly averaged."""
-
-    def worker(comm):
-        model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.BatchNorm1d(1))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(1.0 + 2 * comm.rank)
-            model[1].running_mean.fill_(float(comm.rank))
-        before = [t.clone() for t in model.state_dict().values()]
-        opt = stub_opt(comm, inner_step=3, ps_weight=0.5 + comm.rank)
-        with common.averaged_model(model, opt, ThreadHvd(comm)) as already:
-            inside = ([p.clone() for p in model.parameters()], model[1].running_mean.clone())
-        after = list(model.state_dict().values())
-        return already, inside, all(torch.equal(a, b) for a, b in zip(before, after))
-
-    for already, (params, running_mean), restored in run_threads(2, worker):
-        assert not already and restored
-        assert all(torch.equal(p, torch.full_like(p, 2.5)) for p in params)
-        assert running_mean.item() == 0.5
-
-
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        (dict(inner_step=0), True),  # right after the exact average of an outer step
-        (dict(inner_step=4), False),  # inside an outer step
-        (dict(inner_step=0, average=False), False),  # SGP alone / noaverage: never an exact average
-        (dict(inner_step=0, pending=object()), False),  # overlap: the average is still in flight
-        (dict(inner_step=0, fragment_members=([0], [1])), False),  # the other fragments moved on
-        (dict(inner_step=4, needs_exact_average=False), True),  # AR-SGD: identical every step
-        (dict(inner_step=4, num_steps=0), True),  # before the first step (broadcast)
-    ],
-    ids=["boundary", "inside", "no-average", "in-flight", "fragments", "allreduce", "start"],
-)
-def test_at_consensus(case, expected):
-    comm = SimpleNamespace(size=4)
-    assert common.at_consensus(stub_opt(comm, **case)) is expected
-
-
-def test_averaged_model_at_consensus_touches_nothing():
-    model = torch.nn.Linear(2, 1)
-    opt = stub_opt(SimpleNamespace(size=4), inner_step=0)
-    with common.averaged_model(model, opt, hvd=None) as already:
-        assert already
 
 
 def test_run_cli_plan_trains_each_entry_in_one_process(tmp_path):

@@ -23,7 +23,7 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
-from conftest import ForwardingCommunicator
+from helpers import ForwardingCommunicator
 from horovod_launch import ROOT, horovodrun_command, launch_env
 from reference import loss_at, make_model, params_of
 
@@ -58,8 +58,8 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     loaded = load_checkpoint(path)
-    assert torch.equal(loaded["opt"]["slowmo"]["anchor"][0], opt.slow_state.anchor[0])
-    assert loaded["opt"]["slowmo"]["world_size"] == 1
+    assert torch.equal(loaded["opt"]["slowmo"]["slow_state"]["anchor"][0], opt.slow_state.anchor[0])
+    assert loaded["opt"]["slowmo"]["position"]["world_size"] == 1
     good = path.read_bytes()
 
     cases = {
@@ -258,7 +258,10 @@ def test_state_from_another_world_size(tmp_path):
         return opt.state_dict(), plain.state_dict()
 
     (state, plain_state), _ = run_threads(2, save)
-    assert state["slowmo"]["world_size"] == 2 and state["slowmo"]["inner_step"] == 1
+    assert (
+        state["slowmo"]["position"]["world_size"] == 2
+        and state["slowmo"]["position"]["inner_step"] == 1
+    )
 
     def load(comm):
         model = models[2 + comm.rank]
@@ -275,7 +278,10 @@ def test_state_from_another_world_size(tmp_path):
 
     for params, inner, num_steps in run_threads(3, load):
         assert (inner, num_steps) == (0, 3)
-        assert all(torch.equal(p, a) for p, a in zip(params, state["slowmo"]["anchor"].values()))
+        assert all(
+            torch.equal(p, a)
+            for p, a in zip(params, state["slowmo"]["slow_state"]["anchor"].values())
+        )
 
 
 def test_uneven_steps_fail_on_every_rank_in_finish():

@@ -16,7 +16,7 @@ from hvd_slowmo.bases.topology import GossipGraph
 from hvd_slowmo.comm.base import PendingExchange
 from hvd_slowmo.comm.local import run_threads
 
-from conftest import ForwardingCommunicator
+from helpers import ForwardingCommunicator
 
 DIM = 4
 LR = 0.3

@@ -9,7 +9,7 @@ import torch
 from hvd_slowmo import BaseAlgorithm, DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
-from conftest import assert_same_models, resume_in_fresh_workers
+from helpers import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_allreduce, reference_slowmo
 
 SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
@@ -299,8 +299,12 @@ def test_broadcast_optimizer_state_copies_rank0():
 
     (o0, before0), (o1, before1) = run_threads(2, worker)
     s0, s1 = o0.state_dict(), o1.state_dict()
-    assert not torch.equal(before0["slowmo"]["anchor"][0], before1["slowmo"]["anchor"][0])
-    assert torch.equal(s1["slowmo"]["anchor"][0], before0["slowmo"]["anchor"][0])
+    assert not torch.equal(
+        before0["slowmo"]["slow_state"]["anchor"][0], before1["slowmo"]["slow_state"]["anchor"][0]
+    )
+    assert torch.equal(
+        s1["slowmo"]["slow_state"]["anchor"][0], before0["slowmo"]["slow_state"]["anchor"][0]
+    )
     b0, b1 = (s["base_optimizer"]["state"][0]["momentum_buffer"] for s in (s0, s1))
     assert not torch.equal(before1["base_optimizer"]["state"][0]["momentum_buffer"], b0)
     assert torch.equal(b0, b1)
@@ -556,7 +560,7 @@ def test_custom_outer_optimizer_on_unscaled_pseudo_gradient():
     for model, _, _ in results:
         for a, b in zip(model.parameters(), models[0].parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    sd = results[0][2].state_dict()["slowmo"]["outer_optimizer"]
+    sd = results[0][2].state_dict()["slowmo"]["slow_state"]["outer_optimizer"]
     assert sd["state"][0]["momentum_buffer"].shape == anchor[0].shape
 
 

@@ -11,7 +11,7 @@ from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 
-from conftest import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
@@ -49,11 +49,11 @@ def run(m, steps, in_flight=True, models=None, schedule=lr_at, **kwargs):
             if schedule:
                 for g in opt.param_groups:
                     g["lr"] = schedule(k)
-            pending = opt.pending
+            pending = opt.outer.in_flight
             opt.zero_grad()
             loss_at(model, comm.rank, k).backward()
             opt.step()
-            if pending is not None and opt.pending is None:
+            if pending is not None and opt.outer.in_flight is None:
                 snaps.append([t.clone() for t in pending.sent])
         return model, snaps, opt
 
@@ -172,9 +172,9 @@ def test_node_workers():
         for k in range(10):
             opt.zero_grad()
             loss_at(model, r, k).backward()
-            pending = opt.pending
+            pending = opt.outer.in_flight
             opt.step()
-            if pending is not None and opt.pending is None:
+            if pending is not None and opt.outer.in_flight is None:
                 anchors.append([t.clone() for t in pending.sent])
         return params_of(model), anchors
 
@@ -219,7 +219,9 @@ def test_resume_with_an_average_in_flight_is_bitwise(kind):
         )
 
     def check(opt):
-        assert opt.pending is not None and opt.inner_step == 1  # saved between boundary and landing
+        assert (
+            opt.outer.in_flight is not None and opt.inner_step == 1
+        )  # saved between boundary and landing
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -250,7 +252,7 @@ def test_nonfinite_skip_restarts_from_the_anchor_and_raise_names_the_rank():
             if k == 3:
                 anchor = [a.clone() for a in opt.slow_state.anchor]
             opt.step()
-        return params_of(model), anchor, opt.pending
+        return params_of(model), anchor, opt.outer.in_flight
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -275,10 +277,10 @@ def test_flush_lands_and_finish_reads_the_probe():
             slow_momentum=0.5,
         )
         train(opt, model, comm.rank, 0, 3)
-        assert opt.pending is not None
+        assert opt.outer.in_flight is not None
         opt.finish()  # the probe in flight is read first: no two collectives of one name
         opt.flush()
-        assert opt.pending is None
+        assert opt.outer.in_flight is None
         return params_of(model)
 
     a, b = run_threads(2, worker)
@@ -309,7 +311,10 @@ def test_state_with_an_average_in_flight_needs_overlap_to_load():
         before = plain.state_dict()
         with pytest.raises(ValueError, match="overlap"):
             plain.load_state_dict(state)
-        assert plain.state_dict()["slowmo"]["num_steps"] == before["slowmo"]["num_steps"]
+        assert (
+            plain.state_dict()["slowmo"]["position"]["num_steps"]
+            == before["slowmo"]["position"]["num_steps"]
+        )
 
     run_threads(1, worker)
 
@@ -323,10 +328,10 @@ def test_change_of_workers_drops_the_average_in_flight_and_restarts_from_the_anc
             SGD(model.parameters()), communicator=comm, tau=3, overlap=2, slow_momentum=0.5
         )
         train(opt, model, comm.rank, 0, 4)  # boundary at 3, lands at 5: in flight now
-        assert opt.pending is not None and opt.num_steps == 4
+        assert opt.outer.in_flight is not None and opt.num_steps == 4
         anchor = [a.clone() for a in opt.slow_state.anchor]
         opt.adopt_world("a test")
-        assert opt.pending is None
+        assert opt.outer.in_flight is None
         assert (opt.num_steps, opt.inner_step, opt.outer_steps) == (0, 0, 0)
         assert all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
 

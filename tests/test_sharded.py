@@ -15,7 +15,7 @@ from hvd_slowmo.comm.base import Communicator, shard_range, shard_sizes
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.slow_state.sharded import Bucket, ShardedSlowState, make_buckets
 
-from conftest import assert_same_models, resume_in_fresh_workers
+from helpers import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of
 
 pytestmark = pytest.mark.timeout(120)

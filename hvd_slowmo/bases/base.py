@@ -115,6 +115,12 @@ class BaseAlgorithm:
     def flush(self) -> None:
         """Finish every message in flight (at the end of training); nothing to do by default."""
 
+    @property
+    def consensus_weight(self) -> float:
+        """This worker's weight in the consensus average: the push-sum weight ``w`` where the
+        model holds ``z = x / w`` (SGP, OSGP); 1 for every other base."""
+        return 1.0
+
     def state_dict(self) -> dict:
         """State needed to resume exactly (push-sum weights and the like)."""
         return {}

@@ -284,6 +284,10 @@ class OSGP(GossipBase):
         )
         self.ps_weight = 1.0
 
+    @property
+    def consensus_weight(self) -> float:
+        return self.ps_weight
+
     def flush(self) -> None:
         if not self._inflight:
             return

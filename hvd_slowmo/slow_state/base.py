@@ -11,11 +11,13 @@ it, the layouts only say which tensors hold the anchor and how the exact average
 The optimizer drives a slow state in this order, and never asks which layout it has::
 
     capture_(param_groups)            at every step (does nothing once captured)
-    every tau steps:  average_(params, extra, exact)   the exact average
+    every tau steps:  average_(params, extra, exact)   the exact average (or average_start_)
                       update_(params, param_groups)    the slow update; params <- new anchor
     restore_(params)                  a skipped outer step (non-finite) or a change of workers
     add_group_(param_groups)          after add_param_group
     state_dict() / prepare_load(...) / commit_load(...)
+
+Each layout owns the keys of its saved state (``state_dict()["layout"]`` names it).
 """
 
 import abc
@@ -30,6 +32,7 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingAverage
 from ..config import SlowMoConfig
 from ..slowmo import slow_momentum_step_
+from ..timing import PhaseTimer
 
 __all__ = ["LoadedSlowState", "SlowState"]
 
@@ -61,6 +64,8 @@ class SlowState(abc.ABC):
     Args:
         comm: the communicator of the exact average.
         config: the optimizer's configuration (slow_lr, slow_momentum, outer optimizer, ...).
+        timer: the optimizer's phase timer; a layout's collectives inside :meth:`update_` are
+            booked to ``"average"``.
 
     Attributes:
         anchor: the anchor tensors (per parameter, or this rank's shards); None until captured.
@@ -72,10 +77,13 @@ class SlowState(abc.ABC):
     """
 
     per_rank = False
+    #: The name of this layout in its saved state.
+    layout = ""
 
-    def __init__(self, comm: Communicator, config: SlowMoConfig) -> None:
+    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
         self.comm = comm
         self.config = config
+        self.timer = timer
         self.anchor: list[Tensor] | None = None
         self.slow_buffer: list[Tensor] | None = None
         self.outer_optimizer: torch.optim.Optimizer | None = None
@@ -131,15 +139,12 @@ class SlowState(abc.ABC):
         return PendingAverage(lambda: self.average_(params, extra, exact), started=False)
 
     @abc.abstractmethod
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         """The slow update after :meth:`average_`; ``params`` hold the new anchor on return.
 
         Args:
-            params: the parameters (detached), in the optimizer's order.
-            param_groups: the optimizer's param groups (their current ``lr``).
-
-        Returns:
-            Seconds spent communicating (the caller books them as averaging time).
+            params: the averaged parameters (detached), in the optimizer's order.
+            param_groups: the optimizer's param groups (their ``lr`` at the outer step).
         """
 
     @abc.abstractmethod
@@ -152,19 +157,24 @@ class SlowState(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """The entries this state adds to the optimizer's ``state_dict()["slowmo"]``."""
+        """This layout's saved state: ``{"layout": self.layout, ...its own keys}`` (the
+        optimizer's ``state_dict()["slowmo"]["slow_state"]``)."""
 
     @abc.abstractmethod
     def prepare_load(
-        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+        self,
+        saved: dict[str, Any],
+        param_groups: ParamGroups,
+        position: dict[str, Any],
+        names: list[str],
     ) -> LoadedSlowState:
         """Check a saved state against this rank and model; changes nothing, so the caller can
         still fail atomically.
 
         Args:
-            saved: the ``"slowmo"`` entry of a saved optimizer state.
+            saved: the ``"slow_state"`` entry of a saved optimizer state.
             param_groups: this optimizer's param groups.
-            inner_step: the saved position inside the outer step.
+            position: the saved step counters (``inner_step``, ``world_size``, ...).
             names: the parameters' names, for messages.
 
         Raises:

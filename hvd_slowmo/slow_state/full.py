@@ -33,7 +33,10 @@ class FullSlowState(SlowState):
     Args:
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
+        timer: the optimizer's phase timer.
     """
+
+    layout = "full"
 
     @torch.no_grad()
     def capture_(self, param_groups: ParamGroups) -> None:
@@ -64,12 +67,11 @@ class FullSlowState(SlowState):
 
     def update_(
         self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
-    ) -> float:
-        """:meth:`SlowState.update_`; ``indices``: the parameters ``params`` are (one fragment,
+    ) -> None:
+        """:meth:`SlowState.update_`; ``indices``: which parameters ``params`` are (one fragment,
         :mod:`hvd_slowmo.fragments`), empty for all."""
         if self.captured:  # params are the averages: updated in place
             self._slow_update_(params, param_groups, indices)
-        return 0.0
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
@@ -80,22 +82,31 @@ class FullSlowState(SlowState):
         pass  # the whole state is the same on every worker: any of them can go on with it
 
     def state_dict(self) -> dict[str, Any]:
+        outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
         return {
+            "layout": self.layout,
             "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
             "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
-            "outer_optimizer": None
-            if self.outer_optimizer is None
-            else self.outer_optimizer.state_dict(),
-            "sharded": None,
+            "outer_optimizer": outer,
         }
 
     def prepare_load(
-        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+        self,
+        saved: dict[str, Any],
+        param_groups: ParamGroups,
+        position: dict[str, Any],
+        names: list[str],
     ) -> LoadedSlowState:
+        if saved.get("layout") != self.layout:
+            raise ValueError(
+                f"load_state_dict: the slow state was saved with layout {saved.get('layout')!r} "
+                "(shard_slow_state=True); load it with shard_slow_state=True"
+            )
         params, groups = _flat_params(param_groups)
         anchor = self._load_tensors(saved, "anchor", params, names)
         buffer = self._load_tensors(saved, "slow_buffer", params, names)
-        saved_size = saved.get("world_size", self.comm.size)  # absent in the oldest states
+        inner_step = position["inner_step"]
+        saved_size = position.get("world_size") or self.comm.size  # absent in the oldest states
         if saved_size != self.comm.size and inner_step > 0 and anchor is None:
             raise ValueError(
                 f"load_state_dict: the state was saved by {saved_size} workers inside an outer "

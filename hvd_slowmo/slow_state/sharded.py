@@ -22,7 +22,6 @@ Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.
 ``n // m`` elements each, and one more for ranks ``0 .. n % m - 1``.
 """
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, shard_range
 from ..config import SlowMoConfig
+from ..timing import PhaseTimer
 from .base import LoadedSlowState, ParamGroups, SlowState
 
 __all__ = ["Bucket", "ShardedSlowState", "make_buckets"]
@@ -107,21 +107,23 @@ class ShardedSlowState(SlowState):
         comm: the communicator of the exact average; it must support sharding
             (``reduce_scatter_mean`` and ``allgather_flat``).
         config: the optimizer's configuration.
+        timer: the optimizer's phase timer (the all-gather of the new anchor is averaging time).
 
     Raises:
         TypeError: ``comm`` does not support sharding.
     """
 
     per_rank = True
+    layout = "sharded"
 
-    def __init__(self, comm: Communicator, config: SlowMoConfig) -> None:
+    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
         if not comm.supports_sharding:
             raise TypeError(
                 "shard_slow_state=True needs a communicator with reduce_scatter_mean() "
                 f"and allgather_flat(); {type(comm).__name__} has none (supports_sharding "
                 "is False): use the Horovod or thread communicator"
             )
-        super().__init__(comm, config)
+        super().__init__(comm, config, timer)
         self.buckets: list[Bucket] | None = None  # set at capture (the first step)
         self._averages: list[Tensor] | None = None  # this rank's shards of the exact average
 
@@ -165,14 +167,13 @@ class ShardedSlowState(SlowState):
             self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, self.buckets)]
 
     @torch.no_grad()
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> float:
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         assert self._averages is not None, "average_ comes first"
         averages, self._averages = self._averages, None
         self._slow_update_(averages, param_groups)
         del averages
-        t0 = time.perf_counter()
-        self._gather_anchor_into_(params)
-        return time.perf_counter() - t0
+        with self.timer("average"):  # communication, though inside the slow update
+            self._gather_anchor_into_(params)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
@@ -202,7 +203,8 @@ class ShardedSlowState(SlowState):
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards and the layout they belong to (rank, size, shard ranges)."""
-        sharded = {
+        return {
+            "layout": self.layout,
             "rank": self.comm.rank,
             "size": self.comm.size,
             "buckets": None if self.buckets is None else [asdict(b) for b in self.buckets],
@@ -212,13 +214,16 @@ class ShardedSlowState(SlowState):
             if self.outer_optimizer is None
             else self.outer_optimizer.state_dict(),
         }
-        return {"anchor": None, "slow_buffer": None, "outer_optimizer": None, "sharded": sharded}
 
     def prepare_load(
-        self, saved: dict[str, Any], param_groups: ParamGroups, inner_step: int, names: list[str]
+        self,
+        saved: dict[str, Any],
+        param_groups: ParamGroups,
+        position: dict[str, Any],
+        names: list[str],
     ) -> LoadedSlowState:
-        state = saved.get("sharded")
-        if not isinstance(state, dict):
+        state, inner_step = saved, position["inner_step"]
+        if state.get("layout") != self.layout:
             raise ValueError(
                 "load_state_dict: the state has no shard of the slow state (it was saved "
                 "with shard_slow_state=False); load it with shard_slow_state=False"

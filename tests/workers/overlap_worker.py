@@ -46,11 +46,11 @@ def train(model, opt, start, stop, anchors=None):
     for k in range(start, stop):
         for g in opt.param_groups:
             g["lr"] = lr_at(k)
-        pending = opt.pending
+        pending = opt.outer.in_flight
         opt.zero_grad()
         loss_at(model, hvd.rank(), k).backward()
         opt.step()
-        if anchors is not None and pending is not None and opt.pending is None:
+        if anchors is not None and pending is not None and opt.outer.in_flight is None:
             anchors.append([t.clone() for t in pending.sent])
 
 
@@ -74,7 +74,7 @@ def main():
     elif mode == "save":
         model, opt = build(CONFIGS["localsgd-d2-maintain"])
         train(model, opt, 0, int(sys.argv[3]))
-        assert opt.pending is not None, "save inside the delay"
+        assert opt.outer.in_flight is not None, "save inside the delay"
         torch.save(
             {"model": model.state_dict(), "opt": opt.state_dict()},
             os.path.join(out, f"ckpt.{rank}.pt"),

@@ -2,7 +2,7 @@
 behaviour, or to swap the world under an optimizer as hvd.elastic does) and the resume harness
 (stop in the middle of an inner loop, reload in fresh workers, compare to an uninterrupted run).
 
-Test files import them by name (``from conftest import ForwardingCommunicator``): pytest puts
+Test files import them by name (``from helpers import ForwardingCommunicator``): pytest puts
 this folder on ``sys.path``, as it does for ``reference.py`` and ``horovod_launch.py``.
 """
 
