@@ -28,7 +28,8 @@ def horovodrun_command(np: int, controller: str, args: list[str], hosts: str = "
     if controller == "mpi":
         if shutil.which("mpirun") is None:
             pytest.fail("mpirun not found: install OpenMPI (scripts/setup_env.sh does)")
-        cmd += ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root --bind-to none"]
+        # No --bind-to: horovodrun passes -bind-to none itself, and Open MPI 5 refuses it twice.
+        cmd += ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root"]
     else:
         cmd += ["--gloo"]
     return cmd + [sys.executable] + args
