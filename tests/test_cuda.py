@@ -133,7 +133,12 @@ def assert_same_run(got, want, exact, rtol=1e-10, atol=1e-12):
 REFERENCE_BASES = ("localsgd", "allreduce")
 #: On the CPU a run compared with the CPU run would be the same run twice: the CPU case compares
 #: with the hand-written reference instead, so it exists only for the bases the reference replays.
-DEVICE_CASES = [(b, d) for b in BASES for d in DEVICES if d.id == "cuda" or b in REFERENCE_BASES]
+DEVICE_CASES = [
+    pytest.param(b, d.values[0], id=f"{b}-{d.id}", marks=d.marks)
+    for b in BASES
+    for d in DEVICES
+    if d.id == "cuda" or b in REFERENCE_BASES
+]
 
 
 def reference_run(base, model_fn, loss_fn):
@@ -196,6 +201,12 @@ OVERFLOWS = [
 ]
 
 
+def _inf_at_0_0(grad):
+    out = grad.clone()
+    out[0, 0] = float("inf")
+    return out
+
+
 def amp_step(device: str, overflows, scalers):
     """One iteration of Horovod's recipe; at ``overflows`` rank BAD_RANK's gradient holds inf."""
 
@@ -205,9 +216,13 @@ def amp_step(device: str, overflows, scalers):
         opt.zero_grad()
         with torch.autocast(device, dtype=torch.float16):
             out = model(x.to(device))
-        scaler.scale(((out.float() - y.to(device)) ** 2).mean()).backward()
+        hook = None
         if k in overflows and rank == BAD_RANK:
-            next(model.parameters()).grad[0, 0] = float("inf")
+            # Inside backward, where an overflow happens (AR-SGD averages during backward).
+            hook = next(model.parameters()).register_hook(_inf_at_0_0)
+        scaler.scale(((out.float() - y.to(device)) ** 2).mean()).backward()
+        if hook is not None:
+            hook.remove()
         opt.synchronize()
         scaler.unscale_(opt)
         with opt.skip_synchronize():
