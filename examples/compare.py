@@ -637,7 +637,11 @@ def _print_reports(
         print(report.table1(runs))
         print()
         print(report.table2(runs))
-        png = report.plot(runs, png or os.path.join(logdir, "compare.png"), seconds=seconds)
+        png = report.plot(
+            runs,
+            png or os.path.join(logdir, "compare.png"),
+            extra_panel=tta.seconds_panel if seconds else None,
+        )
         print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.tools.report {logdir})")
 
 

@@ -76,7 +76,7 @@ def test_run_curve_joins_seconds_and_accuracy_by_step(tmp_path):
     w.close()
     (run,) = report.load_runs([folder])
     assert tta.run_curve(run) == [(1.5, 60.0), (3.0, 80.0)]
-    png = report.plot([run], os.path.join(folder, "fig.png"), seconds=True)
+    png = report.plot([run], os.path.join(folder, "fig.png"), extra_panel=tta.seconds_panel)
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     bare = report.Run(name="old", path=folder, config={}, scalars={TAGS["val_accuracy"]: []})

@@ -29,7 +29,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -620,15 +620,17 @@ def _band(
     )
 
 
-def plot(runs: Sequence[Run], path: str, seconds: bool = False) -> str:
+def plot(
+    runs: Sequence[Run], path: str, extra_panel: Callable[[Any, list], None] | None = None
+) -> str:
     """Save, per setting, the mean training-loss and validation curves with a band from the
     lowest to the highest of its seeds, and a stacked bar chart of the mean time split.
 
     Args:
         runs: from :func:`load_runs`.
         path: the PNG file to write.
-        seconds: add a panel of the validation accuracy against training seconds
-            (:func:`hvd_slowmo.tools.time_to_accuracy.plot_accuracy_vs_seconds`).
+        extra_panel: draws one more panel, ``extra_panel(axes, settings)`` (e.g.
+            :func:`hvd_slowmo.tools.time_to_accuracy.seconds_panel`: accuracy against seconds).
 
     Returns:
         ``path``.
@@ -639,12 +641,9 @@ def plot(runs: Sequence[Run], path: str, seconds: bool = False) -> str:
     import matplotlib.pyplot as plt
 
     settings = group_settings(runs)
-    if seconds:
-        from .time_to_accuracy import plot_accuracy_vs_seconds, run_curve
-
-        fig, (ax_loss, ax_val, ax_seconds, ax_time) = plt.subplots(1, 4, figsize=(22, 4.8))
-        curves = {st.name: [run_curve(r) for r in st.runs] for st in settings}
-        plot_accuracy_vs_seconds(ax_seconds, curves)
+    if extra_panel is not None:
+        fig, (ax_loss, ax_val, ax_extra, ax_time) = plt.subplots(1, 4, figsize=(22, 4.8))
+        extra_panel(ax_extra, settings)
     else:
         fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
     loss_kinds, val_kinds = set(), set()

@@ -26,6 +26,7 @@ __all__ = [
     "time_to_accuracy_rows",
     "time_to_accuracy_table",
     "plot_accuracy_vs_seconds",
+    "seconds_panel",
 ]
 
 #: (training seconds, accuracy in percent) at each evaluation, in time order.
@@ -209,3 +210,15 @@ def plot_accuracy_vs_seconds(ax: Any, curves: Mapping[str, Sequence[Curve]]) -> 
     )
     if ax.lines:
         ax.legend(fontsize=7)
+
+
+def seconds_panel(ax: Any, settings: Sequence[Any]) -> None:
+    """The accuracy-vs-seconds panel of :func:`hvd_slowmo.tools.report.plot` (its
+    ``extra_panel``): each setting's runs' curves.
+
+    Args:
+        ax: the matplotlib axes.
+        settings: :func:`hvd_slowmo.tools.report.group_settings` output.
+    """
+    curves = {st.name: [run_curve(r) for r in st.runs] for st in settings}
+    plot_accuracy_vs_seconds(ax, curves)
