@@ -56,10 +56,9 @@ TUNED: dict[str, dict[str, Any]] = {
     "localsgd": {"lr": 0.1, "buffers": "maintain"},
     "localsgd-slowmo": {"lr": 0.1, "slow_momentum": 0.7, "buffers": "reset"},
     "sgp": {"lr": 0.2, "buffers": "maintain"},
-    # beta 0.5 fails a tuning seed (rejected); 0.4 and 0.6 were not finished: see the doc.
-    "sgp-slowmo": {"lr": 0.2, "slow_momentum": 0.5, "buffers": "reset"},
+    "sgp-slowmo": {"lr": 0.2, "slow_momentum": 0.4, "buffers": "reset"},
     "osgp": {"lr": 0.2, "buffers": "maintain"},
-    "osgp-slowmo": {"lr": 0.2, "slow_momentum": 0.5, "buffers": "reset"},
+    "osgp-slowmo": {"lr": 0.2, "slow_momentum": 0.4, "buffers": "reset"},
 }
 #: The reference batch of the lr scaling: --lr is the peak lr for a global batch of this size.
 LR_BATCH = 128
