@@ -3,7 +3,8 @@
 # under one `horovodrun -np 4` launch with AR-SGD, Local SGD, SGP, with and without SlowMo,
 # 3 seeds each at their tuned settings, and prints the comparison tables (mean ± std over seeds).
 # `./run.sh --quick` (one seed, fewer epochs), `./run.sh --full` (5 seeds, OSGP too); other
-# arguments: `python examples/compare.py --help`.
+# arguments: `python examples/compare.py --help`. As root, `./run.sh --network 100mbit` runs it on
+# 4 emulated hosts (network namespaces, shaped links) and prints the time to accuracy.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_env.sh"

@@ -1,7 +1,8 @@
 """hvd_slowmo: SlowMo (arXiv 1910.00643) as a drop-in for horovod.torch.DistributedOptimizer.
 
-Horovod itself is not a pip dependency: its last release (0.28.1) does not compile against
-PyTorch >= 2.1 as published. Build it with ``scripts/install_horovod.sh`` (see README).
+Horovod itself is not a pip dependency (the torch.distributed engine needs only torch): its last
+release (0.28.1) does not compile against PyTorch >= 2.1 as published. Build it with
+``scripts/install_horovod.sh`` (see README).
 """
 
 from setuptools import find_packages, setup
@@ -9,7 +10,7 @@ from setuptools import find_packages, setup
 setup(
     name="hvd_slowmo",
     version="0.1.0",
-    description="SlowMo (Slow Momentum) distributed training for PyTorch over Horovod",
+    description="SlowMo (Slow Momentum) training for PyTorch over Horovod or torch.distributed",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*"]),

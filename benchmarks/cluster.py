@@ -31,18 +31,42 @@ import os
 import re
 import shutil
 import signal
-import socket
-import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the cluster_* modules beside it
+# The repository's package, also when run as a script from a fresh clone.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cluster_algorithms import ALGORITHM_SETS, ALGORITHMS, select_algorithms
+from cluster_report import (
+    human,
+    load_warning,
+    plot_sweep,
+    render_markdown,
+    sweep_markdown,
+    write_tensorboard,
+)
+from cluster_stats import summarize
+
+# The emulated hosts (namespaces, links, shaping, the workers' launch) live in the library.
+from hvd_slowmo.tools.netns import (
+    Cluster,
+    ClusterPlan,
+    Host,
+    hosts_file,
+    parse_rate,
+    plan_cluster,
+    setup_commands,
+    shaping_commands,
+    stale_namespaces,
+    tbf_args,
+    teardown_commands,
+    worker_env,
+)
+
 __all__ = [
-    "ALGORITHMS",
-    "Algorithm",
     "Host",
     "ClusterPlan",
     "parse_rate",
@@ -54,254 +78,14 @@ __all__ = [
     "teardown_commands",
     "stale_namespaces",
     "hosts_file",
-    "cluster_stamps",
-    "window_stats",
-    "pool_repeats",
-    "ring_bytes",
-    "summarize",
-    "render_markdown",
-    "WARMUP_ITERS",
-    "KINDS",
-    "PEER_ROWS",
-    "PEER_KEYS",
-    "OVERLAP_ROWS",
-    "ALGORITHM_SETS",
-    "select_algorithms",
-    "hidden_fraction",
+    "worker_env",
+    "main",
 ]
 
-NETNS_DIR = "/etc/netns"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_worker.py")
 
 
-# --- the algorithms measured ----------------------------------------------------------------------
-#: Untimed iterations before each algorithm's timed ones. The timed windows then start two steps
-#: after an outer step, so an average started at an outer step and applied up to two steps later
-#: (``overlap`` <= 2) falls in the same window as its start: every window holds one of each.
-WARMUP_ITERS = 2
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One measured configuration.
-
-    Args:
-        key: short identifier (JSON key, TensorBoard tag).
-        label: the row label in the table.
-        kind: ``"compute"`` (no communication), ``"horovod"`` (``hvd.DistributedOptimizer``),
-            ``"slowmo"`` (``hvd_slowmo.DistributedOptimizer``), or a PyTorch peer over
-            ``torch.distributed`` (Gloo): ``"ddp"`` (``DistributedDataParallel``, AR-SGD) or
-            ``"postlocal"`` (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager(period=tau)``).
-        base: hvd_slowmo base algorithm (``kind == "slowmo"`` only).
-        tau: base steps per outer step (the averaging period for ``"postlocal"``).
-        options: further ``hvd_slowmo.DistributedOptimizer`` keyword arguments.
-        periodic: averages only every ``tau`` steps, so ``compute + AR_comm * payload / tau`` is
-            its ideal.
-        payload: exact-average volume relative to the parameters (2 when optimizer buffers are
-            averaged too).
-    """
-
-    key: str
-    label: str
-    kind: str
-    base: str = ""
-    tau: int = 1
-    options: dict[str, Any] = field(default_factory=dict)
-    periodic: bool = False
-    payload: float = 1.0
-
-    @property
-    def overlap(self) -> int:
-        """Inner steps the exact average runs behind (hvd_slowmo's ``overlap`` option; 0: none)."""
-        return int(self.options.get("overlap", 0))
-
-
-KINDS = ("compute", "horovod", "slowmo", "ddp", "postlocal")
-_SLOWMO = {"slow_lr": 1.0, "slow_momentum": 0.6}
-_PLAIN = {"slow_lr": 1.0, "slow_momentum": 0.0}  # slow update off: the base algorithm alone
-
-#: Measured in this order, every one in the same worker processes.
-ALGORITHMS: tuple[Algorithm, ...] = (
-    Algorithm("compute", "compute only (no communication)", "compute"),
-    Algorithm("horovod_ar", "AR-SGD (hvd.DistributedOptimizer)", "horovod"),
-    Algorithm("torch_ddp", "AR-SGD (torch DistributedDataParallel, Gloo)", "ddp"),
-    # tau=1 with buffers kept: momentum must survive every "outer step" to be plain AR-SGD.
-    Algorithm(
-        "allreduce",
-        "AR-SGD (hvd_slowmo base=allreduce)",
-        "slowmo",
-        "allreduce",
-        1,
-        {**_PLAIN, "buffers": "maintain"},
-    ),
-    # The same without the per-outer-step NaN/inf check (one small allgather): what that check
-    # costs.
-    Algorithm(
-        "allreduce_nocheck",
-        "AR-SGD (hvd_slowmo base=allreduce, nonfinite='ignore')",
-        "slowmo",
-        "allreduce",
-        1,
-        {**_PLAIN, "buffers": "maintain", "nonfinite": "ignore"},
-    ),
-    Algorithm(
-        "torch_postlocal",
-        "Local SGD (torch PostLocalSGDOptimizer, Gloo)",
-        "postlocal",
-        tau=12,
-        periodic=True,
-    ),
-    Algorithm(
-        "localsgd",
-        "Local SGD",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_PLAIN, "buffers": "reset"},
-        periodic=True,
-    ),
-    Algorithm(
-        "localsgd_slowmo",
-        "Local SGD + SlowMo",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_SLOWMO, "buffers": "reset"},
-        periodic=True,
-    ),
-    Algorithm(
-        "localsgd_slowmo_overlap1",
-        "Local SGD + SlowMo, overlap=1",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_SLOWMO, "buffers": "reset", "overlap": 1},
-        periodic=True,
-    ),
-    Algorithm(
-        "localsgd_slowmo_overlap2",
-        "Local SGD + SlowMo, overlap=2",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_SLOWMO, "buffers": "reset", "overlap": 2},
-        periodic=True,
-    ),
-    Algorithm(
-        "localsgd_slowmo_nocheck",
-        "Local SGD + SlowMo, nonfinite='ignore'",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_SLOWMO, "buffers": "reset", "nonfinite": "ignore"},
-        periodic=True,
-    ),
-    Algorithm(
-        "double_avg",
-        "double averaging (Local SGD, buffers averaged)",
-        "slowmo",
-        "localsgd",
-        12,
-        {**_PLAIN, "buffers": "average"},
-        periodic=True,
-        payload=2.0,
-    ),
-    Algorithm("sgp", "SGP", "slowmo", "sgp", 48, {**_PLAIN, "buffers": "reset"}),
-    Algorithm("sgp_slowmo", "SGP + SlowMo", "slowmo", "sgp", 48, {**_SLOWMO, "buffers": "reset"}),
-    Algorithm(
-        "sgp_slowmo_noavg",
-        "SGP + SlowMo, no exact average",
-        "slowmo",
-        "sgp",
-        48,
-        {**_SLOWMO, "buffers": "reset", "average": False},
-    ),
-    Algorithm("osgp", "OSGP", "slowmo", "osgp", 48, {**_PLAIN, "buffers": "reset"}),
-    Algorithm(
-        "osgp_slowmo", "OSGP + SlowMo", "slowmo", "osgp", 48, {**_SLOWMO, "buffers": "reset"}
-    ),
-)
-ALGORITHM_BY_KEY = {a.key: a for a in ALGORITHMS}
-#: Rows of the paper-shaped table: (label, original, with SlowMo).
-TABLE2_ROWS = (
-    ("Local SGD", "localsgd", "localsgd_slowmo"),
-    ("SGP", "sgp", "sgp_slowmo"),
-    ("OSGP", "osgp", "osgp_slowmo"),
-)
-#: Rows of the peers table: (family, keys shown side by side), PyTorch's and Horovod's first.
-PEER_ROWS = (
-    ("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce")),
-    (
-        "Local SGD (tau=12)",
-        (
-            "torch_postlocal",
-            "localsgd",
-            "localsgd_slowmo",
-            "localsgd_slowmo_overlap1",
-            "localsgd_slowmo_overlap2",
-        ),
-    ),
-)
-#: Keys of the rows that come from PyTorch or Horovod rather than hvd_slowmo.
-PEER_KEYS = ("torch_ddp", "horovod_ar", "torch_postlocal")
-#: Overlapped rows and the row they hide the exact average of (the same run with overlap=0).
-OVERLAP_ROWS = (
-    ("localsgd_slowmo_overlap1", "localsgd_slowmo"),
-    ("localsgd_slowmo_overlap2", "localsgd_slowmo"),
-)
-#: Names ``--algorithms`` accepts for a list of keys.
-ALGORITHM_SETS = {
-    "all": tuple(a.key for a in ALGORITHMS),
-    "peers": ("compute",) + tuple(k for _, keys in PEER_ROWS for k in keys),
-}
-
-
-def select_algorithms(text: str) -> list[str]:
-    """The algorithm keys ``--algorithms`` names, in measuring order, each once.
-
-    Args:
-        text: comma-separated keys of :data:`ALGORITHMS` and/or set names (``all``, ``peers``).
-
-    Raises:
-        ValueError: an unknown name, or nothing selected.
-    """
-    names = [t.strip() for t in str(text).split(",") if t.strip()]
-    unknown = [n for n in names if n not in ALGORITHM_BY_KEY and n not in ALGORITHM_SETS]
-    if unknown:
-        raise ValueError(
-            f"--algorithms: unknown {unknown}; choose from {sorted(ALGORITHM_SETS)} "
-            f"or {[a.key for a in ALGORITHMS]}"
-        )
-    chosen = {k for n in names for k in ALGORITHM_SETS.get(n, (n,))}
-    if not chosen:
-        raise ValueError(
-            "--algorithms selects nothing; give e.g. 'all', 'peers' or 'compute,localsgd'"
-        )
-    return [a.key for a in ALGORITHMS if a.key in chosen]
-
-
 # --- parsing --------------------------------------------------------------------------------------
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-
-
-def parse_rate(rate: str) -> int:
-    """Bits per second of a ``tc`` rate such as ``"1gbit"`` or ``"100mbit"``.
-
-    Args:
-        rate: a number followed by ``bit``, ``kbit``, ``mbit``, ``gbit`` or ``tbit``.
-
-    Raises:
-        ValueError: anything else (``tc``'s byte units such as ``mbps`` are refused to avoid an 8x
-            mistake).
-    """
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", str(rate).strip().lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"--rate must look like 1gbit, 100mbit or 500kbit (bits per second), got {rate!r}"
-        )
-    return int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-
-
 def parse_count(text: str) -> int:
     """Parameter count from ``"10M"``, ``"1.5M"``, ``"500k"`` or ``"123456"``.
 
@@ -317,731 +101,7 @@ def parse_count(text: str) -> int:
     return value
 
 
-# --- the cluster plan -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Host:
-    """One emulated host.
-
-    Args:
-        rank: its Horovod rank.
-        netns: its network namespace.
-        hostname: the name Horovod knows it by.
-        address: its IPv4 address on the bridge (``eth0`` inside the namespace).
-        port: its veth end in the switch namespace (shaped for the host's download direction).
-        peer: the veth end created in the root namespace, then moved in and renamed ``eth0``.
-    """
-
-    rank: int
-    netns: str
-    hostname: str
-    address: str
-    port: str
-    peer: str
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    """Every name and address of one emulated cluster (pure data: building it touches nothing).
-
-    Args:
-        prefix: the prefix of every namespace, link and ``/etc/netns`` entry it creates.
-        hosts: the hosts, in rank order.
-        switch: the switch namespace holding the bridge ``br0``.
-        control: the root-namespace end of an unshaped link to the bridge (rendezvous traffic).
-        control_peer: that link's end on the bridge.
-        control_address: the root namespace's address on the bridge (the rendezvous server).
-        prefix_len: the subnet's prefix length.
-    """
-
-    prefix: str
-    hosts: tuple[Host, ...]
-    switch: str
-    control: str
-    control_peer: str
-    control_address: str
-    prefix_len: int = 24
-
-
-def plan_cluster(num_hosts: int, prefix: str = "hsmc", subnet: str = "10.77.0") -> ClusterPlan:
-    """Names and addresses for ``num_hosts`` hosts.
-
-    Args:
-        num_hosts: number of hosts (2 to 250).
-        prefix: 1 to 8 lowercase letters or digits, starting with a letter (link names are capped
-            at 15 characters by the kernel).
-        subnet: the first three octets of a free /24, e.g. ``"10.77.0"``.
-    """
-    if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or not 2 <= num_hosts <= 250:
-        raise ValueError(f"--hosts must be an integer in [2, 250], got {num_hosts!r}")
-    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
-        raise ValueError(
-            f"--prefix must be 1-8 lowercase letters/digits starting with a letter, got {prefix!r}"
-        )
-    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", subnet) or any(
-        int(o) > 255 for o in subnet.split(".")
-    ):
-        raise ValueError(f"--subnet must be three octets such as 10.77.0, got {subnet!r}")
-    hosts = tuple(
-        Host(
-            rank=i,
-            netns=f"{prefix}-h{i}",
-            hostname=f"{prefix}h{i}",
-            address=f"{subnet}.{i + 1}",
-            port=f"{prefix}p{i}",
-            peer=f"{prefix}v{i}",
-        )
-        for i in range(num_hosts)
-    )
-    return ClusterPlan(
-        prefix=prefix,
-        hosts=hosts,
-        switch=f"{prefix}-sw",
-        control=f"{prefix}c0",
-        control_peer=f"{prefix}c1",
-        control_address=f"{subnet}.254",
-    )
-
-
-def setup_commands(plan: ClusterPlan) -> list[list[str]]:
-    """The ``ip`` commands that build the cluster, in order (no shaping yet).
-
-    Args:
-        plan: from :func:`plan_cluster`.
-    """
-    sw = plan.switch
-    cmds = [
-        ["ip", "netns", "add", sw],
-        ["ip", "-n", sw, "link", "set", "lo", "up"],
-        ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
-        ["ip", "-n", sw, "link", "set", "br0", "up"],
-    ]
-    for h in plan.hosts:
-        cmds += [
-            ["ip", "netns", "add", h.netns],
-            ["ip", "-n", h.netns, "link", "set", "lo", "up"],
-            ["ip", "link", "add", h.peer, "type", "veth", "peer", "name", h.port],
-            ["ip", "link", "set", h.port, "netns", sw],
-            ["ip", "-n", sw, "link", "set", h.port, "master", "br0"],
-            ["ip", "-n", sw, "link", "set", h.port, "up"],
-            ["ip", "link", "set", h.peer, "netns", h.netns],
-            # Every host calls its link eth0, so HOROVOD_GLOO_IFACE is the same everywhere.
-            ["ip", "-n", h.netns, "link", "set", h.peer, "name", "eth0"],
-            ["ip", "-n", h.netns, "addr", "add", f"{h.address}/{plan.prefix_len}", "dev", "eth0"],
-            ["ip", "-n", h.netns, "link", "set", "eth0", "up"],
-        ]
-    # The root namespace joins the bridge on an unshaped link, for the rendezvous server only.
-    cmds += [
-        ["ip", "link", "add", plan.control, "type", "veth", "peer", "name", plan.control_peer],
-        ["ip", "link", "set", plan.control_peer, "netns", sw],
-        ["ip", "-n", sw, "link", "set", plan.control_peer, "master", "br0"],
-        ["ip", "-n", sw, "link", "set", plan.control_peer, "up"],
-        ["ip", "addr", "add", f"{plan.control_address}/{plan.prefix_len}", "dev", plan.control],
-        ["ip", "link", "set", plan.control, "up"],
-    ]
-    return cmds
-
-
-def tbf_args(rate: str, latency_ms: int = 50) -> list[str]:
-    """``tc`` arguments of a token-bucket filter limiting a link to ``rate``.
-
-    The bucket holds 4 ms of traffic (at least 128 KiB): ``tbf`` needs at least ``rate / HZ``
-    bytes (HZ up to 250) and more than one 64 KiB GSO packet, or it drops instead of shaping.
-
-    Args:
-        rate: e.g. ``"1gbit"`` (validated by :func:`parse_rate`).
-        latency_ms: the longest a packet may queue before being dropped.
-    """
-    bits = parse_rate(rate)
-    burst = max(bits // 8 // 250, 128 * 1024)
-    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms}ms"]
-
-
-def shaping_commands(plan: ClusterPlan, rate: str) -> list[list[str]]:
-    """Commands that limit each host's link to ``rate`` in both directions.
-
-    Any earlier limit is replaced.
-
-    Args:
-        plan: from :func:`plan_cluster`.
-        rate: e.g. ``"1gbit"``.
-    """
-    tbf = tbf_args(rate)
-    cmds = []
-    for h in plan.hosts:
-        # Host egress is the upload, the switch port's egress the download: tbf shapes egress only.
-        cmds.append(
-            ["ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf]
-        )
-        cmds.append(
-            [
-                "ip",
-                "netns",
-                "exec",
-                plan.switch,
-                "tc",
-                "qdisc",
-                "replace",
-                "dev",
-                h.port,
-                "root",
-                *tbf,
-            ]
-        )
-    return cmds
-
-
-def teardown_commands(plan: ClusterPlan) -> list[list[str]]:
-    """Commands that remove everything :func:`setup_commands` built (each may fail if already gone).
-
-    Deleting a namespace deletes the veths in it, and with them their peers.
-
-    Args:
-        plan: from :func:`plan_cluster`.
-    """
-    return [["ip", "netns", "del", h.netns] for h in plan.hosts] + [
-        ["ip", "netns", "del", plan.switch],
-        ["ip", "link", "del", plan.control],
-    ]
-
-
-def stale_namespaces(netns_list_output: str, prefix: str) -> list[str]:
-    """The namespaces in ``ip netns list`` output that a run with ``prefix`` created.
-
-    Args:
-        netns_list_output: the text ``ip netns list`` printed (``name`` or ``name (id: N)`` per
-            line).
-        prefix: the run's prefix.
-    """
-    names = [line.split()[0] for line in netns_list_output.splitlines() if line.strip()]
-    return [n for n in names if re.fullmatch(rf"{re.escape(prefix)}-(h\d+|sw)", n)]
-
-
-def hosts_file(plan: ClusterPlan, host: Host, machine_hostname: str) -> str:
-    """Contents of ``/etc/netns/<netns>/hosts`` for ``host``.
-
-    Horovod 0.28.1 builds its Gloo process-set contexts from the machine's host name, ignoring
-    ``HOROVOD_GLOO_IFACE``; inside a namespace that name resolves to 127.0.0.1 and peers get
-    "connection refused". Mapping it to the host's own bridge address fixes it
-    (``ip netns exec`` bind-mounts this file over ``/etc/hosts``).
-
-    Args:
-        plan: from :func:`plan_cluster`.
-        host: the host whose file this is.
-        machine_hostname: ``socket.gethostname()`` (shared by every namespace).
-    """
-    lines = ["127.0.0.1 localhost", f"{host.address} {machine_hostname} {host.hostname}"]
-    lines += [f"{h.address} {h.hostname}" for h in plan.hosts if h is not host]
-    return "\n".join(lines) + "\n"
-
-
-def worker_env(plan: ClusterPlan, host: Host, rendezvous_port: int) -> dict[str, str]:
-    """The environment Horovod's own Gloo launcher would give ``host``'s worker, plus where
-    ``torch.distributed`` finds its interface and rank 0 (its port is chosen there at run time).
-
-    Args:
-        plan: from :func:`plan_cluster`.
-        host: the host the worker runs on.
-        rendezvous_port: the port of the rendezvous server at ``plan.control_address``.
-    """
-    n = str(len(plan.hosts))
-    return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": plan.control_address,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": "eth0",
-        "HOROVOD_HOSTNAME": host.hostname,
-        "HOROVOD_RANK": str(host.rank),
-        "HOROVOD_SIZE": n,
-        "HOROVOD_LOCAL_RANK": "0",
-        "HOROVOD_LOCAL_SIZE": "1",
-        "HOROVOD_CROSS_RANK": str(host.rank),
-        "HOROVOD_CROSS_SIZE": n,
-        # torch.distributed (the PyTorch peers): Gloo on the shaped link, its store on rank 0.
-        "GLOO_SOCKET_IFNAME": "eth0",
-        "MASTER_ADDR": plan.hosts[0].address,
-        # One thread per worker: the hosts share the machine's cores.
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-
-
-# --- statistics and the table ---------------------------------------------------------------------
-def window_stats(stamps: Sequence[float], window: int) -> dict[str, Any]:
-    """Milliseconds per iteration over consecutive windows of ``window`` iterations.
-
-    A window of one outer period (``tau`` iterations) contains exactly one outer step, so every
-    window holds the same mix of cheap inner steps and the expensive average.
-
-    Args:
-        stamps: ``perf_counter`` seconds: the start, then the end of each iteration.
-        window: iterations per window (>= 1); trailing iterations that fill no window are ignored.
-    """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    n = (len(stamps) - 1) // window
-    if n < 1:
-        raise ValueError(
-            f"need at least {window} timed iterations for one window, got {len(stamps) - 1}"
-        )
-    per = [1e3 * (stamps[(i + 1) * window] - stamps[i * window]) / window for i in range(n)]
-    return {
-        "median_ms": statistics.median(per),
-        "min_ms": min(per),
-        "max_ms": max(per),
-        "mean_ms": statistics.fmean(per),
-        "windows": n,
-        "window": window,
-        "per_window_ms": per,
-    }
-
-
-def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One result from repeated measurements of the same algorithm: statistics over all their
-    windows together, per-iteration averages of the counters, and each repeat's median (drift).
-
-    Args:
-        repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
-            ``rank_median_ms``, ``bytes_per_iter``, ``bytes_computed`` and, for hvd_slowmo,
-            ``phase_ms_per_iter``.
-    """
-    if not repeats:
-        raise ValueError("pool_repeats needs at least one measurement")
-    per = [ms for r in repeats for ms in r["per_window_ms"]]
-    out: dict[str, Any] = {
-        "median_ms": statistics.median(per),
-        "min_ms": min(per),
-        "max_ms": max(per),
-        "mean_ms": statistics.fmean(per),
-        "windows": len(per),
-        "window": repeats[0]["window"],
-        "per_window_ms": per,
-        "iteration_ms": [ms for r in repeats for ms in r["iteration_ms"]],
-        "iterations": sum(r["iterations"] for r in repeats),
-        "repeat_median_ms": [r["median_ms"] for r in repeats],
-        "rank_median_ms": [r["rank_median_ms"] for r in repeats],
-        "bytes_per_iter": statistics.fmean(r["bytes_per_iter"] for r in repeats),
-        "bytes_computed": repeats[0]["bytes_computed"],
-    }
-    if "phase_ms_per_iter" in repeats[0]:
-        out["phase_ms_per_iter"] = {
-            k: statistics.fmean(r["phase_ms_per_iter"][k] for r in repeats)
-            for k in repeats[0]["phase_ms_per_iter"]
-        }
-    return out
-
-
-def cluster_stamps(rank_stamps: Sequence[Sequence[float]]) -> list[float]:
-    """When every worker had finished each iteration: the element-wise max over ranks of their
-    stamps relative to their own start (all start right after a barrier).
-
-    A synchronous job runs at its slowest worker's pace, so the compute-only limit is the
-    slowest worker's time, not rank 0's.
-
-    Args:
-        rank_stamps: per rank, ``perf_counter`` seconds at the start and after each iteration.
-    """
-    lengths = {len(s) for s in rank_stamps}
-    if len(lengths) != 1:
-        raise ValueError(
-            f"every rank must report the same number of stamps, got lengths {sorted(lengths)}"
-        )
-    return [max(s[k] - s[0] for s in rank_stamps) for k in range(lengths.pop())]
-
-
-def ring_bytes(payload_bytes: int, size: int) -> int:
-    """Bytes one worker sends in a ring allreduce of ``payload_bytes`` over ``size`` workers.
-
-    Args:
-        payload_bytes: the reduced tensors' total size.
-        size: number of workers.
-    """
-    return int(2 * (size - 1) / size * payload_bytes) if size > 1 else 0
-
-
-def hidden_fraction(
-    t_exposed: float | None, t_overlapped: float | None, t_compute: float | None
-) -> float | None:
-    """The share of some communication that overlapping hides behind compute:
-    ``(t_exposed - t_overlapped) / (t_exposed - t_compute)``.
-
-    1 means the overlapped run reached the compute-only limit, 0 that it gained nothing; load noise
-    can push it past either end. ``None`` when a time is missing or the exposed run shows no
-    communication to hide (``t_exposed <= t_compute``).
-
-    Args:
-        t_exposed: ms/iteration without overlap (e.g. Local SGD + SlowMo, or SGP).
-        t_overlapped: ms/iteration of the same algorithm with overlap (``overlap=d``, or OSGP).
-        t_compute: ms/iteration of compute only.
-    """
-    if t_exposed is None or t_overlapped is None or t_compute is None or t_exposed <= t_compute:
-        return None
-    return (t_exposed - t_overlapped) / (t_exposed - t_compute)
-
-
-def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Ratios of every measured algorithm against AR-SGD and the compute-only limit.
-
-    Args:
-        results: ``{algorithm key: {"median_ms": ..., ...}}``; absent or unavailable entries are
-            skipped.
-
-    Returns:
-        ``{"rows": {key: ratios}, "targets": {...}}``: ``speedup_vs_ar`` = T_AR / T;
-        ``over_compute`` = T / T_compute; ``over_ideal`` = T / (T_compute + payload * AR_comm / tau)
-        for the periodic-average algorithms, where AR_comm = T_AR - T_compute.
-    """
-
-    def t(key: str) -> float | None:
-        r = results.get(key)
-        return r["median_ms"] if r and r.get("median_ms") is not None else None
-
-    comp, ar = t("compute"), t("horovod_ar")
-    ar_comm = ar - comp if ar is not None and comp is not None else None
-    rows: dict[str, dict[str, float | None]] = {}
-    for key, _ in results.items():
-        ms = t(key)
-        if ms is None:
-            continue
-        algo = ALGORITHM_BY_KEY.get(key)
-        ideal = None
-        if algo is not None and algo.periodic and ar_comm is not None:
-            ideal = comp + algo.payload * ar_comm / algo.tau
-        rows[key] = {
-            "ms": ms,
-            "speedup_vs_ar": ar / ms if ar is not None else None,
-            "over_compute": ms / comp if comp else None,
-            "ideal_ms": ideal,
-            "over_ideal": ms / ideal if ideal else None,
-        }
-
-    def ratio(a: str, b: str) -> float | None:
-        return t(a) / t(b) if t(a) is not None and t(b) else None
-
-    targets: dict[str, Any] = {
-        "ar_comm_ms": ar_comm,
-        "ar_comm_fraction": ar_comm / ar if ar_comm is not None and ar else None,
-        "localsgd_slowmo_over_ideal": rows.get("localsgd_slowmo", {}).get("over_ideal"),
-        "localsgd_slowmo_speedup_vs_ar": rows.get("localsgd_slowmo", {}).get("speedup_vs_ar"),
-        "localsgd_slowmo_nocheck_over_ideal": rows.get("localsgd_slowmo_nocheck", {}).get(
-            "over_ideal"
-        ),
-    }
-    for _, orig, slow in TABLE2_ROWS:
-        targets[f"{slow}_over_{orig}"] = ratio(slow, orig)
-        # What SlowMo itself costs, timed inside the optimizer (the slow update, anchor copy and
-        # buffer reset): unlike the difference of two runs, this is not scattered by other load.
-        phases = results.get(slow, {}).get("phase_ms_per_iter")
-        targets[f"{slow}_slow_update_fraction"] = (
-            phases["slow_update"] / t(slow) if phases and t(slow) else None
-        )
-    # The part of SGP's gossip overhead (over compute only) that OSGP's overlap removes.
-    for suffix in ("", "_slowmo"):
-        targets[f"osgp{suffix}_hidden_fraction"] = hidden_fraction(
-            t("sgp" + suffix), t("osgp" + suffix), comp
-        )
-    # The part of the exact average (the overhead over compute only) that overlap=d hides.
-    for overlapped, exposed in OVERLAP_ROWS:
-        targets[f"{overlapped}_hidden_fraction"] = hidden_fraction(t(exposed), t(overlapped), comp)
-    # Against the peers: hvd_slowmo's row over PyTorch's same algorithm (< 1: hvd_slowmo faster).
-    targets["localsgd_over_torch_postlocal"] = ratio("localsgd", "torch_postlocal")
-    targets["allreduce_over_torch_ddp"] = ratio("allreduce", "torch_ddp")
-    peers = [k for k in PEER_KEYS if t(k) is not None]
-    fastest = min(peers, key=lambda k: t(k)) if peers else None
-    targets["fastest_peer"] = fastest
-    for overlapped, _ in OVERLAP_ROWS:
-        targets[f"{overlapped}_over_fastest_peer"] = ratio(overlapped, fastest) if fastest else None
-    return {"rows": rows, "targets": targets}
-
-
-def _fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
-    return "n/a" if x is None else f"{x:{spec}}{suffix}"
-
-
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "n/a"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
-def render_markdown(run: dict[str, Any]) -> str:
-    """The report of one (workload, rate) measurement as markdown.
-
-    Args:
-        run: ``{"header": {...}, "results": {key: {...}}}`` as written by the harness; results
-            entries may be ``{"available": False, "reason": ...}``.
-    """
-    h, results = run["header"], run["results"]
-    summary = summarize({k: v for k, v in results.items() if v.get("available", True)})
-    rows, tg = summary["rows"], summary["targets"]
-    load = h.get("load_avg_1min", [None, None])
-    out = [
-        f"### {h['workload']} ({h['params_human']} parameters, "
-        f"{_fmt_bytes(h['param_bytes'])} fp32), "
-        f"{h['hosts']} hosts, {h['rate']} links"
-        + (f", compute {h['compute_ms']} ms (sleep)" if h.get("compute_ms") is not None else ""),
-        "",
-        "Emulated with network namespaces + veth + bridge, `tc tbf` both directions; "
-        f"Horovod {h.get('horovod', '?')} "
-        f"Gloo; {h['cpu_cores']} CPU cores shared by all hosts. "
-        "ms/iteration: median over windows of one outer "
-        "period (tau iterations), [min-max] over windows, timed by the slowest worker; "
-        f"{h.get('repeats', 1)} repeat(s) of the whole list in alternating order; workers at nice "
-        f"{h.get('nice', 0)}; 1-minute load average {_fmt(load[0], '.1f')} before, "
-        f"{_fmt(load[1], '.1f')} after.",
-        "",
-        "Paper Table 2 shape (ms/iteration, speed-up over AR-SGD):",
-        "",
-        "| base algorithm | tau | original | w/ SlowMo | SlowMo overhead |",
-        "|---|---|---|---|---|",
-    ]
-
-    def cell(key: str) -> str:
-        r = results.get(key)
-        if r is None:
-            return "not run"
-        if not r.get("available", True):
-            return "not available"
-        return f"{r['median_ms']:.0f} ms ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
-
-    for label, orig, slow in TABLE2_ROWS:
-        over = tg.get(f"{slow}_over_{orig}")
-        out.append(
-            f"| {label} | {ALGORITHM_BY_KEY[orig].tau} | {cell(orig)} | {cell(slow)} | "
-            f"{_fmt(None if over is None else 100 * (over - 1), '+.1f', '%')} |"
-        )
-    out += _peer_table(results, rows, tg)
-    out += [
-        "",
-        "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
-        "bytes sent / worker / it |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for key, r in results.items():
-        algo = ALGORITHM_BY_KEY[key]
-        if not r.get("available", True):
-            out.append(
-                f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | |"
-            )
-            continue
-        row = rows[key]
-        sent = _fmt_bytes(r.get("bytes_per_iter")) + (
-            " (computed)" if r.get("bytes_computed") else ""
-        )
-        out.append(
-            f"| {algo.label} | {algo.tau} | "
-            f"{r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
-            f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
-            f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |"
-        )
-
-    out += [
-        "",
-        f"- AR-SGD communication: {_fmt(tg['ar_comm_ms'], '.1f', ' ms')} per iteration, "
-        f"{_pct(tg['ar_comm_fraction'])} of its time.",
-        "- Local SGD + SlowMo vs its ideal `compute + AR_comm/12`: "
-        f"{_excess(tg['localsgd_slowmo_over_ideal'])} (target: within 5%); without the "
-        "per-outer-step NaN/inf check (nonfinite='ignore'): "
-        f"{_excess(tg['localsgd_slowmo_nocheck_over_ideal'])}.",
-        "- Local SGD + SlowMo speed-up over AR-SGD: "
-        f"{_fmt(tg['localsgd_slowmo_speedup_vs_ar'], '.2f', 'x')} "
-        "(target: >= 1.45x where AR-SGD spends a third of its time communicating).",
-    ]
-    for label, orig, slow in TABLE2_ROWS:
-        over = tg.get(f"{slow}_over_{orig}")
-        own = tg.get(f"{slow}_slow_update_fraction")
-        out.append(
-            f"- SlowMo over {label}: {_excess(over)} (target: <= 2%); its slow-update "
-            f"phase, timed inside the optimizer: {_pct(own)} of the iteration."
-        )
-    for suffix, label in (("", "OSGP"), ("_slowmo", "OSGP + SlowMo")):
-        out.append(
-            f"- {label} hides {_pct(tg[f'osgp{suffix}_hidden_fraction'])} of SGP's "
-            "communication time (1 - (T_OSGP - T_compute) / (T_SGP - T_compute))."
-        )
-    out += _peer_bullets(results, rows, tg)
-    return "\n".join(out) + "\n"
-
-
-def _pct(x: float | None, spec: str = ".1f") -> str:
-    return _fmt(None if x is None else 100 * x, spec, "%")
-
-
-def _excess(ratio: float | None, spec: str = "+.1f") -> str:
-    """A time ratio as the percentage it is above (or below) 1."""
-    return _pct(None if ratio is None else ratio - 1, spec)
-
-
-def _peer_table(
-    results: dict[str, dict[str, Any]], rows: dict[str, dict[str, float | None]], tg: dict[str, Any]
-) -> list[str]:
-    """The peers table's lines: PyTorch's and Horovod's rows beside hvd_slowmo's, per family
-    (none when no row of :data:`PEER_ROWS` was measured)."""
-    hidden = {o: tg.get(f"{o}_hidden_fraction") for o, _ in OVERLAP_ROWS}
-    out = [
-        "",
-        "Beside the peers (same hosts, workload, run and processes; time per iteration with "
-        "speed-up over Horovod's AR-SGD; exact average hidden = "
-        "(T_no_overlap - T) / (T_no_overlap - T_compute)):",
-        "",
-        "| family | algorithm | ms/it (speed-up) | / compute | exact average hidden |",
-        "|---|---|---|---|---|",
-    ]
-    n = len(out)
-    for family, keys in PEER_ROWS:
-        for key in keys:
-            r = results.get(key)
-            if r is None:
-                continue
-            label = ALGORITHM_BY_KEY[key].label
-            if not r.get("available", True):
-                out.append(f"| {family} | {label} | not available | | |")
-                continue
-            ms = f"{r['median_ms']:.0f} ({_fmt(rows[key]['speedup_vs_ar'], '.2f', 'x')})"
-            comp = _fmt(rows[key]["over_compute"], ".3f", "x")
-            out.append(
-                f"| {family} | {label} | {ms} | {comp} | "
-                f"{_pct(hidden[key], '.0f') if key in hidden else ''} |"
-            )
-    return out if len(out) > n else []
-
-
-def _peer_bullets(
-    results: dict[str, dict[str, Any]], rows: dict[str, dict[str, float | None]], tg: dict[str, Any]
-) -> list[str]:
-    """The targets against the peers (issue 14), for the rows that were measured."""
-    out = []
-    if "torch_postlocal" in results or "localsgd" in results:
-        out.append(
-            f"- hvd_slowmo Local SGD vs torch's post-local SGD (tau=12): "
-            f"{_excess(tg['localsgd_over_torch_postlocal'])} (target: <= 0%)."
-        )
-    if "torch_ddp" in results or "allreduce" in results:
-        out.append(
-            "- hvd_slowmo AR-SGD (base=allreduce) vs torch's DDP: "
-            f"{_excess(tg['allreduce_over_torch_ddp'])}."
-        )
-    fastest = tg.get("fastest_peer")
-    for overlapped, _ in OVERLAP_ROWS:
-        r = results.get(overlapped)
-        if r is None:
-            continue
-        label = ALGORITHM_BY_KEY[overlapped].label
-        if not r.get("available", True):
-            out.append(f"- {label}: not available (the reason is in its row above).")
-            continue
-        comp = rows[overlapped]["over_compute"]
-        peer = (
-            f"{_excess(tg[f'{overlapped}_over_fastest_peer'])} vs the fastest peer row "
-            f"({ALGORITHM_BY_KEY[fastest].label}; target: < 0%)"
-            if fastest
-            else "no peer row measured"
-        )
-        hidden = _pct(tg[f"{overlapped}_hidden_fraction"], ".0f")
-        out.append(
-            f"- {label}: {_excess(comp)} over compute only (target at 1gbit, 10M params, "
-            f"1 s compute: within 2%); hides {hidden} of the exact average; {peer}."
-        )
-    return out
-
-
 # --- running it (root only) -----------------------------------------------------------------------
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-class Cluster:
-    """Builds the plan's namespaces and links, and removes them again (also after a crash).
-
-    Args:
-        plan: from :func:`plan_cluster`.
-    """
-
-    def __init__(self, plan: ClusterPlan) -> None:
-        self.plan = plan
-        self.workers: list[subprocess.Popen] = []
-        self._made_netns_dir = False
-
-    def clean_stale(self) -> list[str]:
-        """Remove what an earlier run with the same prefix left behind; returns what was found."""
-        found = stale_namespaces(_run(["ip", "netns", "list"]).stdout, self.plan.prefix)
-        for ns in found:
-            _run(["ip", "netns", "del", ns], check=False)
-        if _run(["ip", "link", "show", self.plan.control], check=False).returncode == 0:
-            _run(["ip", "link", "del", self.plan.control], check=False)
-            found.append(self.plan.control)
-        if os.path.isdir(NETNS_DIR):
-            for d in os.listdir(NETNS_DIR):
-                if re.fullmatch(rf"{re.escape(self.plan.prefix)}-(h\d+|sw)", d):
-                    shutil.rmtree(os.path.join(NETNS_DIR, d), ignore_errors=True)
-                    found.append(os.path.join(NETNS_DIR, d))
-        return found
-
-    def build(self, rate: str) -> None:
-        """Create the namespaces, links, addresses and ``/etc/netns`` host files; shape to ``rate``.
-
-        Args:
-            rate: the link rate, e.g. ``"1gbit"``.
-        """
-        for cmd in setup_commands(self.plan):
-            self._checked(cmd)
-        machine = socket.gethostname()
-        self._made_netns_dir = not os.path.isdir(NETNS_DIR)
-        for h in self.plan.hosts:
-            os.makedirs(os.path.join(NETNS_DIR, h.netns), exist_ok=True)
-            with open(os.path.join(NETNS_DIR, h.netns, "hosts"), "w") as f:
-                f.write(hosts_file(self.plan, h, machine))
-        self.shape(rate)
-
-    def shape(self, rate: str) -> None:
-        """Limit every link to ``rate`` in both directions.
-
-        Args:
-            rate: e.g. ``"100mbit"``.
-        """
-        for cmd in shaping_commands(self.plan, rate):
-            self._checked(cmd)
-
-    @staticmethod
-    def _checked(cmd: list[str]) -> None:
-        r = _run(cmd, check=False)
-        if r.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
-
-    def stop_workers(self) -> None:
-        """Terminate the worker process groups this object started (then kill what is left)."""
-        for p in self.workers:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 5
-        for p in self.workers:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        self.workers = []
-
-    def teardown(self) -> None:
-        """Stop the workers, delete the namespaces and links, remove the ``/etc/netns`` files."""
-        self.stop_workers()
-        for cmd in teardown_commands(self.plan):
-            _run(cmd, check=False)
-        for h in self.plan.hosts:
-            shutil.rmtree(os.path.join(NETNS_DIR, h.netns), ignore_errors=True)
-        if self._made_netns_dir and os.path.isdir(NETNS_DIR) and not os.listdir(NETNS_DIR):
-            os.rmdir(NETNS_DIR)  # leave the machine as it was
-
-
 def _terminate(signum: int, frame: Any) -> None:
     # Turn SIGTERM/SIGHUP into an exception so the finally-block teardown runs.
     print(f"signal {signum}: tearing the cluster down", file=sys.stderr, flush=True)
@@ -1049,78 +109,86 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def _launch(cluster: Cluster, worker_args: list[str], timeout_s: float, nice: int) -> None:
-    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.http.http_server import RendezvousServer
-
-    plan = cluster.plan
-    server = RendezvousServer(verbose=0)
-    port = server.start()
-    try:
-        spec = ",".join(f"{h.hostname}:1" for h in plan.hosts)
-        server.init(get_host_assignments(parse_hosts(spec), len(plan.hosts)))
-        for h in plan.hosts:
-            env = {**os.environ, **worker_env(plan, h, port)}
-            cmd = [
-                "ip",
-                "netns",
-                "exec",
-                h.netns,
-                "nice",
-                "-n",
-                str(nice),
-                sys.executable,
-                WORKER,
-                *worker_args,
-            ]
-            # Own process group: teardown can end the worker and anything it started, and only that.
-            cluster.workers.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in cluster.workers):
-            failed = [p for p in cluster.workers if p.returncode not in (None, 0)]
-            if failed:
-                raise RuntimeError(
-                    f"a worker exited with code {failed[0].returncode}; see its output above"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers still running after --timeout {timeout_s:.0f} s")
-            time.sleep(0.2)
-        codes = [p.returncode for p in cluster.workers]
-        if any(codes):
-            raise RuntimeError(f"worker exit codes {codes}; see their output above")
-        cluster.workers = []
-    finally:
-        server.stop()
+    cluster.run([sys.executable, WORKER, *worker_args], timeout_s, nice)
 
 
-def _write_tensorboard(logdir: str, runs: list[dict[str, Any]]) -> None:
-    from torch.utils.tensorboard import SummaryWriter
+def _measure(
+    cluster: Cluster,
+    args: argparse.Namespace,
+    rates: list[str],
+    workloads: list[dict[str, Any]],
+    algos: list[str],
+    command: list[str],
+) -> list[dict[str, Any]]:
+    """Build ``cluster`` and measure every workload at every rate on it (the caller tears it
+    down).
 
-    with SummaryWriter(logdir) as w:
-        for run in runs:
-            h = run["header"]
-            scope = f"{h['workload']}_{h['params_human']}/{h['rate']}"
-            w.add_text(f"{scope}/header", json.dumps(h, indent=1).replace("\n", "  \n"))
-            summary = summarize(
+    Args:
+        cluster: the emulated cluster (not built yet).
+        args: the parsed command line.
+        rates: the link rates.
+        workloads: the workload specs.
+        algos: the algorithm keys.
+        command: the command line, for the report.
+    """
+    hosts = len(cluster.plan.hosts)
+    stale = cluster.clean_stale()
+    if stale:
+        print(f"removed leftovers of an earlier run: {stale}", flush=True)
+    cluster.build(rates[0])
+    runs = []
+    for rate in rates:
+        cluster.shape(rate)
+        for wl in workloads:
+            back = f"_bw{100 * wl.get('backward_fraction', 0):.0f}"
+            raw = os.path.join(
+                args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}{back}_h{hosts}.json"
+            )
+            spec = {
+                **wl,
+                "algorithms": algos,
+                "iters": args.iters,
+                "windows": args.windows,
+                "repeats": args.repeats,
+                "batch_size": args.batch_size,
+                "output": os.path.abspath(raw),
+            }
+            size = f" {human(wl['params'])}" if "params" in wl else ""
+            # Other work on the machine stretches and scatters the times: say how much there was.
+            load_before = os.getloadavg()[0]
+            print(
+                f"== {wl['workload']}{size} at {rate}: {len(algos)} algorithms on {hosts} hosts "
+                f"(1-minute load average {load_before:.2f})",
+                flush=True,
+            )
+            if warning := load_warning(load_before, None):
+                print(f"!!! {warning}", flush=True)
+            _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
+            load_after = os.getloadavg()[0]
+            print(f"   1-minute load average after: {load_after:.2f}", flush=True)
+            if warning := load_warning(load_before, load_after):
+                print(f"!!! {warning}", flush=True)
+            with open(raw) as f:
+                measured = json.load(f)
+            header = {
+                **measured["header"],
+                "hosts": hosts,
+                "rate": rate,
+                "rate_bits_per_s": parse_rate(rate),
+                "tbf": " ".join(tbf_args(rate)),
+                "cpu_cores": os.cpu_count(),
+                "nice": args.nice,
+                "load_avg_1min": [load_before, load_after],
+                "command": " ".join(command),
+            }
+            header["params_human"] = human(header["params"])
+            run = {"header": header, "results": measured["results"]}
+            run["summary"] = summarize(
                 {k: v for k, v in run["results"].items() if v.get("available", True)}
             )
-            for key, r in run["results"].items():
-                if not r.get("available", True):
-                    continue
-                for i, ms in enumerate(r["per_window_ms"]):
-                    w.add_scalar(f"{scope}/ms_per_iter_window/{key}", ms, i)
-                w.add_scalar(f"{scope}/ms_per_iter_median/{key}", r["median_ms"], 0)
-                for name, value in summary["rows"][key].items():
-                    if value is not None and name != "ms":
-                        w.add_scalar(f"{scope}/{name}/{key}", value, 0)
-                if r.get("bytes_per_iter") is not None:
-                    w.add_scalar(f"{scope}/bytes_per_iter/{key}", r["bytes_per_iter"], 0)
-
-
-def _human(n: int) -> str:
-    for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
+            runs.append(run)
+            print(render_markdown(run), flush=True)
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1132,7 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one Horovod worker each")
+    p.add_argument(
+        "--hosts",
+        default="4",
+        help="emulated hosts, one Horovod worker each; several (2,4,8) sweep them: the same rows "
+        "at each count, plotted as ms/iteration vs workers (sweep_*.png, sweep.md)",
+    )
     p.add_argument(
         "--rate", action="append", help="link rate, tc syntax (repeatable): 1gbit, 100mbit"
     )
@@ -1146,6 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--compute-ms",
         default="100",
         help="synthetic compute per iteration (sleep), one value or one per --params entry",
+    )
+    p.add_argument(
+        "--backward-fraction",
+        type=float,
+        default=0.0,
+        help="share of the synthetic compute slept inside the backward pass, between layers, so "
+        "gradient-ready hooks fire while it goes on (0: all before a cheap backward)",
     )
     p.add_argument(
         "--iters",
@@ -1212,7 +292,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:
         p.error("--iters, --windows and --repeats must be >= 1")
-    plan = plan_cluster(args.hosts, args.prefix, args.subnet)
+    if not 0.0 <= args.backward_fraction < 1.0:
+        p.error(f"--backward-fraction must be in [0, 1), got {args.backward_fraction}")
+    try:
+        host_counts = [int(n) for n in args.hosts.split(",")]
+        plans = [plan_cluster(n, args.prefix, args.subnet) for n in host_counts]
+    except ValueError as e:
+        p.error(f"--hosts: {e}")
     if os.geteuid() != 0:
         print(
             "cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr
@@ -1223,77 +309,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     workloads = (
-        [{"workload": "synthetic", "params": n, "compute_ms": c} for n, c in zip(sizes, compute)]
+        [
+            {"workload": "synthetic", "params": n, "compute_ms": c}
+            | {"backward_fraction": args.backward_fraction}
+            for n, c in zip(sizes, compute)
+        ]
         if args.workload == "synthetic"
         else [{"workload": args.workload, "compute_ms": None}]
     )
     os.makedirs(args.out, exist_ok=True)
-    cluster = Cluster(plan)
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     runs: list[dict[str, Any]] = []
     try:
-        stale = cluster.clean_stale()
-        if stale:
-            print(f"removed leftovers of an earlier run: {stale}", flush=True)
-        cluster.build(rates[0])
-        for rate in rates:
-            cluster.shape(rate)
-            for wl in workloads:
-                raw = os.path.join(
-                    args.out, f"raw_{wl['workload']}_{wl.get('params', 0)}_{rate}.json"
-                )
-                spec = {
-                    **wl,
-                    "algorithms": algos,
-                    "iters": args.iters,
-                    "windows": args.windows,
-                    "repeats": args.repeats,
-                    "batch_size": args.batch_size,
-                    "output": os.path.abspath(raw),
-                }
-                size = f" {_human(wl['params'])}" if "params" in wl else ""
-                print(
-                    f"== {wl['workload']}{size} at {rate}: "
-                    f"{len(algos)} algorithms on {args.hosts} hosts",
-                    flush=True,
-                )
-                load_before = os.getloadavg()[0]
-                _launch(cluster, ["--spec", json.dumps(spec)], args.timeout, args.nice)
-                with open(raw) as f:
-                    measured = json.load(f)
-                header = {
-                    **measured["header"],
-                    "hosts": args.hosts,
-                    "rate": rate,
-                    "rate_bits_per_s": parse_rate(rate),
-                    "tbf": " ".join(tbf_args(rate)),
-                    "cpu_cores": os.cpu_count(),
-                    "nice": args.nice,
-                    # Other work on the machine inflates and scatters the times: say how much
-                    # there was.
-                    "load_avg_1min": [load_before, os.getloadavg()[0]],
-                    "command": " ".join(command),
-                }
-                header["params_human"] = _human(header["params"])
-                run = {"header": header, "results": measured["results"]}
-                run["summary"] = summarize(
-                    {k: v for k, v in run["results"].items() if v.get("available", True)}
-                )
-                runs.append(run)
-                print(render_markdown(run), flush=True)
+        for plan in plans:
+            cluster = Cluster(plan)
+            try:
+                runs += _measure(cluster, args, rates, workloads, algos, command)
+            finally:
+                cluster.teardown()
     except KeyboardInterrupt:
         print("interrupted: tearing the cluster down", file=sys.stderr)
         return 130
     finally:
-        cluster.teardown()
         for s, h in old_handlers.items():
             signal.signal(s, h)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(runs, f, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write("\n".join(render_markdown(r) for r in runs))
-    _write_tensorboard(os.path.join(args.out, "tensorboard"), runs)
-    print(f"wrote {args.out}/results.json, table.md, tensorboard/", flush=True)
+    write_tensorboard(os.path.join(args.out, "tensorboard"), runs)
+    wrote = "results.json, table.md, tensorboard/"
+    if len(host_counts) > 1:
+        with open(os.path.join(args.out, "sweep.md"), "w") as f:
+            f.write(sweep_markdown(runs))
+        print(sweep_markdown(runs), flush=True)
+        pngs = plot_sweep(runs, args.out)
+        wrote += ", sweep.md, " + ", ".join(os.path.basename(p) for p in pngs)
+    print(f"wrote {args.out}/: {wrote}", flush=True)
+    warnings = [w for r in runs if (w := load_warning(*r["header"]["load_avg_1min"]))]
+    if warnings:
+        print(
+            f"\n!!! {len(warnings)} of {len(runs)} runs on a busy machine: {warnings[0]}",
+            flush=True,
+        )
     return 0
 
 

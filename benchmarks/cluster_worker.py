@@ -3,7 +3,8 @@
 Started by cluster.py inside an emulated host's network namespace with Horovod's Gloo
 environment set (and ``GLOO_SOCKET_IFNAME``/``MASTER_ADDR`` for ``torch.distributed``, which the
 PyTorch peers use); not meant to be run by hand. ``--spec`` is a JSON object with ``workload``,
-``params``, ``compute_ms``, ``batch_size``, ``algorithms``, ``iters``, ``windows``, ``output``.
+``params``, ``compute_ms``, ``backward_fraction``, ``batch_size``, ``algorithms``, ``iters``,
+``windows``, ``output``.
 """
 
 import argparse
@@ -32,15 +33,8 @@ sys.path.insert(
 import horovod
 import horovod.torch as hvd
 from cifar10_resnet18 import ResNet18
-from cluster import (
-    ALGORITHM_BY_KEY,
-    WARMUP_ITERS,
-    Algorithm,
-    cluster_stamps,
-    pool_repeats,
-    ring_bytes,
-    window_stats,
-)
+from cluster_algorithms import ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm
+from cluster_stats import cluster_stamps, pool_repeats, ring_bytes, window_stats
 
 import hvd_slowmo
 
@@ -61,23 +55,53 @@ class Synthetic(nn.Module):
         sizes[-1] += num_params - sum(sizes)
         self.chunks = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.01) for s in sizes)
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, backward_s: float = 0.0) -> torch.Tensor:
         """A cheap loss that gives every parameter a gradient (through ``forward``, so DDP's
-        reducer expects the backward's hooks)."""
-        return sum(p.sum() * (1e-3 * (i + 1)) for i, p in enumerate(self.chunks))
+        reducer expects the backward's hooks), built as a chain of layers: the backward pass
+        reaches the last chunk first and the first chunk last.
+
+        Args:
+            backward_s: seconds the backward pass sleeps, split evenly between the layers (each
+                layer's share before its gradient is ready), so gradient-ready hooks fire while
+                the backward pass goes on.
+        """
+        loss = torch.zeros(())
+        for i, p in enumerate(self.chunks):
+            loss = loss + p.sum() * (1e-3 * (i + 1))
+            if backward_s > 0:
+                loss = SleepInBackward.apply(loss, backward_s / len(self.chunks))
+        return loss
 
 
-def synthetic_step(compute_ms: float) -> Step:
-    """Sleep ``compute_ms`` (no CPU used, so co-located hosts do not contend), then a cheap
-    backward that gives every parameter a gradient and fires Horovod's (or DDP's) allreduce hooks.
+class SleepInBackward(torch.autograd.Function):
+    """The identity whose backward sleeps: one layer's backward compute without using the CPU
+    (co-located emulated hosts do not contend for it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def synthetic_step(compute_ms: float, backward_fraction: float = 0.0) -> Step:
+    """Sleep (no CPU used, so co-located hosts do not contend) ``compute_ms`` in all: the share
+    ``backward_fraction`` inside the backward pass, between layers (gradient-ready hooks of
+    Horovod, DDP and hvd_slowmo's AR-SGD fire during it), the rest before it.
 
     Args:
-        compute_ms: the emulated forward/backward time.
+        compute_ms: the emulated forward + backward time.
+        backward_fraction: the share of it spent in the backward pass, in [0, 1).
     """
+    backward_s = compute_ms * backward_fraction / 1e3
 
     def step(model: nn.Module) -> None:
-        time.sleep(compute_ms / 1e3)
-        model().backward()
+        time.sleep(compute_ms / 1e3 - backward_s)
+        model(backward_s).backward()
 
     return step
 
@@ -113,7 +137,8 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
     gen = torch.Generator().manual_seed(1 + hvd.rank())  # each worker its own fixed batch
     b = spec["batch_size"]
     if spec["workload"] == "synthetic":
-        return Synthetic(spec["params"]), synthetic_step(spec["compute_ms"])
+        step = synthetic_step(spec["compute_ms"], spec.get("backward_fraction", 0.0))
+        return Synthetic(spec["params"]), step
     if spec["workload"] == "resnet18":
         model = ResNet18()
         x, y = torch.randn(b, 3, 32, 32, generator=gen), torch.randint(0, 10, (b,), generator=gen)
@@ -295,6 +320,7 @@ def main() -> None:
         header = {
             "workload": spec["workload"],
             "compute_ms": spec.get("compute_ms"),
+            "backward_fraction": spec.get("backward_fraction", 0.0),
             "params": sum(p.numel() for p in model.parameters()),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "batch_size": None if spec["workload"] == "synthetic" else spec["batch_size"],

@@ -166,7 +166,8 @@ def slow_vs_base_step(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the defaults of the full or the --tiny run filled in."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -200,31 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("batch", "tau", "windows", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    if hvd is not None:
-        hvd.init()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    model_name = (
-        "tiny ResNet (2 bottlenecks), 16x16" if args.tiny else "torchvision ResNet-50, 224x224"
-    )
+    return args
 
-    results: dict[str, dict[str, object]] = {}
-    for variant in VARIANTS:
-        if variant.startswith("Horovod") and hvd is None:
-            continue
-        results[variant] = run_variant(variant, args, device)
-        if variant != "Local SGD + SlowMo":
-            del results[variant]["opt"], results[variant]["model"]  # free it before the next one
-    steps = slow_vs_base_step(results["Local SGD + SlowMo"], args.repeats, device)
-    n_params = sum(p.numel() for p in results["Local SGD + SlowMo"]["model"].parameters())
 
-    print(
-        f"{model_name}: {n_params:,} parameters ({steps['param_bytes'] / 2**20:.1f} MiB fp32), "
-        f"batch {args.batch}, bf16 autocast, channels_last, tau={args.tau}; {where}; "
-        f"torch {torch.__version__}; one process (collectives skipped at size 1)"
-    )
+def _print_tables(
+    results: dict[str, dict[str, object]],
+    steps: dict[str, float],
+    header: str,
+) -> None:
+    """The per-optimizer table and the targets' table (Markdown)."""
+    print(header)
     plain = results["plain torch"]
     print(
         "| optimizer | ms/iter (median of windows) | min-max | vs plain torch "
@@ -262,6 +248,36 @@ def main(argv: list[str] | None = None) -> None:
         f"| SlowMo state / parameter bytes | {steps['state_ratio']:.2f}x | exactly 2x | "
         f"{'yes' if steps['state_ratio'] == 2.0 else 'no'} |"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    if hvd is not None:
+        hvd.init()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    model_name = (
+        "tiny ResNet (2 bottlenecks), 16x16" if args.tiny else "torchvision ResNet-50, 224x224"
+    )
+
+    results: dict[str, dict[str, object]] = {}
+    for variant in VARIANTS:
+        if variant.startswith("Horovod") and hvd is None:
+            continue
+        results[variant] = run_variant(variant, args, device)
+        if variant != "Local SGD + SlowMo":
+            del results[variant]["opt"], results[variant]["model"]  # free it before the next one
+    steps = slow_vs_base_step(results["Local SGD + SlowMo"], args.repeats, device)
+    n_params = sum(p.numel() for p in results["Local SGD + SlowMo"]["model"].parameters())
+
+    header = (
+        f"{model_name}: {n_params:,} parameters ({steps['param_bytes'] / 2**20:.1f} MiB fp32), "
+        f"batch {args.batch}, bf16 autocast, channels_last, tau={args.tau}; {where}; "
+        f"torch {torch.__version__}; one process (collectives skipped at size 1)"
+    )
+    _print_tables(results, steps, header)
 
 
 if __name__ == "__main__":

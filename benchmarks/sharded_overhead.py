@@ -120,9 +120,8 @@ def main() -> None:
     for _, opt in opts.items():
         outer_step_s(opt)  # warm-up (Horovod negotiates a new collective once)
     for i in range(args.repeats):
-        order = (
-            list(opts)[i % len(opts) :] + list(opts)[: i % len(opts)]
-        )  # rotate: load hits all alike
+        # Rotate: load hits all alike
+        order = list(opts)[i % len(opts) :] + list(opts)[: i % len(opts)]
         for name in order:
             b0 = opts[name].comm.bytes_sent
             times[name].append(outer_step_s(opts[name]))

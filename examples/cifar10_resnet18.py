@@ -79,7 +79,7 @@ def datasets(args: argparse.Namespace, rank: int, hvd: Any) -> dict[str, Dataset
     Args:
         args: the parsed flags.
         rank: this worker's rank.
-        hvd: ``horovod.torch``, for the barrier after the download.
+        hvd: the job (:class:`launch.Job`), for the barrier after the download.
     """
     if args.synthetic:
         g = torch.Generator().manual_seed(0)  # the same data on every worker

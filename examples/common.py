@@ -27,6 +27,11 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from launch import Job, init_job
+
+# The machine-readable event lines (--progress-lines) and the log check built on them.
+from run_log import PROGRESS_MARK, event_line
+
 import hvd_slowmo
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
 
@@ -63,9 +68,6 @@ __all__ = [
 #: Base algorithms selectable with --algo: every registered one (a base registered in
 #: hvd_slowmo.BASES appears here, in compare.py and in the sweep tool).
 ALGOS = tuple(hvd_slowmo.BASES)
-#: With --progress-lines, rank 0 prints one line per event starting with this mark, then JSON
-#: (examples/compare.py draws its progress bars from them).
-PROGRESS_MARK = "@hvd_slowmo_progress "
 
 
 def add_common_args(
@@ -191,19 +193,20 @@ def add_common_args(
     )
 
 
-def setup(args: argparse.Namespace) -> tuple[Any, torch.device]:
-    """``hvd.init()``, pick the device (one GPU per local rank), seed, and keep CPU threads
-    from oversubscribing the cores (several ranks share one machine).
+def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
+    """Initialize the launcher's engine (``torchrun``: torch.distributed, ``horovodrun``:
+    Horovod; :mod:`launch`), pick the device (one GPU per local rank), seed, and keep CPU
+    threads from oversubscribing the cores (several ranks share one machine).
 
     Args:
         args: the parsed flags.
 
     Returns:
-        ``(hvd, device)``.
+        ``(hvd, device)``: ``hvd`` is the :class:`launch.Job`, which answers the
+        ``horovod.torch`` calls the examples make (``rank()``, ``size()``, ``allreduce``, ...)
+        under either launcher.
     """
-    import horovod.torch as hvd
-
-    hvd.init()
+    hvd = init_job()
     if args.tau < 1:
         raise ValueError(f"--tau must be >= 1, got {args.tau}")
     if torch.cuda.is_available():
@@ -211,7 +214,11 @@ def setup(args: argparse.Namespace) -> tuple[Any, torch.device]:
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(hvd.local_size(), 1)))
+        # The local ranks share the cores: a share each. Emulated hosts (hvd_slowmo.tools.netns)
+        # share them too but each sees local_size 1; their launcher sets OMP_NUM_THREADS (torch
+        # read it at import), which is kept: two threads per worker spin against each other.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(hvd.local_size(), 1)))
     # Same seed everywhere: identical initial models (broadcast below makes sure anyway).
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -438,7 +445,7 @@ def backward_and_step(
         opt: the distributed optimizer.
         scaler: the GradScaler or None.
         monitor: the run's monitor (its consensus measurement must precede the step).
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
     """
     opt.zero_grad()
     if scaler is None:
@@ -468,7 +475,7 @@ def allreduce_sums(values: Sequence[float], hvd: Any, name: str) -> list[float]:
 
     Args:
         values: this worker's partial sums.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         name: a unique Horovod tensor name.
     """
     t = hvd.allreduce(torch.tensor(list(values), dtype=torch.float64), op=hvd.Sum, name=name)
@@ -522,7 +529,7 @@ def load_checkpoint(
         model: the model.
         opt: the distributed optimizer.
         scaler: the GradScaler or None.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
 
     Returns:
         The epoch to continue from.
@@ -577,8 +584,7 @@ def log0(rank: int, *message: Any) -> None:
 
 def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: Any) -> None:
     if args.progress_lines and rank == 0:
-        line = json.dumps({"event": event, "run": run_name(args), **fields})
-        print(PROGRESS_MARK + line, flush=True)
+        print(event_line(event, run=run_name(args), **fields), flush=True)
 
 
 def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:
@@ -682,7 +688,7 @@ def classifier_metrics(
     Args:
         model: the model to score (the averaged one, see ``opt.use_consensus()``).
         dataset: yields ``(x, y)``.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the device.
         args: the parsed flags (--amp, --workers).
         batch_size: evaluation batch size.
@@ -752,6 +758,53 @@ def _fmt_metrics(metrics: dict[str, float]) -> str:
     )
 
 
+def _train_epoch(
+    args: argparse.Namespace,
+    hvd: Any,
+    device: torch.device,
+    task: Task,
+    epoch: int,
+    opt: Any,
+    scaler: Any,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    monitor: TrainingMonitor,
+) -> tuple[float, int, bool]:
+    """One epoch of :func:`train`'s steps; returns (the sum of this worker's minibatch losses, its
+    steps, whether the run diverged: a non-finite check raised, on every rank at the same step)."""
+    rank = hvd.rank()
+    bar = progress(
+        task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
+    )
+    loss_sum, steps = 0.0, 0
+    for i, batch in enumerate(bar):
+        if i >= task.steps_per_epoch:
+            break
+        batch = task.to_device(batch)
+        monitor.start_iteration()
+        with autocast(args, device):
+            loss = task.loss(batch)
+        try:
+            backward_and_step(loss, opt, scaler, monitor, hvd)
+        except FloatingPointError as e:
+            # Raised on every rank at the same outer step (a collective check): a learning rate
+            # too large for this method. Record the run as diverged (its metrics: those of the
+            # non-finite model) rather than end a sweep or a --plan launch.
+            log0(
+                rank,
+                f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
+            )
+            return loss_sum, steps, True
+        value = loss.item()
+        monitor.end_iteration(value)
+        loss_sum, steps = loss_sum + value, steps + 1
+        sched.step()
+        if opt.num_steps % args.log_every == 0:
+            window = monitor.log_window(opt.num_steps)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}")
+    return loss_sum, steps, False
+
+
 def train(
     args: argparse.Namespace,
     hvd: Any,
@@ -767,7 +820,7 @@ def train(
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
-        hvd: ``horovod.torch`` (initialized).
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the training device.
         task: the example's data, loss and evaluation.
         model: the model, on ``device``.
@@ -805,39 +858,9 @@ def train(
     skip_seconds, skip_iters = 0.0, 0
     diverged = False
     for epoch in range(start_epoch, args.epochs):
-        bar = progress(
-            task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
+        loss_sum, steps, diverged = _train_epoch(
+            args, hvd, device, task, epoch, opt, scaler, sched, monitor
         )
-        loss_sum, steps = 0.0, 0
-        for i, batch in enumerate(bar):
-            if i >= task.steps_per_epoch:
-                break
-            batch = task.to_device(batch)
-            monitor.start_iteration()
-            with autocast(args, device):
-                loss = task.loss(batch)
-            try:
-                backward_and_step(loss, opt, scaler, monitor, hvd)
-            except FloatingPointError as e:
-                # Raised on every rank at the same outer step (a collective check): a learning rate
-                # too large for this method. Record the run as diverged (its metrics: those of the
-                # non-finite model) rather than end a sweep or a --plan launch.
-                log0(
-                    rank,
-                    f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
-                )
-                diverged = True
-                break
-            value = loss.item()
-            monitor.end_iteration(value)
-            loss_sum, steps = loss_sum + value, steps + 1
-            sched.step()
-            if opt.num_steps % args.log_every == 0:
-                window = monitor.log_window(opt.num_steps)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}"
-                    )
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
         epoch_loss = loss_sum / steps_all if steps_all else float("nan")
@@ -921,7 +944,7 @@ def train_classifier(
 
     Args:
         args: the parsed flags (see :func:`add_common_args`).
-        hvd: ``horovod.torch`` (initialized).
+        hvd: the job (:class:`launch.Job`, from :func:`setup`).
         device: the training device.
         task: the task name recorded in ``config.json``.
         model: the model, on ``device``.

@@ -7,9 +7,19 @@ tables as mean ± std over seeds, and a figure.
     python examples/compare.py --full          # 5 seeds, OSGP too: the paper-like table
     python examples/compare.py --task digits   # 8x8 digits: fast, saturated, not tuned
     python examples/compare.py --algos localsgd,localsgd-slowmo --seeds 0,1 --epochs 10
+    python examples/compare.py --network 100mbit   # as root: 4 emulated hosts, time to accuracy
 
-Every run of one worker count trains inside a single ``horovodrun -np NP --gloo`` launch (the
-training script's ``--plan``), one run after the other, so the launcher's start-up is paid once
+``--network RATE[,DELAY]`` runs every worker in its own emulated host (hvd_slowmo.tools.netns:
+a network namespace with a veth to a bridge, the link limited to RATE both ways with ``tc tbf``,
+DELAY added with ``netem`` where the kernel has it) and adds Local SGD + SlowMo with
+``overlap=1`` (``localsgd-slowmo-overlap1``); it prints the time to accuracy: the training
+seconds each method's averaged model needs to first reach 85%, 90% and the best method's final
+accuracy minus one point (hvd_slowmo.tools.time_to_accuracy), and the figure plots accuracy
+against those seconds.
+
+Every run of one worker count trains inside a single launch (the training script's ``--plan``:
+``horovodrun -np NP --gloo``, or ``torchrun --nproc-per-node NP`` with ``--launcher torchrun`` or
+where Horovod is not installed), one run after the other, so the launcher's start-up is paid once
 and the cores are never shared by more than NP processes. A progress bar per run follows the
 epochs; each run's wall time and the total are printed.
 
@@ -27,6 +37,7 @@ models). TensorBoard event files: LOGDIR/TASK/<method>/seed<k>/.
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,10 +56,22 @@ from common import ALGOS, PROGRESS_MARK  # noqa: E402  (also puts the package on
 
 import hvd_slowmo  # noqa: E402
 from hvd_slowmo.tools import report  # noqa: E402
-from hvd_slowmo.tools.sweep import horovodrun_command  # noqa: E402
+from hvd_slowmo.tools import time_to_accuracy as tta  # noqa: E402
+from hvd_slowmo.tools.netns import (  # noqa: E402
+    Cluster,
+    missing_requirements,
+    netem_available,
+    parse_network,
+    plan_cluster,
+)
+from hvd_slowmo.tools.sweep import LAUNCHERS, launch_command, resolve_launcher  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
+#: --network: the default methods, and Local SGD + SlowMo with its exact average in flight for
+#: one base step (overlap=1: the smallest delay, 0.9 points of accuracy on this task in the
+#: README's table of d; on the emulated cluster it hid part of the average's time).
+NETWORK_ALGOS = "allreduce,localsgd,localsgd-slowmo,localsgd-slowmo-overlap1,sgp,sgp-slowmo"
 #: tau for every method: the paper's CIFAR-10 setting (Table 1: tau = 12 for every base). AR-SGD
 #: has no outer step to speak of, but the optimizer still checks every tau steps that all
 #: workers are finite (one small collective).
@@ -61,17 +84,23 @@ TASKS: dict[str, tuple[str, dict[str, dict[str, Any]], dict[str, int]]] = {
 SEEDS = {"default": "0,1,2", "quick": "0", "full": "0,1,2,3,4"}
 
 
-def parse_algo(spec: str) -> tuple[str, bool]:
-    """``"sgp-slowmo"`` -> ``("sgp", True)``; ``"localsgd"`` -> ``("localsgd", False)``.
+def parse_method(spec: str) -> tuple[str, bool, int | None]:
+    """``"localsgd-slowmo-overlap1"`` -> ``("localsgd", True, 1)``; ``"sgp-slowmo"`` ->
+    ``("sgp", True, None)``; ``"localsgd"`` -> ``("localsgd", False, None)``.
 
     Args:
-        spec: a base name, optionally followed by ``-slowmo``.
+        spec: a base name, optionally followed by ``-slowmo``, then optionally by ``-overlapD``
+            (SlowMo's exact average stays in flight for D base steps; None: --overlap decides).
     """
-    base, slowmo = (spec[: -len("-slowmo")], True) if spec.endswith("-slowmo") else (spec, False)
+    m = re.fullmatch(r"(.*?)(-slowmo)?(?:-overlap(\d+))?", spec)
+    assert m is not None  # the pattern matches every string
+    base, slowmo = m.group(1), m.group(2) is not None
+    overlap = int(m.group(3)) if m.group(3) is not None else None
     if base not in ALGOS:
         raise ValueError(
             f"--algos: unknown algorithm {spec!r}; use {', '.join(ALGOS)}, each "
-            "optionally with -slowmo (e.g. localsgd-slowmo)"
+            "optionally with -slowmo (e.g. localsgd-slowmo) and then -overlapD "
+            "(e.g. localsgd-slowmo-overlap1)"
         )
     if base == "allreduce" and slowmo:
         raise ValueError(
@@ -79,7 +108,34 @@ def parse_algo(spec: str) -> tuple[str, bool]:
             "saw no gain from SlowMo over AR-SGD); run it with "
             "examples/mnist1d_cnn.py --algo allreduce --slowmo"
         )
+    if overlap is not None and not slowmo:
+        raise ValueError(
+            f"--algos: {spec!r}: -overlapD is an option of SlowMo's outer step; "
+            f"use {base}-slowmo-overlap{overlap}"
+        )
+    return base, slowmo, overlap
+
+
+def parse_algo(spec: str) -> tuple[str, bool]:
+    """``"sgp-slowmo"`` -> ``("sgp", True)``; ``"localsgd"`` -> ``("localsgd", False)``
+    (see :func:`parse_method`).
+
+    Args:
+        spec: a method name.
+    """
+    base, slowmo, _ = parse_method(spec)
     return base, slowmo
+
+
+def settings_key(method: str) -> str:
+    """The tuned settings a method takes: an overlapped SlowMo run takes the non-overlapped
+    method's (``"localsgd-slowmo-overlap1"`` -> ``"localsgd-slowmo"``).
+
+    Args:
+        method: a method name (:func:`parse_method`).
+    """
+    base, slowmo, _ = parse_method(method)
+    return base + ("-slowmo" if slowmo else "")
 
 
 def run_args(
@@ -93,7 +149,8 @@ def run_args(
         seed: the run's seed.
         args: compare.py's flags.
     """
-    base, slowmo = parse_algo(method)
+    base, slowmo, overlap = parse_method(method)
+    overlap = args.overlap if overlap is None else overlap
     flags = [
         "--algo",
         base,
@@ -111,14 +168,107 @@ def run_args(
     ]
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
-        flags += ["--overlap", str(args.overlap)] if args.overlap else []
+        flags += ["--overlap", str(overlap)] if overlap else []
     return flags
+
+
+class _ProgressBars:
+    """A tqdm bar per run of a launch, driven by the runs' event lines (--progress-lines); each
+    run's summary goes into ``summaries``, and one line is printed when it ends.
+
+    Args:
+        disable: no bars (the end-of-run lines are still printed).
+        summaries: run name -> rank 0's summary, filled as runs end.
+    """
+
+    def __init__(self, disable: bool, summaries: dict[str, dict[str, Any]]) -> None:
+        self.disable, self.summaries = disable, summaries
+        self.bar: Any | None = None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        if event["event"] == "start":
+            self.bar = tqdm(
+                total=event["epochs"],
+                initial=event["start_epoch"],
+                desc=f"{event['run']:<22}",
+                unit="epoch",
+                dynamic_ncols=True,
+                leave=False,
+                disable=self.disable,
+            )
+        elif event["event"] == "epoch" and self.bar is not None:
+            self.bar.update(1)
+            acc = event.get("val_accuracy")
+            if acc is not None:
+                loss = event.get("train_full_loss", float("nan"))
+                self.bar.set_postfix(acc=f"{acc:.1f}%", loss=f"{loss:.4f}")
+        elif event["event"] == "end":
+            s = event["summary"]
+            self.summaries[s["run"]] = s
+            self.close()
+            loss = s.get("train_full_loss", s["train_loss"])
+            tqdm.write(
+                f"{s['run']:<26} {s['wall_s']:6.1f} s   test acc "
+                f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
+                f"{s['ms_per_iter']:.1f} ms/iter" + ("   DIVERGED" if s.get("diverged") else "")
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def follow_progress(
+    lines: Iterable[str], args: argparse.Namespace
+) -> tuple[dict[str, dict[str, Any]], deque[str]]:
+    """Read a launch's output (rank 0's): a progress bar per run from its progress lines, and a
+    line per finished run.
+
+    Args:
+        lines: the output, line by line.
+        args: compare.py's flags.
+
+    Returns:
+        (run name -> rank 0's summary, the last 60 other lines).
+    """
+    from tqdm import tqdm
+
+    summaries: dict[str, dict[str, Any]] = {}
+    tail: deque[str] = deque(maxlen=60)
+    bars = _ProgressBars(args.no_progress, summaries)
+    try:
+        for line in lines:
+            if PROGRESS_MARK in line:
+                bars.on_event(json.loads(line.split(PROGRESS_MARK, 1)[1]))
+                continue
+            tail.append(line.rstrip("\n"))
+            if args.verbose:
+                tqdm.write(line.rstrip("\n"))
+    finally:
+        bars.close()
+    return summaries, tail
+
+
+def write_plan(folder: str, plan: list[list[str]]) -> str:
+    """Save the runs' argument lists for the training script's ``--plan``; returns the path.
+
+    Args:
+        folder: where.
+        plan: one argument list per run.
+    """
+    path = os.path.join(folder, "plan.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(plan, f)
+    return path
 
 
 def launch(
     np_: int, script: str, plan: list[list[str]], common_flags: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, dict[str, Any]], int, str]:
-    """Train every run of ``plan`` in one horovodrun launch, with a progress bar per run.
+    """Train every run of ``plan`` in one launch (horovodrun or torchrun), a progress bar per run.
 
     Args:
         np_: workers.
@@ -130,19 +280,12 @@ def launch(
     Returns:
         (run name -> rank 0's summary, the launch's exit code, the tail of its output).
     """
-    from tqdm import tqdm
-
-    summaries: dict[str, dict[str, Any]] = {}
-    tail: deque[str] = deque(maxlen=60)
     with tempfile.TemporaryDirectory() as tmp:
-        plan_path = os.path.join(tmp, "plan.json")
-        with open(plan_path, "w", encoding="utf-8") as f:
-            json.dump(plan, f)
         cmd = (
-            horovodrun_command(np_, args.launcher)
+            launch_command(np_, args.launcher)
             + [sys.executable, os.path.join(HERE, script)]
             + common_flags
-            + ["--plan", plan_path]
+            + ["--plan", write_plan(tmp, plan)]
         )
         # A session of its own, so a timeout or Ctrl-C can stop horovodrun and every worker it
         # started.
@@ -162,56 +305,80 @@ def launch(
 
         timer = threading.Timer(args.timeout, stop)
         timer.start()
-        bar: Any | None = None
         try:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                if PROGRESS_MARK not in line:
-                    tail.append(line.rstrip("\n"))
-                    if args.verbose:
-                        tqdm.write(line.rstrip("\n"))
-                    continue
-                event = json.loads(line.split(PROGRESS_MARK, 1)[1])
-                if event["event"] == "start":
-                    bar = tqdm(
-                        total=event["epochs"],
-                        initial=event["start_epoch"],
-                        desc=f"{event['run']:<22}",
-                        unit="epoch",
-                        dynamic_ncols=True,
-                        leave=False,
-                        disable=args.no_progress,
-                    )
-                elif event["event"] == "epoch" and bar is not None:
-                    bar.update(1)
-                    acc = event.get("val_accuracy")
-                    if acc is not None:
-                        loss = event.get("train_full_loss", float("nan"))
-                        bar.set_postfix(acc=f"{acc:.1f}%", loss=f"{loss:.4f}")
-                elif event["event"] == "end":
-                    s = event["summary"]
-                    summaries[s["run"]] = s
-                    if bar is not None:
-                        bar.close()
-                        bar = None
-                    loss = s.get("train_full_loss", s["train_loss"])
-                    tqdm.write(
-                        f"{s['run']:<22} {s['wall_s']:6.1f} s   test acc "
-                        f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
-                        f"{s['ms_per_iter']:.1f} ms/iter"
-                        + ("   DIVERGED" if s.get("diverged") else "")
-                    )
+            summaries, tail = follow_progress(proc.stdout, args)
             proc.wait()
         except BaseException:  # Ctrl-C or SIGTERM: the workers are in another session: stop them
             os.killpg(proc.pid, signal.SIGKILL)
             raise
         finally:
             timer.cancel()
-            if bar is not None:
-                bar.close()
     if timed_out.is_set():
         tail.append(f"(stopped after --timeout {args.timeout:g} s)")
     return summaries, proc.returncode, "\n".join(tail)
+
+
+def launch_network(
+    cluster: Any,
+    script: str,
+    plan: list[list[str]],
+    common_flags: list[str],
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[str, Any]], int, str]:
+    """Train every run of ``plan`` in one launch on the emulated hosts: one worker per host
+    (its own network namespace and shaped link), Horovod over Gloo.
+
+    Args:
+        cluster: a built :class:`hvd_slowmo.tools.netns.Cluster`.
+        script: the training script.
+        plan: one argument list per run.
+        common_flags: flags for every run.
+        args: compare.py's flags.
+
+    Returns:
+        (run name -> rank 0's summary, 0 or 1, the tail of rank 0's output and of the first
+        failing worker's).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, os.path.join(HERE, script), *common_flags]
+        argv += ["--plan", write_plan(tmp, plan)]
+        logs = {h.rank: os.path.join(tmp, f"rank{h.rank}.log") for h in cluster.plan.hosts[1:]}
+        files = {rank: open(path, "w", encoding="utf-8") for rank, path in logs.items()}
+
+        def outputs(host: Any) -> dict[str, Any]:
+            # Rank 0's output is followed; the others' is kept for an error message.
+            if host.rank == 0:
+                return {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+            return {"stdout": files[host.rank], "stderr": subprocess.STDOUT}
+
+        errors: list[BaseException] = []
+
+        def watch() -> None:
+            try:
+                cluster.wait_workers(args.timeout)
+            except RuntimeError as e:  # a worker failed or the time ran out: all were stopped
+                errors.append(e)
+
+        try:
+            with cluster.rendezvous() as port:
+                workers = cluster.start_workers(argv, port, args.nice, outputs)
+                watcher = threading.Thread(target=watch, daemon=True)
+                watcher.start()
+                summaries, tail = follow_progress(workers[0].stdout, args)
+                watcher.join()
+        finally:
+            for f in files.values():
+                f.close()
+        if errors:
+            tail.append(f"({errors[0]})")
+            for rank, path in logs.items():
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    lines = f.read().splitlines()
+                if lines:
+                    tail.append(f"-- rank {rank}, last lines:")
+                    tail.extend(lines[-15:])
+    return summaries, 1 if errors else 0, "\n".join(tail)
 
 
 def results_table(
@@ -237,7 +404,7 @@ def results_table(
             [
                 method,
                 f"{cfg['lr']:g}",
-                f"{cfg['slow_momentum']:g}" if method.endswith("-slowmo") else "-",
+                f"{cfg['slow_momentum']:g}" if parse_algo(method)[1] else "-",
                 cfg.get("buffers", "maintain"),
                 str(len(runs)),
                 report.fmt_mean_std(
@@ -264,12 +431,65 @@ def results_table(
     return report.text_table(headers, rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every requested method and seed, print the rows and the report.
+def network_setup(args: argparse.Namespace) -> tuple[str, float] | str:
+    """The ``--network`` mode's link (rate, one-way delay in ms), or why it cannot run here.
 
     Args:
-        argv: arguments (default: sys.argv[1:]); unknown ones go to the training script.
+        args: compare.py's flags.
     """
+    try:
+        rate, delay_ms = parse_network(args.network)
+    except ValueError as e:
+        return str(e)
+    if args.np < 2:
+        return f"--network needs --np >= 2 (one emulated host per worker), got {args.np}"
+    reason = missing_requirements()
+    if reason:
+        return f"--network emulates one host per worker with network namespaces: {reason}"
+    if delay_ms > 0:
+        ok, err = netem_available(args.netns_prefix)
+        if not ok:
+            return (
+                f"--network {args.network}: a delay needs the kernel's netem queueing discipline "
+                f"(sch_netem), and this kernel has none (tc: {err or 'netem refused'}). Here "
+                f"only the rate can be emulated: use --network {rate}"
+            )
+    try:
+        plan_cluster(args.np, args.netns_prefix, args.netns_subnet)
+    except ValueError as e:
+        return str(e)
+    return rate, delay_ms
+
+
+def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], logdir: str) -> None:
+    """The time-to-accuracy table of the runs, per method in ``methods``' order.
+
+    Args:
+        methods: the methods in order.
+        runs: the runs' event files (named ``<method>/seed<k>``).
+        logdir: where they are (for the message).
+    """
+    curves: dict[str, list[tta.Curve]] = {}
+    for method in methods:
+        mine = sorted(
+            (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
+        )
+        if mine:
+            curves[method] = [tta.run_curve(r) for r in mine]
+    targets = tta.default_targets(
+        {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
+    )
+    print(
+        "\nTime to accuracy: training seconds (rank 0's iterations; evaluation excluded) at the "
+        "first epoch end whose test accuracy reaches each target; mean ± std over the seeds "
+        f"that reached it (TensorBoard: {logdir}, time/train_s; its Relative axis is that "
+        "clock)"
+    )
+    print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """compare.py's command line."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -284,9 +504,14 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap",
         type=int,
         default=0,
-        help="SlowMo runs: base steps the exact average stays in flight",
+        help="SlowMo runs: base steps the exact average stays in flight (a method named "
+        "...-slowmo-overlapD sets its own)",
     )
-    parser.add_argument("--algos", default=None, help=f"comma-separated (default: {DEFAULT_ALGOS})")
+    parser.add_argument(
+        "--algos",
+        default=None,
+        help=f"comma-separated (default: {DEFAULT_ALGOS}; with --network: {NETWORK_ALGOS})",
+    )
     parser.add_argument(
         "--seeds", default=None, help="comma-separated (default 0,1,2; --quick 0; --full 0..4)"
     )
@@ -294,44 +519,154 @@ def main(argv: list[str] | None = None) -> int:
         "--epochs", type=int, default=None, help="default: the task's (mnist1d: 30; --quick 12)"
     )
     parser.add_argument(
-        "--logdir", default="runs", help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/"
+        "--logdir",
+        default="runs",
+        help="TensorBoard runs go to LOGDIR/TASK/<method>/seed<k>/ (with --network: "
+        "LOGDIR/TASK-network-RATE[-DELAY]/...)",
     )
-    parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="horovodrun --gloo/--mpi or torchrun (auto: horovodrun where Horovod is installed)",
+    )
+    parser.add_argument(
+        "--network",
+        default=None,
+        metavar="RATE[,DELAY]",
+        help="run every worker in its own emulated host (network namespace, veth, bridge) whose "
+        "link is limited to RATE (e.g. 100mbit) in both directions, DELAY (e.g. 20ms: one way, "
+        "host to host; needs the kernel's netem) added; prints the time to accuracy. Needs "
+        "root and `ip netns`",
+    )
+    parser.add_argument(
+        "--netns-prefix", default="hsmn", help="--network: prefix of its namespaces and links"
+    )
+    parser.add_argument(
+        "--netns-subnet", default="10.77.2", help="--network: a free /24 for its hosts"
+    )
+    parser.add_argument(
+        "--nice", type=int, default=0, help="--network: the workers' scheduling priority"
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for the whole launch")
     parser.add_argument(
         "--png", default=None, help="figure path (default: LOGDIR/TASK/compare.png)"
     )
     parser.add_argument("--verbose", action="store_true", help="show the training logs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args, extra = parser.parse_known_args(argv)
-    if args.np < 1:
-        raise ValueError(f"--np must be >= 1, got {args.np}")
-    mode_name = "quick" if args.quick else "full" if args.full else "default"
-    script, settings, epochs_by_mode = TASKS[args.task]
-    epochs = args.epochs if args.epochs is not None else epochs_by_mode[mode_name]
-    algos = args.algos or (FULL_ALGOS if args.full else DEFAULT_ALGOS)
+    return parser
+
+
+def _runnable_methods(algos: str, settings: dict[str, Any], task: str) -> list[str]:
+    """The requested methods whose base is registered (the others are named and skipped).
+
+    Args:
+        algos: the comma-separated methods.
+        settings: the task's tuned settings.
+        task: the task's name, for messages.
+    """
     methods = [m.strip() for m in algos.split(",") if m.strip()]
     if not methods:
         raise ValueError("--algos is empty; e.g. --algos allreduce,localsgd")
     for m in methods:
-        parse_algo(m)
-        if m not in settings:
+        parse_method(m)
+        if settings_key(m) not in settings:
             raise ValueError(
-                f"--algos: no tuned settings for {m!r} on {args.task} (have: {', '.join(settings)})"
+                f"--algos: no tuned settings for {settings_key(m)!r} on {task} (have: "
+                f"{', '.join(settings)})"
             )
-    seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
     runnable = [m for m in methods if parse_algo(m)[0] in hvd_slowmo.BASES]
     for m in sorted(set(methods) - set(runnable)):
         print(
             f"skipping {m}: base {parse_algo(m)[0]!r} is not registered in hvd_slowmo.BASES",
             flush=True,
         )
+    return runnable
 
-    # SIGTERM becomes SystemExit, so launch() stops the workers before exiting.
+
+def _train_all(
+    args: argparse.Namespace,
+    network: tuple[str, float] | None,
+    script: str,
+    plan: list[list[str]],
+    common_flags: list[str],
+) -> tuple[dict[str, dict[str, Any]], int, str]:
+    """Train every run of ``plan``: in one horovodrun launch, or on emulated hosts.
+
+    Returns:
+        (run name -> rank 0's summary, the exit code, the tail of the output).
+    """
+    if not plan:
+        return {}, 0, ""
+    elif network:
+        cluster = Cluster(plan_cluster(args.np, args.netns_prefix, args.netns_subnet))
+        try:
+            stale = cluster.clean_stale()
+            if stale:
+                print(f"removed leftovers of an earlier run: {stale}", flush=True)
+            cluster.build(*network)
+            return launch_network(cluster, script, plan, common_flags, args)
+        finally:
+            cluster.teardown()
+    else:
+        return launch(args.np, script, plan, common_flags, args)
+
+
+def _print_reports(
+    summaries: dict[str, dict[str, Any]],
+    runnable: list[str],
+    logdir: str,
+    seconds: bool,
+    png: str | None,
+) -> None:
+    """The paper's tables, the time to accuracy (network mode) and the figure."""
+    names = [name for name in summaries if os.path.isdir(os.path.join(logdir, name))]
+    if names:
+        runs = report.load_runs([os.path.join(logdir, n) for n in names], relative_to=logdir)
+        if seconds:
+            print_time_to_accuracy(runnable, runs, logdir)
+        print()
+        print(report.table1(runs))
+        print()
+        print(report.table2(runs))
+        png = report.plot(runs, png or os.path.join(logdir, "compare.png"), seconds=seconds)
+        print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.tools.report {logdir})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every requested method and seed, print the rows and the report.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]); unknown ones go to the training script.
+    """
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.np < 1:
+        raise ValueError(f"--np must be >= 1, got {args.np}")
+    network: tuple[str, float] | None = None
+    if args.network is not None:
+        setup = network_setup(args)
+        if isinstance(setup, str):
+            print(f"compare.py: {setup}", file=sys.stderr)
+            return 2
+        network = setup
+    mode_name = "quick" if args.quick else "full" if args.full else "default"
+    script, settings, epochs_by_mode = TASKS[args.task]
+    epochs = args.epochs if args.epochs is not None else epochs_by_mode[mode_name]
+    algos = args.algos or (FULL_ALGOS if args.full else NETWORK_ALGOS if network else DEFAULT_ALGOS)
+    seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
+    runnable = _runnable_methods(algos, settings, args.task)
+    method_settings = {m: settings[settings_key(m)] for m in runnable}
+
+    # SIGTERM becomes SystemExit, so launch() stops the workers (and --network removes its
+    # hosts) before exiting.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     t_all = time.perf_counter()
-    logdir = os.path.join(args.logdir, args.task)
-    plan = [run_args(m, settings[m], seed, args) for m in runnable for seed in seeds]
+    folder = args.task
+    if network:
+        folder += f"-network-{network[0]}" + (f"-{network[1]:g}ms" if network[1] else "")
+    logdir = os.path.join(args.logdir, folder)
+    plan = [run_args(m, method_settings[m], seed, args) for m in runnable for seed in seeds]
     common_flags = [
         "--epochs",
         str(epochs),
@@ -340,12 +675,18 @@ def main(argv: list[str] | None = None) -> int:
         "--no-progress",
         "--progress-lines",
     ] + extra
+    launcher_name = "torchrun" if resolve_launcher(args.launcher) == "torchrun" else "horovodrun"
+    where = (
+        f"{args.np} emulated hosts, links {args.network} each way"
+        if network
+        else f"one {launcher_name} launch"
+    )
     print(
         f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "
-        f"{args.np} workers, {epochs} epochs, one horovodrun launch",
+        f"{args.np} workers, {epochs} epochs, {where}",
         flush=True,
     )
-    summaries, rc, tail = launch(args.np, script, plan, common_flags, args) if plan else ({}, 0, "")
+    summaries, rc, tail = _train_all(args, network, script, plan, common_flags)
     failed = len(plan) - len(summaries)
     if rc != 0 or failed:
         print(
@@ -355,19 +696,12 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     print(
-        f"\n{args.task}, {args.np} workers, {epochs} epochs, seeds {','.join(map(str, seeds))}: "
-        "the averaged model at the last epoch's end (mean ± std over seeds; sample std)"
+        f"\n{args.task}, {args.np} workers, {epochs} epochs, seeds {','.join(map(str, seeds))}"
+        + (f", links {args.network}" if network else "")
+        + ": the averaged model at the last epoch's end (mean ± std over seeds; sample std)"
     )
-    print(results_table(runnable, settings, summaries))
-    names = [name for name in summaries if os.path.isdir(os.path.join(logdir, name))]
-    if names:
-        runs = report.load_runs([os.path.join(logdir, n) for n in names], relative_to=logdir)
-        print()
-        print(report.table1(runs))
-        print()
-        print(report.table2(runs))
-        png = report.plot(runs, args.png or os.path.join(logdir, "compare.png"))
-        print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.tools.report {logdir})")
+    print(results_table(runnable, method_settings, summaries))
+    _print_reports(summaries, runnable, logdir, network is not None, args.png)
     print(f"Total wall time: {time.perf_counter() - t_all:.1f} s")
     return 1 if rc != 0 or failed or not summaries else 0
 

@@ -51,9 +51,9 @@ BETA_GRID = (0.4, 0.5, 0.6, 0.7, 0.8)
 #: ("maintain"); SlowMo resets it at every outer step, as in the paper. OSGP (--full only) was
 #: not tuned separately: it takes SGP's values.
 TUNED: dict[str, dict[str, Any]] = {
-    "allreduce": {"lr": 0.15},
-    "localsgd": {"lr": 0.15, "buffers": "maintain"},
-    "localsgd-slowmo": {"lr": 0.15, "slow_momentum": 0.5, "buffers": "reset"},
+    "allreduce": {"lr": 0.1},
+    "localsgd": {"lr": 0.1, "buffers": "maintain"},
+    "localsgd-slowmo": {"lr": 0.1, "slow_momentum": 0.7, "buffers": "reset"},
     "sgp": {"lr": 0.2, "buffers": "maintain"},
     "sgp-slowmo": {"lr": 0.2, "slow_momentum": 0.5, "buffers": "reset"},
     "osgp": {"lr": 0.2, "buffers": "maintain"},

@@ -263,7 +263,7 @@ def validate(
     Args:
         model: the model to score.
         batches: all validation batches.
-        hvd: ``horovod.torch``.
+        hvd: the job (:class:`launch.Job`, from :func:`common.setup`).
         device: the device.
         args: the parsed flags.
     """

@@ -17,19 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .bases import grads_or_zeros
 from .comm.base import Communicator
+from .finite import all_finite, by_device_and_dtype
+from .grad_buckets import BucketedAverage, Stage
 
 __all__ = ["GradientSync", "any_nonfinite", "on_backward", "overflow_anywhere", "unscale_grads_"]
-
-
-def _by_device_and_dtype(
-    tensors: list[Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
 
 
 @torch.no_grad()
@@ -47,24 +39,20 @@ def unscale_grads_(grads: list[Tensor], grad_scale: Tensor) -> bool:
     # The reciprocal in float64, then float32: GradScaler's own rounding of 1/scale.
     inv_scale = grad_scale.double().reciprocal().float()
     found = []
-    for (device, _), group in _by_device_and_dtype(grads).items():
+    for (device, _), group in by_device_and_dtype(grads).items():
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale.to(device))
         found.append(found_inf)
     return bool(sum(float(f) for f in found))
 
 
-@torch.no_grad()
 def any_nonfinite(grads: list[Tensor]) -> bool:
-    """True if any gradient holds inf/NaN (one fused max-norm pass per device and dtype).
+    """True if any gradient holds inf/NaN (:func:`hvd_slowmo.finite.all_finite`).
 
     Args:
         grads: the gradients.
     """
-    for group in _by_device_and_dtype(grads).values():
-        if not bool(torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()):
-            return True
-    return False
+    return not all_finite(grads)
 
 
 def overflow_anywhere(
@@ -88,9 +76,12 @@ def overflow_anywhere(
     return flag.item() > 0
 
 
-def on_backward(params: list[Tensor], owner: Any, callback: Callable[[Any], None]) -> list[Any]:
-    """Call ``callback(owner)`` whenever a backward pass accumulates a gradient into any of
-    ``params``; the hooks hold ``owner`` weakly, so the parameters do not keep it alive.
+def on_backward(
+    params: list[Tensor], owner: Any, callback: Callable[[Any, Tensor], None]
+) -> list[Any]:
+    """Call ``callback(owner, param)`` whenever a backward pass accumulates a gradient into any
+    ``param`` of ``params``; the hooks hold ``owner`` weakly, so the parameters do not keep it
+    alive.
 
     Args:
         params: the parameters to watch.
@@ -102,22 +93,30 @@ def on_backward(params: list[Tensor], owner: Any, callback: Callable[[Any], None
     """
     ref = weakref.ref(owner)
 
-    def fresh_gradient(_: Tensor) -> None:
+    def fresh_gradient(param: Tensor) -> None:
         obj = ref()
         if obj is not None:
-            callback(obj)
+            callback(obj, param)
 
     return [p.register_post_accumulate_grad_hook(fresh_gradient) for p in params]
 
 
 class GradientSync:
-    """The gradient side of :class:`hvd_slowmo.DistributedOptimizer`: communicate each backward
-    pass's gradients once (inside the node, then the base algorithm's), and decide under a
-    ``GradScaler`` whether this step happens, the same way on every worker.
+    """The gradient side of :class:`hvd_slowmo.DistributedOptimizer`: average each step's
+    gradients once (inside the node with ``worker="node"``, then over the workers for bases that
+    average gradients: AR-SGD), and decide under a ``GradScaler`` whether this step happens, the
+    same way on every worker.
 
-    A mixin: the optimizer provides ``params``, ``node_comm``, ``base``, ``comm`` and ``timer``
-    (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls :meth:`_watch_gradients` for its
-    parameters.
+    For a base that averages gradients the average starts during backward, bucket by bucket
+    (:mod:`hvd_slowmo.grad_buckets`), and the backward pass that completes the gradients waits
+    for it at its end, as DDP's does: ``backward()`` returns averaged gradients, so clipping,
+    ``GradScaler``'s inf/NaN check and ``unscale_`` see the average, and the loss scales stay
+    the same on every worker. The node-level average of the other bases runs at
+    :meth:`synchronize`.
+
+    A mixin: the optimizer provides ``params``, ``param_names``, ``node_comm``, ``base``,
+    ``comm`` and ``timer`` (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls
+    :meth:`_watch_gradients` for its parameters.
     """
 
     #: ``torch.amp.GradScaler.step`` always calls ``step()`` and passes its verdict, so the
@@ -125,27 +124,87 @@ class GradientSync:
     _step_supports_amp_scaling = True
     _synchronized = False  # this backward's gradients are communicated
     _skip_synchronize = False
+    _buckets: BucketedAverage | None = None
+    _buckets_for: tuple[Any, int] | None = None  # (base, number of parameters) they were built for
+    _wait_queued = False  # the end of this backward pass waits for the buckets
     #: Steps skipped on every worker because a GradScaler found inf/NaN gradients on any worker.
     skipped_steps = 0
 
     def _watch_gradients(self, params: list[Tensor]) -> None:
-        """Mark the gradients as not yet communicated whenever a backward pass accumulates into
-        any of ``params``: a step skipped after :meth:`synchronize` (an AMP overflow) must not
-        make the next step reuse that synchronization with fresh, uncommunicated gradients."""
-        hooks = on_backward(params, self, _gradients_changed)
+        """Hook every parameter of ``params``: each backward pass's gradient marks the gradients
+        as not yet communicated (a step skipped after :meth:`synchronize`, an AMP overflow, must
+        not make the next step reuse that synchronization) and, for a base that averages
+        gradients, may start a bucket's average."""
+        hooks = on_backward(params, self, _gradient_accumulated)
         self._grad_hooks: list[Any] = getattr(self, "_grad_hooks", []) + hooks
 
+    def _gradient_stages(self) -> list[Stage]:
+        """The communicators each step's gradients are averaged over, in turn."""
+        stages: list[Stage] = []
+        if self.node_comm is not None and self.node_comm.size > 1:
+            stages.append((self.node_comm, "hvd_slowmo.node_grad_average"))
+        if self.base.averages_gradients and self.base.comm.size > 1:
+            stages.append((self.base.comm, "hvd_slowmo.grad_average"))
+        return stages
+
+    def _bucketed(self) -> BucketedAverage:
+        """The bucketed average of the current parameters, rebuilt after ``add_param_group`` and
+        for a new base (elastic)."""
+        if self._buckets is None or self._buckets_for != (self.base, len(self.params)):
+            if self._buckets is not None:
+                self._buckets.discard()
+            self._buckets = BucketedAverage(
+                self.params, self.base.backward_passes_per_step, self.base.bucket_bytes
+            )
+            self._buckets_for = (self.base, len(self.params))
+            self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        return self._buckets
+
+    def _on_gradient(self, param: Tensor) -> None:
+        self._synchronized = False
+        stages = self._gradient_stages()
+        if not stages or not self.base.averages_gradients:
+            return  # nothing to average, or the node-level average alone: at synchronize()
+        buckets = self._bucketed()
+        i = self._param_index[id(param)]
+        buckets.gradient_ready(i, stages, self.param_names[i])
+        if buckets.last_pass and not self._wait_queued:
+            # The end of this backward pass waits for the buckets (DDP's finalize), so whatever
+            # reads the gradients next (clipping, a scaler) reads the average.
+            self._wait_queued = True
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(ref))
+
+    def _average_gradients(self) -> BucketedAverage | None:
+        """Start whatever gradient average has not started, and wait for all of it.
+
+        Returns:
+            The bucketed average, or None where no gradient is averaged (one worker, or a base
+            that does not average gradients without ``worker="node"``).
+        """
+        stages = self._gradient_stages()
+        if not stages:
+            return None
+        buckets = self._bucketed()
+        with self.timer("base_comm"):
+            buckets.finish(stages)
+        return buckets
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``.
+        """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``; an average in
+        flight is waited for first (the transport may still write the gradients).
 
         Args:
             set_to_none: drop the gradient tensors instead of zeroing them.
         """
+        if self._buckets is not None:
+            self._buckets.discard()
+        self._wait_queued = False  # a backward pass that failed never ran its callback
         super().zero_grad(set_to_none)  # type: ignore[misc]
         self._synchronized = False
 
     def synchronize(self) -> None:
-        """Run this step's gradient communication now (Horovod's recipe for ``GradScaler``:
+        """Finish this step's gradient communication now (Horovod's recipe for ``GradScaler``:
         ``synchronize()``, ``scaler.unscale_(opt)``, then
         ``with opt.skip_synchronize(): scaler.step(opt)``).
 
@@ -154,10 +213,9 @@ class GradientSync:
         """
         if not self._synchronized:
             with self.timer("base_comm"):
-                if self.node_comm is not None and self.node_comm.size > 1:
-                    self.node_comm.average_(
-                        grads_or_zeros(self.params), name="hvd_slowmo.node_grad_average"
-                    )
+                buckets = self._average_gradients()
+                if buckets is not None:
+                    buckets.take()
                 self.base.communicate_gradients()
             self._synchronized = True
 
@@ -201,5 +259,12 @@ class GradientSync:
         return [p.grad for p in self.params if p.grad is not None]
 
 
-def _gradients_changed(opt: GradientSync) -> None:
-    opt._synchronized = False
+def _gradient_accumulated(opt: GradientSync, param: Tensor) -> None:
+    opt._on_gradient(param)
+
+
+def _end_of_backward(ref: "weakref.ref[GradientSync]") -> None:
+    opt = ref()
+    if opt is not None:
+        opt._wait_queued = False
+        opt._average_gradients()

@@ -81,7 +81,7 @@ class SlowMoConfig:
         overlap: ``d``, the base steps the exact average stays in flight (``0 <= d < tau``): at
             each outer-step boundary the average of a snapshot starts in the background, the
             workers take ``d`` more base steps, then the slow step is applied and each worker
-            keeps its progress since the snapshot (:mod:`hvd_slowmo.overlap`). 0 (default) is
+            keeps its progress since the snapshot (:mod:`hvd_slowmo.outer_step`). 0 (default) is
             the paper's algorithm, bit for bit.
         codec: compress the exact average (:mod:`hvd_slowmo.compression`): every worker sends
             its pseudo-gradient ``anchor - parameters`` as ``"fp16"``, ``"bf16"``, ``"int8"`` or

@@ -81,7 +81,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
             a :class:`~hvd_slowmo.hierarchy.Hierarchy` of two communicators for other layouts.
-        communicator: the transport over all ranks; default a Horovod communicator.
+        communicator: the transport over all ranks; default one over ``engine``.
+        engine: who carries the default communicator: ``"horovod"``, ``"torch"``
+            (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
+            ``hvd.init()`` has run, else torch.distributed where it is initialized.
 
     Raises:
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
@@ -118,6 +121,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         overlap: int = 0,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
+        engine: str = "auto",
         **base_options: Any,
     ) -> None:
         # Everything is validated before any state is created, so a bad argument leaves nothing.
@@ -140,13 +144,14 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         # A codec is the optimizer's; a hvd.Compression belongs to the Horovod communicator.
-        self.comm = default_communicator(communicator, None if self.config.codec else compression)
-        if self.config.codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
+        codec = self.config.codec
+        self.comm = default_communicator(communicator, None if codec else compression, engine)
+        if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
             raise ValueError(
-                f"compression={self.config.codec!r} needs a communicator with alltoall_flat and "
+                f"compression={codec!r} needs a communicator with alltoall_flat and "
                 f"allgather_flat; {type(self.comm).__name__} has none: use compression=None"
             )
-        hierarchy = worker_hierarchy(worker, communicator)
+        hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None
         super().__init__(optimizer)

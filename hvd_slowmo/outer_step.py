@@ -287,7 +287,10 @@ class OuterLoop:
                 f.mine = {"at": "outer step", "finite": all_finite(params),
                           "num_steps": pos.num_steps, "outer_steps": pos.outer_steps}  # fmt: skip
                 f.probe = progress_probe(f.mine)
-                f._probe_handle = self.comm.average_start([f.probe], name=PROGRESS)
+                if self.base.needs_exact_average:
+                    f._probe_handle = self.comm.average_start([f.probe], name=PROGRESS)
+                # else (AR-SGD) every worker holds the same parameters after the same steps (or
+                # would be stuck in another gradient average): this probe is the average.
             if not f.in_place:
                 f.start_averages(self.comm, self.slow_state, cfg.exact_average)
             self.in_flight = f

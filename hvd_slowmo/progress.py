@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .comm.base import Communicator
+from .finite import all_finite
 
 __all__ = [
     "PROGRESS",
@@ -103,17 +104,6 @@ def uneven_message(everyone: list[dict[str, Any]]) -> str:
         "batches (DistributedSampler(drop_last=True) with a DataLoader(drop_last=True), or "
         "hvd.elastic.ElasticSampler); hvd.join() cannot even out outer steps, which are not "
         "allreduces"
-    )
-
-
-def all_finite(params: list[Tensor]) -> bool:
-    """Whether every tensor is finite (one fused max-norm pass; no communication).
-
-    Args:
-        params: this worker's parameters.
-    """
-    return not params or bool(
-        torch.stack(torch._foreach_norm(params, float("inf"))).isfinite().all()
     )
 
 

@@ -88,9 +88,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         Args:
             state_dict: from :meth:`state_dict`.
         """
-        state_dict = (
-            dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        )  # shallow, as torch
+        # A shallow copy, as torch makes
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned

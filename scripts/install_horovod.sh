@@ -3,11 +3,11 @@
 #
 # Horovod's last release compiles with C++14, but PyTorch >= 2.1 headers need C++17 and torch
 # 2.14 headers C++20, so `pip install horovod` fails. This script builds the source distribution
-# with the language standards raised (and GCC 13+'s missing transitive includes forced in),
-# caches the wheel keyed by everything that makes it binary-incompatible, and refuses to finish
-# unless the installed Horovod imports its PyTorch plugin with what the flavour promises. Works
-# offline from a local source tarball and wheel directory. Used by the quickstart, CI, the Docker
-# images and the GPU check.
+# with the language standards raised (GCC 13+'s missing transitive includes forced in, and the
+# bundled flatbuffers fixed for GCC 14), caches the wheel keyed by everything that makes it
+# binary-incompatible, and refuses to finish unless the installed Horovod imports its PyTorch
+# plugin with what the flavour promises. Works offline from a local source tarball and wheel
+# directory. Used by the quickstart, CI, the Docker images and the GPU check.
 #
 # Usage: scripts/install_horovod.sh [options]
 #   --gpu auto|yes|no|staged  auto (default): NCCL when torch is a CUDA build and a CUDA toolkit
@@ -334,6 +334,15 @@ if [ "$FORCE" = 1 ] || [ -z "$WHEEL" ]; then
   # relied on it (group_table.h: "'string' in namespace 'std' does not name a type"): force both
   # into every C++ file. Harmless with older compilers.
   export CXXFLAGS="-include cstdint -include string${CXXFLAGS:+ $CXXFLAGS}"
+  # GCC 14 rejects the flatbuffers 2.0.0 that Horovod bundles ("assignment of read-only member
+  # 'flatbuffers::span<T, Extent>::count_'"): span's never-called operator= assigns to
+  # `const size_type count_`, and GCC 14 now checks such non-dependent expressions in templates
+  # that are never instantiated (-fpermissive does not cover it). Upstream flatbuffers dropped the
+  # const (google/flatbuffers#7227, 2022); do the same. The class layout is unchanged, so older
+  # compilers build the same code; a tree that already has the fix is left as it is.
+  SPAN_HEADER=third_party/flatbuffers/include/flatbuffers/stl_emulation.h
+  grep -q '^  size_type count_;$' "$SRC/$SPAN_HEADER" 2>/dev/null \
+    || patch "$SPAN_HEADER" '  const size_type count_;' '  size_type count_;'
 
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
   export HOROVOD_WITH_GLOO=1

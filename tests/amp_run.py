@@ -17,8 +17,9 @@ from reference import batch
 
 #: Recipes: "reference" (no scaler; the skipped iterations are left out), "manual" (the issue's
 #: sequence without a scaler: backward, synchronize(), no step() on every rank), "scaler"
-#: (scaler.step(opt)), "horovod" (synchronize(), unscale_(), skip_synchronize(): scaler.step(opt)).
-RECIPES = ("reference", "manual", "scaler", "horovod")
+#: (scaler.step(opt)), "horovod" (synchronize(), unscale_(), skip_synchronize(): scaler.step(opt)),
+#: "unskipped" (a test of the test: the manual recipe's overflow injected, then step() taken).
+RECIPES = ("reference", "manual", "scaler", "horovod", "unskipped")
 
 
 def mlp() -> nn.Module:
@@ -29,6 +30,13 @@ def mlp() -> nn.Module:
 
 def snapshot(model: nn.Module):
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _overflow(value: float | None):
+    """A gradient hook writing ``value`` (None: inf) into element [0, 0]."""
+    bad = torch.tensor(float("inf") if value is None else value)
+    at = (torch.tensor(0), torch.tensor(0))
+    return lambda g: g.index_put(at, bad)
 
 
 def run(
@@ -71,28 +79,18 @@ def run(
         opt.zero_grad()
         x, y = batch(rank, k)
         loss = ((model(x) - y) ** 2).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
-        if k in skipped and (recipe == "manual" or rank == bad_rank):
+        hook = None
+        if k in skipped and (recipe in ("manual", "unskipped") or rank == bad_rank):
             # Overflow: on every rank for the manual recipe (the caller decides to skip everywhere),
-            # on bad_rank only under a scaler (the library must spread the decision).
-            next(model.parameters()).grad[0, 0] = float("inf") if scaler else 1e6
-        if recipe == "manual":
-            opt.synchronize()
-            if k in skipped:
-                continue  # the caller skips step(); the next backward must be communicated afresh
-            with opt.skip_synchronize():
-                opt.step()
-        elif recipe == "scaler":
-            scaler.step(opt)
-            scaler.update()
-        elif recipe == "horovod":
-            opt.synchronize()
-            scaler.unscale_(opt)
-            with opt.skip_synchronize():
-                scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+            # on bad_rank only under a scaler (the library must spread the decision). It happens
+            # inside backward, where a real overflow does, before any gradient is communicated.
+            hook = next(model.parameters()).register_hook(
+                _overflow(1e6 if scaler is None else None)
+            )
+        (scaler.scale(loss) if scaler else loss).backward()
+        if hook is not None:
+            hook.remove()
+        _step(opt, scaler, recipe, skip=k in skipped)
         if k in skipped:
             unchanged_by_skip &= all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
         if opt.outer_steps != outer:
@@ -105,3 +103,32 @@ def run(
         "counters": (opt.num_steps, opt.inner_step, opt.outer_steps),
         "skipped_steps": opt.skipped_steps,
     }
+
+
+def _step(
+    opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, recipe: str, skip: bool
+) -> None:
+    """The optimizer step of one iteration, as ``recipe`` takes it.
+
+    Args:
+        opt: the DistributedOptimizer.
+        scaler: the GradScaler of the scaler recipes, else None.
+        recipe: one of :data:`RECIPES`.
+        skip: whether this iteration overflowed (the manual recipe then takes no step).
+    """
+    if recipe == "manual":
+        opt.synchronize()
+        if not skip:  # else the next backward must be communicated afresh
+            with opt.skip_synchronize():
+                opt.step()
+    elif recipe == "scaler":
+        scaler.step(opt)
+        scaler.update()
+    elif recipe == "horovod":
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()

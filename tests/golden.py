@@ -99,6 +99,12 @@ def _set_lrs(opt: DistributedOptimizer, k: int, two: bool) -> None:
         group["lr"] = lr_at(k) if g == 0 or not two else 0.03 * (1.0 + 0.3 * (k // 5))
 
 
+def _inf_at_0_0(grad: Tensor) -> Tensor:
+    out = grad.clone()
+    out[0, 0] = float("inf")
+    return out
+
+
 def _train(
     opt: DistributedOptimizer,
     model: nn.Module,
@@ -118,9 +124,13 @@ def _train(
         opt.zero_grad()
         x, y = batch(rank, k)
         loss = ((model(x) - y) ** 2).mean()
-        (scaler.scale(loss) if scaler else loss).backward()
+        hook = None
         if scaler is not None and k == spec["amp_skip"] and rank == 1:
-            next(model.parameters()).grad[0, 0] = float("inf")
+            # Inside backward, where an overflow happens: AR-SGD averages during backward.
+            hook = next(model.parameters()).register_hook(_inf_at_0_0)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if hook is not None:
+            hook.remove()
         if spec.get("nan_at") == k and rank == 1:
             next(model.parameters()).grad.fill_(float("nan"))
         if scaler is not None:

@@ -58,48 +58,75 @@ def reference_slowmo(
     anchor = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
     slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum, nesterov=outer_nesterov)
     for k in range(steps):
-        lr = lr_schedule(k) if lr_schedule else None
-        for w in range(m):
-            if lr is not None:
-                for g in opts[w].param_groups:
-                    g["lr"] = lr
-            opts[w].zero_grad()
-            loss_at(models[w], w, k).backward()
-            opts[w].step()
+        _local_steps(models, opts, k, lr_schedule(k) if lr_schedule else None)
         if (k + 1) % tau:
             continue
         with torch.no_grad():
             plist = [list(mod.parameters()) for mod in models]
-            avg = [sum(plist[w][i] for w in range(m)) / m for i in range(len(anchor))]
-            cur_lr = opts[0].param_groups[0]["lr"]
-            if (slow_lr, slow_momentum) == (1.0, 0.0):
-                new = avg
-            else:
-                for a, x in zip(anchor, avg):
-                    a.grad = (a - x) / cur_lr
-                slow.param_groups[0]["lr"] = slow_lr * cur_lr
-                slow.step()
-                new = anchor
+            new = _mean(plist)  # without a slow update the average is the new start
+            if (slow_lr, slow_momentum) != (1.0, 0.0):
+                new = _slow_step(slow, anchor, new, opts[0].param_groups[0]["lr"], slow_lr)
             for w in range(m):
                 for p, v in zip(plist[w], new):
                     p.copy_(v)
             if average_model_buffers:
-                blist = [[b for b in mod.buffers() if b.is_floating_point()] for mod in models]
-                for i in range(len(blist[0])):
-                    mean = sum(blist[w][i] for w in range(m)) / m
-                    for w in range(m):
-                        blist[w][i].copy_(mean)
+                _replace_by_mean(
+                    [[b for b in mod.buffers() if b.is_floating_point()] for mod in models]
+                )
             if buffers == "reset":
                 for o in opts:
                     o.state.clear()
             elif buffers == "average":
-                for i, p0 in enumerate(plist[0]):
-                    for key, v in opts[0].state[p0].items():
-                        if torch.is_tensor(v) and v.shape == p0.shape:
-                            mean = sum(opts[w].state[plist[w][i]][key] for w in range(m)) / m
-                            for w in range(m):
-                                opts[w].state[plist[w][i]][key].copy_(mean)
+                _average_optimizer_buffers(opts, plist)
     return models
+
+
+def _slow_step(
+    slow: torch.optim.Optimizer,
+    anchor: list[torch.Tensor],
+    avg: list[torch.Tensor],
+    lr: float,
+    slow_lr: float,
+) -> list[torch.Tensor]:
+    """The slow step as SGD over the anchor on the pseudo-gradient ``(x0 - x_avg) / lr``; returns
+    the new anchor."""
+    for a, x in zip(anchor, avg):
+        a.grad = (a - x) / lr
+    slow.param_groups[0]["lr"] = slow_lr * lr
+    slow.step()
+    return anchor
+
+
+def _local_steps(models: list[nn.Module], opts: list, k: int, lr: float | None) -> None:
+    """Every worker's base step ``k`` on its own batch (at ``lr`` when given)."""
+    for w, (model, opt) in enumerate(zip(models, opts)):
+        if lr is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        opt.zero_grad()
+        loss_at(model, w, k).backward()
+        opt.step()
+
+
+def _mean(per_worker: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The mean over workers of each tensor (one list of tensors per worker)."""
+    m = len(per_worker)
+    return [sum(ts[i] for ts in per_worker) / m for i in range(len(per_worker[0]))]
+
+
+def _replace_by_mean(per_worker: list[list[torch.Tensor]]) -> None:
+    """Every worker's tensors become their mean over workers."""
+    for i, mean in enumerate(_mean(per_worker)):
+        for ts in per_worker:
+            ts[i].copy_(mean)
+
+
+def _average_optimizer_buffers(opts: list, plist: list[list[torch.Tensor]]) -> None:
+    """Average the per-element optimizer buffers (shaped like their parameter) over workers."""
+    for i, p0 in enumerate(plist[0]):
+        for key, v in opts[0].state[p0].items():
+            if torch.is_tensor(v) and v.shape == p0.shape:
+                _replace_by_mean([[o.state[ps[i]][key]] for o, ps in zip(opts, plist)])
 
 
 def reference_allreduce(

@@ -92,9 +92,8 @@ def test_named_parameters_malformed():
 def test_non_floating_parameter():
     p = torch.zeros(3, dtype=torch.int64)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    opt.param_groups[0]["params"].append(
-        p
-    )  # SGD's constructor would refuse; simulate a hand-built group
+    # SGD's constructor would refuse; simulate a hand-built group
+    opt.param_groups[0]["params"].append(p)
     with pytest.raises(TypeError, match="only floating-point"):
         DistributedOptimizer(opt, communicator=ThreadWorld(1).communicator(0))
 

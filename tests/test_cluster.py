@@ -20,7 +20,10 @@ _spec = importlib.util.spec_from_file_location(
     "cluster", os.path.join(ROOT, "benchmarks", "cluster.py")
 )
 cluster = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cluster)
+_spec.loader.exec_module(cluster)  # puts benchmarks/ on sys.path for its cluster_* modules
+import cluster_algorithms as calg  # noqa: E402
+import cluster_report as creport  # noqa: E402
+import cluster_stats as cstats  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -175,27 +178,31 @@ def test_worker_env_matches_horovod_gloo_launcher():
 
 
 def test_algorithm_plan():
-    keys = [a.key for a in cluster.ALGORITHMS]
+    keys = [a.key for a in calg.ALGORITHMS]
     assert len(set(keys)) == len(keys)
-    assert {a.kind for a in cluster.ALGORITHMS} <= set(cluster.KINDS)
-    listed = [k for _, o, s in cluster.TABLE2_ROWS for k in (o, s)] + list(cluster.PEER_KEYS)
-    listed += [k for _, ks in cluster.PEER_ROWS for k in ks]
-    listed += [k for pair in cluster.OVERLAP_ROWS for k in pair]
+    assert {a.kind for a in calg.ALGORITHMS} <= set(calg.KINDS)
+    listed = [k for _, o, s in calg.TABLE2_ROWS for k in (o, s)] + list(calg.PEER_KEYS)
+    listed += [k for _, ks in calg.PEER_ROWS for k in ks]
+    listed += [k for pair in calg.OVERLAP_ROWS for k in pair]
     assert set(listed) <= set(keys)
-    by = cluster.ALGORITHM_BY_KEY
+    by = calg.ALGORITHM_BY_KEY
     # The peers come from PyTorch or Horovod, and compare like with like.
-    assert {by[k].kind for k in cluster.PEER_KEYS} == {"horovod", "ddp", "postlocal"}
+    assert {by[k].kind for k in calg.PEER_KEYS} == {"horovod", "ddp", "postlocal"}
     assert by["torch_postlocal"].tau == by["localsgd"].tau == 12 and by["torch_postlocal"].periodic
-    assert by["torch_ddp"].tau == by["horovod_ar"].tau == by["allreduce"].tau == 1
-    for overlapped, exposed in cluster.OVERLAP_ROWS:
+    assert by["torch_ddp"].tau == by["horovod_ar"].tau == 1
+    # hvd_slowmo's AR-SGD at the library's default tau (plain AR-SGD for any tau: the slow
+    # update is off and the buffers are kept), and SlowMo over it.
+    assert by["allreduce"].tau == by["allreduce_slowmo"].tau == 12
+    assert by["allreduce"].options["buffers"] == "maintain"
+    for overlapped, exposed in calg.OVERLAP_ROWS:
         a, b = by[overlapped], by[exposed]
         # Same configuration but the overlap, which the option allows (0 <= d < tau), and which
         # the warm-up keeps inside one timed window with the outer step that started it.
         same = ("kind", "base", "tau", "periodic", "payload")
         assert [getattr(a, f) for f in same] == [getattr(b, f) for f in same]
         assert {k: v for k, v in a.options.items() if k != "overlap"} == b.options
-        assert b.overlap == 0 and 0 < a.overlap < a.tau and a.overlap <= cluster.WARMUP_ITERS
-    assert [by[o].overlap for o, _ in cluster.OVERLAP_ROWS] == [1, 2]
+        assert b.overlap == 0 and 0 < a.overlap < a.tau and a.overlap <= calg.WARMUP_ITERS
+    assert [by[o].overlap for o, _ in calg.OVERLAP_ROWS] == [1, 2]
     # Peers are measured next to the rows they are compared with.
     assert keys.index("torch_ddp") == keys.index("horovod_ar") + 1
     assert keys.index("torch_postlocal") + 1 == keys.index("localsgd")
@@ -206,6 +213,7 @@ _PEERS = [
     "horovod_ar",
     "torch_ddp",
     "allreduce",
+    "allreduce_slowmo",
     "torch_postlocal",
     "localsgd",
     "localsgd_slowmo",
@@ -221,12 +229,12 @@ _PEERS = [
         ("compute,compute", ["compute"]),
         ("peers", _PEERS),
         ("sgp,peers,localsgd", _PEERS + ["sgp"]),
-        ("all", [a.key for a in cluster.ALGORITHMS]),
+        ("all", [a.key for a in calg.ALGORITHMS]),
     ],
     ids=["order", "duplicate", "peers", "set-and-keys", "all"],
 )
 def test_select_algorithms(text, expected):
-    assert cluster.select_algorithms(text) == expected
+    assert calg.select_algorithms(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -234,43 +242,43 @@ def test_select_algorithms(text, expected):
 )
 def test_select_algorithms_rejects(text):
     with pytest.raises(ValueError, match="--algorithms"):
-        cluster.select_algorithms(text)
+        calg.select_algorithms(text)
 
 
 def test_hidden_fraction():
     # No overlap 1328 ms, compute 1252 ms: the exact average costs 76 ms per iteration.
-    assert cluster.hidden_fraction(1328.0, 1252.0, 1252.0) == 1.0
-    assert cluster.hidden_fraction(1328.0, 1290.0, 1252.0) == pytest.approx(0.5)
-    assert cluster.hidden_fraction(1328.0, 1328.0, 1252.0) == 0.0
+    assert cstats.hidden_fraction(1328.0, 1252.0, 1252.0) == 1.0
+    assert cstats.hidden_fraction(1328.0, 1290.0, 1252.0) == pytest.approx(0.5)
+    assert cstats.hidden_fraction(1328.0, 1328.0, 1252.0) == 0.0
     # Noise can make the overlapped run slower (< 0) or faster than compute only (> 1): shown as is.
-    assert cluster.hidden_fraction(1328.0, 1366.0, 1252.0) == pytest.approx(-0.5)
-    assert cluster.hidden_fraction(1328.0, 1214.0, 1252.0) == pytest.approx(1.5)
+    assert cstats.hidden_fraction(1328.0, 1366.0, 1252.0) == pytest.approx(-0.5)
+    assert cstats.hidden_fraction(1328.0, 1214.0, 1252.0) == pytest.approx(1.5)
     # Nothing to hide, or a time missing: no figure.
-    assert cluster.hidden_fraction(1250.0, 1240.0, 1252.0) is None
-    assert cluster.hidden_fraction(None, 1240.0, 1252.0) is None
-    assert cluster.hidden_fraction(1328.0, None, 1252.0) is None
-    assert cluster.hidden_fraction(1328.0, 1300.0, None) is None
+    assert cstats.hidden_fraction(1250.0, 1240.0, 1252.0) is None
+    assert cstats.hidden_fraction(None, 1240.0, 1252.0) is None
+    assert cstats.hidden_fraction(1328.0, None, 1252.0) is None
+    assert cstats.hidden_fraction(1328.0, 1300.0, None) is None
 
 
 def test_window_stats():
     # 6 iterations, windows of 3: [1, 1, 4] s then [1, 1, 1] s.
     stamps = [0.0, 1.0, 2.0, 6.0, 7.0, 8.0, 9.0]
-    s = cluster.window_stats(stamps, 3)
+    s = cstats.window_stats(stamps, 3)
     assert s["per_window_ms"] == [2000.0, 1000.0]
     assert s["median_ms"] == 1500.0 and s["min_ms"] == 1000.0 and s["max_ms"] == 2000.0
     assert s["windows"] == 2
     # A trailing partial window is ignored rather than mixed in.
-    assert cluster.window_stats(stamps + [100.0], 3)["per_window_ms"] == [2000.0, 1000.0]
+    assert cstats.window_stats(stamps + [100.0], 3)["per_window_ms"] == [2000.0, 1000.0]
     with pytest.raises(ValueError, match="at least 3"):
-        cluster.window_stats([0.0, 1.0, 2.0], 3)
+        cstats.window_stats([0.0, 1.0, 2.0], 3)
 
 
 def test_cluster_stamps_follow_the_slowest_worker():
     # Rank 1 started later on its own clock and is slower in the second iteration.
-    stamps = cluster.cluster_stamps([[10.0, 11.0, 12.0], [50.0, 51.0, 53.5]])
+    stamps = cstats.cluster_stamps([[10.0, 11.0, 12.0], [50.0, 51.0, 53.5]])
     assert stamps == [0.0, 1.0, 3.5]
     with pytest.raises(ValueError, match="same number of stamps"):
-        cluster.cluster_stamps([[0.0, 1.0], [0.0]])
+        cstats.cluster_stamps([[0.0, 1.0], [0.0]])
 
 
 def test_pool_repeats():
@@ -287,7 +295,7 @@ def test_pool_repeats():
             "phase_ms_per_iter": {"average": phase},
         }
 
-    pooled = cluster.pool_repeats(
+    pooled = cstats.pool_repeats(
         [rep([10.0, 30.0], 24, 100.0, 2.0), rep([20.0, 40.0, 50.0], 36, 300.0, 4.0)]
     )
     assert pooled["per_window_ms"] == [10.0, 30.0, 20.0, 40.0, 50.0]
@@ -298,13 +306,13 @@ def test_pool_repeats():
     assert pooled["repeat_median_ms"] == [30.0, 40.0]
     assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
     with pytest.raises(ValueError, match="at least one"):
-        cluster.pool_repeats([])
+        cstats.pool_repeats([])
 
 
 def test_ring_bytes():
-    assert cluster.ring_bytes(4_000_000, 4) == 6_000_000  # 2 * 3/4 * 4 MB
-    assert cluster.ring_bytes(1000, 2) == 1000
-    assert cluster.ring_bytes(1000, 1) == 0
+    assert cstats.ring_bytes(4_000_000, 4) == 6_000_000  # 2 * 3/4 * 4 MB
+    assert cstats.ring_bytes(1000, 2) == 1000
+    assert cstats.ring_bytes(1000, 1) == 0
 
 
 def _results(**ms):
@@ -327,7 +335,7 @@ def test_summarize_ratios():
         osgp=110.0,
         osgp_slowmo=120.0,
     )
-    s = cluster.summarize(res)
+    s = cstats.summarize(res)
     rows, tg = s["rows"], s["targets"]
     assert rows["horovod_ar"]["speedup_vs_ar"] == 1.0
     assert rows["localsgd_slowmo"]["speedup_vs_ar"] == pytest.approx(150 / 106)
@@ -357,7 +365,7 @@ def test_summarize_peers_and_overlap():
         localsgd_slowmo=1080.0,
         localsgd_slowmo_overlap1=1020.0,
     )
-    tg = cluster.summarize(res)["targets"]
+    tg = cstats.summarize(res)["targets"]
     assert tg["localsgd_slowmo_overlap1_hidden_fraction"] == pytest.approx(60 / 80)
     assert tg["localsgd_slowmo_overlap2_hidden_fraction"] is None  # not measured
     assert tg["localsgd_over_torch_postlocal"] == pytest.approx(1050 / 1060)
@@ -366,7 +374,7 @@ def test_summarize_peers_and_overlap():
     assert tg["localsgd_slowmo_overlap1_over_fastest_peer"] == pytest.approx(1020 / 1060)
     assert tg["localsgd_slowmo_overlap2_over_fastest_peer"] is None
     # Without any peer row there is no fastest peer.
-    tg = cluster.summarize(_results(compute=1000.0, localsgd_slowmo_overlap1=1020.0))["targets"]
+    tg = cstats.summarize(_results(compute=1000.0, localsgd_slowmo_overlap1=1020.0))["targets"]
     assert tg["fastest_peer"] is None and tg["localsgd_slowmo_overlap1_over_fastest_peer"] is None
 
 
@@ -377,13 +385,13 @@ def test_summarize_slow_update_fraction():
         "average": 3.0,
         "slow_update": 1.04,
     }
-    assert cluster.summarize(res)["targets"][
+    assert cstats.summarize(res)["targets"][
         "localsgd_slowmo_slow_update_fraction"
     ] == pytest.approx(0.01)
 
 
 def test_summarize_missing_entries():
-    s = cluster.summarize(_results(compute=100.0, localsgd=105.0))
+    s = cstats.summarize(_results(compute=100.0, localsgd=105.0))
     assert (
         s["rows"]["localsgd"]["speedup_vs_ar"] is None and s["rows"]["localsgd"]["ideal_ms"] is None
     )
@@ -405,13 +413,71 @@ def test_render_markdown_table():
         "horovod": "0.28.1",
         "load_avg_1min": [1.5, 2.25],
     }
-    md = cluster.render_markdown({"header": header, "results": res})
+    md = creport.render_markdown({"header": header, "results": res})
     assert "4 hosts, 1gbit links" in md and "1M parameters" in md
     assert "| Local SGD | 12 | 105 ms (1.43x) | 106 ms (1.42x) | +1.0% |" in md
     assert "| SGP | 48 | not available | not run | n/a |" in md
     assert "6.00 MB (computed)" in md
     assert "33.3% of its time" in md
     assert "load average 1.5 before, 2.2 after" in md
+    assert "**WARNING: 1-minute load average 1.50 before, 2.25 after (above 1.5)" in md
+    header["load_avg_1min"] = [0.4, 1.5]
+    assert "WARNING" not in creport.render_markdown({"header": header, "results": res})
+
+
+def test_load_warning():
+    assert creport.load_warning(0.2, 1.5) is None and creport.load_warning(None, None) is None
+    assert "load average 0.20 before, 1.60 after" in creport.load_warning(0.2, 1.6)
+    assert "n/a after" in creport.load_warning(3.0, None)
+
+
+def _sweep_runs():
+    runs = []
+    for hosts, scale in ((2, 1.0), (4, 1.5), (8, 2.0)):
+        header = {"workload": "synthetic", "params_human": "1M", "rate": "1gbit", "hosts": hosts}
+        res = _results(compute=100.0, horovod_ar=120.0 * scale, allreduce=119.0 * scale)
+        if hosts == 8:
+            res["allreduce"] = {"available": False, "reason": "x"}
+        runs.append({"header": dict(header, backward_fraction=0.5), "results": res})
+    return runs
+
+
+def test_sweep_table_and_plot(tmp_path):
+    table = creport.sweep_table(_sweep_runs())
+    assert list(table) == [("synthetic", "1M", "1gbit", 0.5)]
+    per_algo = table[("synthetic", "1M", "1gbit", 0.5)]
+    assert per_algo["horovod_ar"] == {2: 120.0, 4: 180.0, 8: 240.0}
+    assert per_algo["allreduce"] == {2: 119.0, 4: 178.5}  # unavailable at 8 hosts: left out
+    md = creport.sweep_markdown(_sweep_runs())
+    assert "| algorithm | 2 hosts | 4 hosts | 8 hosts |" in md
+    assert "| AR-SGD (hvd_slowmo base=allreduce) | 119 | 178 | n/a |" in md
+    assert "50% of the compute in backward" in md
+    (png,) = creport.plot_sweep(_sweep_runs(), str(tmp_path))
+    assert png.endswith("sweep_synthetic_1M_1gbit_bw50.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synthetic_backward_sleeps_between_layers(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "cluster_worker", os.path.join(ROOT, "benchmarks", "cluster_worker.py")
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    events = []
+    monkeypatch.setattr(worker.time, "sleep", lambda s: events.append(("sleep", round(s, 6))))
+    model = worker.Synthetic(800)
+    for i, p in enumerate(model.chunks):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: events.append(("grad", i)))
+    worker.synthetic_step(80.0, 0.5)(model)
+    # 40 ms before backward, then 5 ms before each layer's gradient, last layer first.
+    want = [("sleep", 0.04)]
+    for i in reversed(range(8)):
+        want += [("sleep", 0.005), ("grad", i)]
+    assert events == want
+    events.clear()
+    worker.synthetic_step(80.0)(model)  # the default: all of it before a cheap backward
+    assert events == [("sleep", 0.08)] + [("grad", i) for i in reversed(range(8))]
 
 
 def test_render_markdown_peers():
@@ -438,7 +504,7 @@ def test_render_markdown_peers():
         "cpu_cores": 2,
         "horovod": "0.28.1",
     }
-    md = cluster.render_markdown({"header": header, "results": res})
+    md = creport.render_markdown({"header": header, "results": res})
     lines = md.splitlines()
     peer = [line for line in lines if line.startswith(("| AR-SGD |", "| Local SGD (tau=12) |"))]
     # PyTorch's row first in each family, hvd_slowmo's beside it, in PEER_ROWS order.
@@ -467,7 +533,7 @@ def test_render_markdown_peers():
         "option: x) | | | | |" in lines
     )
     # No peer row measured: no peers table, no peer bullets.
-    md = cluster.render_markdown(
+    md = creport.render_markdown(
         {"header": header, "results": _results(compute=1000.0, sgp=1100.0)}
     )
     assert "Beside the peers" not in md and "post-local" not in md

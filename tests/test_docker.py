@@ -514,9 +514,8 @@ def test_final_stage_entrypoint_command_and_user(flavour):
     last = max(i.stage for i in instructions)
     final = {i.keyword: i.args for i in instructions if i.stage == last}
     entry = json.loads(final["ENTRYPOINT"])
-    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", (
-        entry
-    )  # PID 1 that reaps sshd's and ranks' children
+    # PID 1 that reaps sshd's and ranks' children
+    assert entry[0] == "/usr/bin/tini" and entry[1] == "--", entry
     with open(os.path.join(DOCKER, "install_system_packages.sh"), encoding="utf-8") as f:
         assert re.search(r"RUNTIME=.*\btini\b", f.read(), re.S)
     rel = repo_source(entry[2], copied_paths(instructions, last))
@@ -1062,6 +1061,17 @@ def step_times(stderr: str) -> dict[str, float]:
         m.group(1): float(m.group(2))
         for m in re.finditer(r"^=== (\S+): OK, ([0-9.]+) s$", stderr, re.M)
     }
+
+
+def test_step_times_reads_what_docker_check_prints():
+    """step_times (the parser of the opt-in end-to-end tests below) on what docker_check.sh's own
+    step function prints now: the function is taken from the script and run on a no-op."""
+    functions = f"sed -n -e '/^now() {{/p' -e '/^step() {{/,/^}}/p' {shlex.quote(DOCKER_CHECK)}"
+    script = f'eval "$({functions})"; STEPS=(); TIMES=(); step demo-step true'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    times = step_times(proc.stderr)
+    assert list(times) == ["demo-step"] and times["demo-step"] >= 0, proc.stderr
 
 
 def run_docker_check(images: str, steps: list[str], timeout: float) -> None:

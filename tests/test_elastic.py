@@ -27,8 +27,9 @@ pytestmark = pytest.mark.horovod
 GLOO_TIMEOUT = 60
 
 
-@pytest.mark.timeout(660)
-def test_shrink_and_grow_keep_slowmo_state(tmp_path):
+def launch_elastic(tmp_path) -> str:
+    """Run tests/workers/elastic_worker.py under elastic horovodrun (3 workers, 2 to 3); its
+    output (it must succeed)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -76,6 +77,33 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
             pass
     assert proc.returncode == 0, out[-6000:]
 
+    return out
+
+
+def assert_bitwise_equal_after_each_average(steps: dict[str, list[dict]]) -> None:
+    """Bitwise equal on every worker after each exact average (the last record of each process
+    for an outer step and world size: a rolled-back step is redone).
+
+    Args:
+        steps: each process's per-step records.
+    """
+    at_average = defaultdict(dict)
+    for name, recs in steps.items():
+        for r in recs:
+            if "params" in r:
+                at_average[(r["outer_steps"], r["hvd_size"])][name] = r["params"]
+    # At least: outer steps 1-2 on 3 workers before the kill (inside outer step 3), 3-4 on 2 workers
+    # before the growth is triggered, and 3 more on 3 workers; Horovod's discovery may add more.
+    assert len(at_average) >= 7, sorted(at_average)
+    assert {size for _, size in at_average} == {2, 3}, sorted(at_average)
+    for (outer, size), by_proc in at_average.items():
+        assert len(by_proc) == size, (outer, size, by_proc)
+        assert len(set(by_proc.values())) == 1, (outer, size, by_proc)
+
+
+@pytest.mark.timeout(660)
+def test_shrink_and_grow_keep_slowmo_state(tmp_path):
+    out = launch_elastic(tmp_path)
     logs = {}
     for f in tmp_path.glob("log.*.jsonl"):
         logs[f.name] = [json.loads(line) for line in f.read_text().splitlines()]
@@ -83,10 +111,9 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
     done = [r for recs in logs.values() for r in recs if r.get("done")]
     killed = [r for recs in logs.values() for r in recs if "killed_at" in r]
 
-    # It shrank and grew back, and finished on 3 workers that agree bitwise.
-    assert len(killed) == 1 and killed[0]["inner_step"] == 2, (
-        killed
-    )  # killed in the middle of an inner loop
+    # It shrank (a worker killed in the middle of an inner loop) and grew back, and finished on 3
+    # workers that agree bitwise.
+    assert len(killed) == 1 and killed[0]["inner_step"] == 2, killed
     assert len(done) == 3, done
     assert [s for _, s in done[0]["history"]] == [3, 2, 3], done[0]["history"]
     assert all(
@@ -105,20 +132,7 @@ def test_shrink_and_grow_keep_slowmo_state(tmp_path):
                 r["hvd_size"] == r["comm_size"] == r["base_size"] and r["rank"] == r["comm_rank"]
             ), (name, r)
 
-    # Bitwise equal on every worker after each exact average (the last record of each process
-    # for an outer step and world size: a rolled-back step is redone).
-    at_average = defaultdict(dict)
-    for name, recs in steps.items():
-        for r in recs:
-            if "params" in r:
-                at_average[(r["outer_steps"], r["hvd_size"])][name] = r["params"]
-    # At least: outer steps 1-2 on 3 workers before the kill (inside outer step 3), 3-4 on 2 workers
-    # before the growth is triggered, and 3 more on 3 workers; Horovod's discovery may add more.
-    assert len(at_average) >= 7, sorted(at_average)
-    assert {size for _, size in at_average} == {2, 3}, sorted(at_average)
-    for (outer, size), by_proc in at_average.items():
-        assert len(by_proc) == size, (outer, size, by_proc)
-        assert len(set(by_proc.values())) == 1, (outer, size, by_proc)
+    assert_bitwise_equal_after_each_average(steps)
 
     # Continuity: after each change every worker, the joiner too, starts exactly from the anchor
     # of the interrupted outer step (the parameters the old world had after that exact average),

@@ -104,9 +104,8 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
 
     def start(comm):
         opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm))
-        _train(
-            models[comm.rank], opts[comm.rank], comm.rank, 4
-        )  # outer step at 3, then 1 inner step
+        # Outer step at 3, then 1 inner step
+        _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
         return [a.clone() for a in opts[comm.rank].slow_state.anchor], opts[
             comm.rank
         ].slow_state.slow_buffer[0].clone()
@@ -127,9 +126,8 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     for (params, num_steps, inner, outer, base_size), _ in out:
         assert all(torch.equal(p, a) for p, a in zip(params, anchor))
         assert (num_steps, inner, outer, base_size) == (3, 0, 1, 2)
-    assert all(
-        torch.equal(a, b) for a, b in zip(out[0][1], out[1][1])
-    )  # bitwise equal after the average
+    # Bitwise equal after the average
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
     assert "3 -> 2 workers" in caplog.text and "1 base steps dropped" in caplog.text
 
     # Grow: a new process builds its optimizer alone (elastic: no construction collective), then
@@ -149,9 +147,8 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     def grow(comm):
         model, opt = models[members[comm.rank]], opts[members[comm.rank]]
         opt.comm.inner = comm
-        model.load_state_dict(
-            comm.broadcast_object(model.state_dict())
-        )  # TorchState's model handler
+        # TorchState's model handler
+        model.load_state_dict(comm.broadcast_object(model.state_dict()))
         sync_optimizer(opt)
         return (
             params_of(model),
@@ -165,9 +162,8 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
     for params, num_steps, outer, slow, base_size in res:
         assert all(torch.equal(p, q) for p, q in zip(params, res[0][0]))
         assert (num_steps, outer, base_size) == (6, 2, 3)
-        assert torch.equal(slow, res[0][3]) and not torch.equal(
-            slow, slow0
-        )  # rank 0's slow buffer, updated
+        # Rank 0's slow buffer, updated
+        assert torch.equal(slow, res[0][3]) and not torch.equal(slow, slow0)
 
     from horovod.torch.elastic.state import _get_handler  # TorchState's own lookup
 
@@ -218,9 +214,8 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
 
     def start(comm):
         opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), buffers="maintain")
-        _train(
-            models[comm.rank], opts[comm.rank], comm.rank, 5
-        )  # outer step at 3, then 2 inner steps
+        # Outer step at 3, then 2 inner steps
+        _train(models[comm.rank], opts[comm.rank], comm.rank, 5)
         return [a.clone() for a in opts[comm.rank].slow_state.anchor]
 
     anchor = run_threads(3, start)[0]
@@ -238,9 +233,8 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
         res = run_threads(2, after)
     for num_steps, inner, size, params in res:
         assert (num_steps, inner, size) == (4, 1, 2)
-        assert not all(
-            torch.equal(p, a) for p, a in zip(params, anchor)
-        )  # it stepped from the anchor
+        # It stepped from the anchor
+        assert not all(torch.equal(p, a) for p, a in zip(params, anchor))
     assert "without an elastic state sync" in caplog.text and "2 base steps dropped" in caplog.text
 
 

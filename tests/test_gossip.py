@@ -279,9 +279,8 @@ def test_push_sum_conserves_mass_every_step(m, base, opts):
         w = opt.base.ps_weight
         x = opt.base.params[0].detach() * w
         grad = opt.base.params[0].grad.detach().clone()
-        everyone = comm.allgather_object(
-            (x.clone(), w, grad)
-        )  # lockstep: all sends of step k are posted
+        # Lockstep: all sends of step k are posted
+        everyone = comm.allgather_object((x.clone(), w, grad))
         if comm.rank == 0:
             mail = list(comm.world._mail.values())
             log.append((everyone, [t.clone() for t in mail]))

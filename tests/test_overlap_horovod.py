@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from reference_overlap import reference_overlapped
 
 from horovod_launch import horovodrun
+from reference_overlap import reference_overlapped
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "overlap_worker.py")
 pytestmark = pytest.mark.horovod

@@ -326,10 +326,63 @@ def test_seeds_are_grouped_and_averaged(seeds_dir):
         "0.2500 ± 0.1768",
         "94.50% ± 0.71%",
         "94.50% ± 0.71%",
+        "0",
     ]
     lines = [line.split() for line in table.splitlines()]
     order = [cells[3] for cells in lines if cells[:2] == ["mnist1d", "localsgd-slowmo"]]
     assert order == ["0.1", "0.05"]  # best mean final val first
+
+
+def test_seed_failures_rules():
+    nan = float("nan")
+    # The main job's AR-SGD at lr 0.15 on test seeds 0, 1, 2: two seeds trail the best one.
+    out = report.seed_failures([0.01, 0.3, 1.2], [92.2, 82.4, 57.2], [92.6, 85.0, 60.0])
+    assert out[0] is None and out[1].startswith("trails") and out[2].startswith("trails")
+    # Seed noise within the margin passes; exactly at the margin still passes (strictly below).
+    assert report.seed_failures([0.1] * 3, [92.0, 94.0, 89.0], [None] * 3) == [None] * 3
+    # Diverged: a non-finite loss or metric, or none at all.
+    assert report.seed_failures([nan, 0.1], [93.0, 93.0], [93.0, 93.0])[0].startswith("diverged")
+    assert report.seed_failures([0.1, None], [93.0, 93.0], [None, None])[1].startswith("diverged")
+    # Fell back from its own best toward chance, even with every seed alike (no sibling rule).
+    out = report.seed_failures([2.3, 2.3], [9.8, 9.8], [31.6, 20.0])
+    assert [o.split(":")[0] for o in out] == ["fell back", "fell back"]
+    # A one-seed setting has no siblings; margin=None keeps only the divergence rule.
+    assert report.seed_failures([0.5], [50.0], [50.0]) == [None]
+    assert report.seed_failures([0.1, 0.1], [93.0, 50.0], [93.0, 90.0], margin=None) == [None] * 2
+    assert report.seed_failures([0.1, 0.1], [93.0, 91.0], [93.0, 91.0], margin=1.0)[1]
+    with pytest.raises(ValueError, match="one entry per seed"):
+        report.seed_failures([0.1], [93.0, 92.0], [None, None])
+    with pytest.raises(ValueError, match="margin"):
+        report.seed_failures([0.1], [93.0], [None], margin=0.0)
+
+
+def test_best_settings_skips_a_setting_with_a_failing_seed(tmp_path, capsys):
+    # lr 0.2 has the best mean final accuracy (93.33) but its third seed trails by 11 points:
+    # the rule rejects it and chooses lr 0.1 (mean 92.0), whose seeds agree.
+    finals = {"0.2": [97.0, 97.0, 86.0], "0.1": [91.0, 92.0, 93.0]}
+    for lr, accs in finals.items():
+        for seed, acc in enumerate(accs):
+            write_run(
+                tmp_path,
+                f"allreduce_lr{lr}/seed{seed}",
+                {"task": "t", "algo": "allreduce", "slowmo": False, "lr": float(lr), "seed": seed},
+                {"train_full_loss": [(36, 0.25)], "val_accuracy": [(36, acc)]},
+            )
+    runs = report.load_runs([str(tmp_path)])
+    fails = {st.name: st.failures() for st in report.group_settings(runs)}
+    assert list(fails["allreduce_lr0.2"]) == [os.path.join("allreduce_lr0.2", "seed2")]
+    assert fails["allreduce_lr0.1"] == {}
+    (best,) = report.best_settings(runs)
+    assert best.config["lr"] == 0.1
+    assert row(report.settings_table(runs), "t", "allreduce_lr0.2")[-1] == "1"
+    # Every setting failing: no choice at all rather than a failing one.
+    write_run(
+        tmp_path,
+        "allreduce_lr0.1/seed3",
+        {"task": "t", "algo": "allreduce", "slowmo": False, "lr": 0.1, "seed": 3},
+        {"train_full_loss": [(36, 2.3)], "val_accuracy": [(36, 9.8)]},
+    )
+    assert report.best_settings(report.load_runs([str(tmp_path)])) == []
 
 
 def test_band_over_seeds_and_plot(seeds_dir):
@@ -424,3 +477,46 @@ def test_monitor_logs_window_and_consensus(tmp_path):
 def test_monitor_rejects_plain_optimizer():
     with pytest.raises(TypeError, match="hvd_slowmo.DistributedOptimizer"):
         TrainingMonitor(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, {})
+
+
+def test_monitor_clock_counts_training_seconds_only(tmp_path):
+    """time/train_s is 0 at the start and the summed iteration times at each evaluation; every
+    scalar's TensorBoard wall time is the start plus those seconds, so a pause outside the
+    iterations (an evaluation) moves neither."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = str(tmp_path / "run")
+
+    def worker(comm):
+        model = torch.nn.Linear(2, 1)
+        opt = hvd_slowmo.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            base="localsgd",
+            tau=2,
+            communicator=comm,
+        )
+        mon = TrainingMonitor(opt, logdir, {"algo": "localsgd"})
+        for _ in range(2):
+            mon.start_iteration()
+            model(torch.ones(1, 2)).sum().backward()
+            time.sleep(0.05)
+            mon.before_step()
+            opt.step()
+            mon.end_iteration(0.0)
+        time.sleep(0.3)  # an evaluation: not training time
+        mon.log_validation(opt.num_steps, {"val_accuracy": 50.0})
+        mon.close()
+        return mon.wall_start, mon.total_seconds
+
+    ((start, trained),) = run_threads(1, worker)
+    assert 0.1 <= trained < 0.3
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    clock = acc.Scalars(TAGS["train_s"])
+    assert [(e.step, e.value) for e in clock] == [(0, 0.0), (2, pytest.approx(trained))]
+    assert [e.wall_time for e in clock] == [start, start + trained]
+    (val,) = acc.Scalars(TAGS["val_accuracy"])
+    assert val.wall_time == start + trained and val.value == 50.0

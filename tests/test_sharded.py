@@ -20,10 +20,13 @@ from reference import loss_at, lr_at, make_model, params_of
 
 pytestmark = pytest.mark.timeout(120)
 
-GROUP_LR = (
-    1.0,
-    0.5,
-)  # two param groups with different lr: one bucket each, each with its own 1/lr scaling
+
+def group_lrs(k):
+    """The lr of each param group (one bucket each) at step ``k``: group 0 rises every 4 steps,
+    group 1 starts at 0.37x and decays every 3 steps. The ratio is not a power of two and changes
+    between outer steps, so a bucket that read another group's lr cannot land on the same numbers
+    (with one schedule and a power-of-two ratio the wrong lr cancels out exactly in u and x0)."""
+    return lr_at(k), 0.37 * 0.05 * 0.8 ** (k // 3)
 
 
 def two_groups(model, lr=0.05):
@@ -31,7 +34,7 @@ def two_groups(model, lr=0.05):
     first = list(model[0].parameters())
     rest = [p for p in model.parameters() if all(p is not q for q in first)]
     return torch.optim.SGD(
-        [{"params": first}, {"params": rest, "lr": lr * GROUP_LR[1]}],
+        [{"params": first}, {"params": rest, "lr": group_lrs(0)[1]}],
         lr=lr,
         momentum=0.9,
         nesterov=True,
@@ -39,8 +42,8 @@ def two_groups(model, lr=0.05):
 
 
 def set_lr(opt, k):
-    for g, scale in zip(opt.param_groups, GROUP_LR):
-        g["lr"] = lr_at(k) * scale
+    for g, lr in zip(opt.param_groups, group_lrs(k)):
+        g["lr"] = lr
 
 
 def train(opt, model, rank, start, stop, snaps=None):
@@ -181,9 +184,8 @@ def test_sharded_equals_unsharded_bitwise(m, outer):
     assert_ranks_equal(sharded)
     assert_same_runs(sharded, plain)
     assert len(sharded[0][1]) == 3
-    assert not torch.equal(
-        sharded[0][1][-1][0], make_model().state_dict()["0.weight"]
-    )  # it trained
+    # It trained.
+    assert not torch.equal(sharded[0][1][-1][0], make_model().state_dict()["0.weight"])
     for _, _, opt in sharded:
         assert isinstance(opt.slow_state, ShardedSlowState) and opt.slow_state.captured
         assert all(a.dim() == 1 for a in opt.slow_state.anchor)  # shards of flat buckets
@@ -348,9 +350,8 @@ def test_nonfinite_skip_restores_the_gathered_anchor():
     sharded, plain = _poisoned(3, True), _poisoned(3, False)
     assert_ranks_equal(sharded)
     assert_same_runs(sharded, plain)
-    for a, b in zip(
-        sharded[0][1][1], sharded[0][1][0]
-    ):  # the skipped outer step restarted from the anchor
+    # The skipped outer step restarted from the anchor.
+    for a, b in zip(sharded[0][1][1], sharded[0][1][0]):
         assert torch.equal(a, b)
 
 
@@ -472,9 +473,8 @@ def test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded(tmp_path, np
                     torch.testing.assert_close(
                         a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: sharded vs unsharded"
                     )
-            assert (
-                sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]
-            )  # shards tile the state
+            # Shards tile the state
+            assert sum(s["state_bytes"] for s in sharded) == plain[0]["state_bytes"]
             assert max(s["state_bytes"] for s in sharded) < plain[0]["state_bytes"] / np_ + 64
             # Reduce-scatter + all-gather move what one allreduce does (up to int rounding).
             assert sharded[0]["bytes_sent"] == pytest.approx(plain[0]["bytes_sent"], abs=32)

@@ -1,10 +1,14 @@
 """AR-SGD / AR-Adam: Horovod's per-step gradient average (arXiv 1910.00643, Section 3).
 
 Every worker steps the same averaged gradient, so the parameters stay identical and the outer
-step needs no exact average of them (:attr:`AllReduceSGD.needs_exact_average` is False).
+step needs no exact average of them (:attr:`AllReduceSGD.needs_exact_average` is False). The
+optimizer averages the gradients in buckets started during backward
+(:mod:`hvd_slowmo.grad_buckets`), as Horovod's ``DistributedOptimizer`` and DDP do.
 """
 
-from .base import BaseAlgorithm, grads_or_zeros
+from ..comm.base import Communicator
+from ..validation import check_int, check_number
+from .base import BaseAlgorithm
 
 __all__ = ["AllReduceSGD"]
 
@@ -14,13 +18,30 @@ class AllReduceSGD(BaseAlgorithm):
 
     Args:
         comm: the communicator over the SlowMo workers.
+        bucket_mb: megabytes (2**20 bytes) of gradients per bucket; a bucket's average starts
+            once all its gradients are ready. Smaller buckets start earlier, larger ones make
+            fewer collectives (DDP's default is 25).
+        backward_passes_per_step: backward passes whose gradients accumulate locally before
+            each average (Horovod's argument): the average starts during the last one, and a
+            further pass before ``step()`` raises.
     """
 
     name = "allreduce"
     label = "AR-{opt}"
+    OPTIONS = ("bucket_mb", "backward_passes_per_step")
     communicates_every_step = True
     needs_exact_average = False
     averages_gradients = True
 
-    def communicate_gradients(self) -> None:
-        self.comm.average_(grads_or_zeros(self.params), name="hvd_slowmo.grad_average")
+    def __init__(
+        self, comm: Communicator, bucket_mb: float = 25.0, backward_passes_per_step: int = 1
+    ) -> None:
+        super().__init__(comm)
+        mb = check_number("bucket_mb", bucket_mb, low=0.0, low_open=True, fix="e.g. bucket_mb=25")
+        self.bucket_bytes = max(1, int(mb * 2**20))
+        self.backward_passes_per_step = check_int(
+            "backward_passes_per_step",
+            backward_passes_per_step,
+            1,
+            "the number of backward passes accumulated into each step's gradients",
+        )

@@ -9,8 +9,9 @@ its name). The optimizer drives it in this order::
 
     __init__(comm, **options)       once, and again after a change of workers (elastic)
     attach(params)                  once, then after every add_param_group
-    every step:   communicate_gradients()   gradients are ready (average them: AR-SGD); it
-                                    touches gradients only: the step may still be skipped (AMP)
+    every step:   communicate_gradients()   gradients are ready (and averaged, for a base
+                                    with averages_gradients); it touches gradients only: the
+                                    step may still be skipped (AMP)
                   pre_step()        the step will happen: local work only (re-bias: push-sum)
                   <the wrapped optimizer's step>
                   post_step(step)   parameters were stepped (gossip them: SGP, D-PSGD)
@@ -29,9 +30,12 @@ Class attributes tell the optimizer what the base needs, so it never asks which 
   skipping the exact average (``average=False``) still mixes their models.
 * :attr:`~BaseAlgorithm.needs_exact_average`: False when the parameters are already identical
   on every worker after each step (AR-SGD), so the exact average would only repeat them.
-* :attr:`~BaseAlgorithm.averages_gradients`: every worker holds the same averaged gradients
-  after :meth:`~BaseAlgorithm.communicate_gradients`, so a non-finite check of them agrees
-  everywhere without a collective (AMP's overflow decision).
+* :attr:`~BaseAlgorithm.averages_gradients`: the optimizer averages the gradients over
+  ``self.comm`` at every step (AR-SGD), in buckets of :attr:`~BaseAlgorithm.bucket_bytes`
+  started during backward (:mod:`hvd_slowmo.grad_buckets`), after
+  :attr:`~BaseAlgorithm.backward_passes_per_step` passes. Every worker then holds the same
+  gradients, so a non-finite check of them agrees everywhere without a collective (AMP's
+  overflow decision).
 
 A base talks to its workers through the :class:`~hvd_slowmo.comm.base.Communicator` it is given
 (``self.comm``), and never to Horovod or MPI directly.
@@ -63,9 +67,14 @@ class BaseAlgorithm:
     #: False where the parameters are already identical on every worker after each step, so
     #: the exact average at an outer step would only repeat them.
     needs_exact_average = True
-    #: True where :meth:`communicate_gradients` leaves every worker with the same (averaged)
-    #: gradients, so a non-finite check on them gives the same answer everywhere.
+    #: True where the optimizer averages the gradients over ``self.comm`` at every step (before
+    #: :meth:`communicate_gradients`), so a non-finite check on them agrees everywhere.
     averages_gradients = False
+    #: The most gradient bytes in one bucket of the per-step gradient average (and of the
+    #: node-level average of ``worker="node"``).
+    bucket_bytes: int = 25 * 2**20
+    #: Backward passes accumulated into the gradients before each per-step average.
+    backward_passes_per_step: int = 1
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm

@@ -2,8 +2,9 @@
 
 Nothing outside :mod:`hvd_slowmo.comm` calls Horovod or MPI: the optimizer, the base algorithms
 and the slow state are handed a :class:`Communicator`, so the same algorithm runs over Horovod
-(:mod:`~hvd_slowmo.comm.horovod`), MPI neighbour collectives (:mod:`~hvd_slowmo.comm.mpi`) or
-in-process threads (:mod:`~hvd_slowmo.comm.local`, for tests).
+(:mod:`~hvd_slowmo.comm.horovod`), torch.distributed (:mod:`~hvd_slowmo.comm.torchdist`), MPI
+neighbour collectives (:mod:`~hvd_slowmo.comm.mpi`) or in-process threads
+(:mod:`~hvd_slowmo.comm.local`, for tests).
 
 The public methods here hold what every transport shares: the one-worker shortcuts, the checks
 on their arguments and the byte counting. A transport implements the ``_``-prefixed hooks and

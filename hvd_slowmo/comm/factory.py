@@ -1,13 +1,16 @@
-"""Which transport carries what: every choice between Horovod, MPI and threads is made here.
+"""Which transport carries what: every choice between Horovod, torch.distributed, MPI and
+threads is made here.
 
-The optimizer asks for the communicator of the exact average (:func:`default_communicator`),
-for the two levels of ``worker="node"`` (:func:`horovod_node_hierarchy`), and the gossip bases
-ask for the transport of their neighbour exchanges (:func:`gossip_transport`). Nothing outside
-:mod:`hvd_slowmo.comm` names a concrete communicator (SlowMo: arXiv 1910.00643).
+The optimizer asks for the communicator of the exact average (:func:`default_communicator`,
+over the engine :func:`choose_engine` picks), for the two levels of ``worker="node"``
+(:func:`worker_hierarchy`), and the gossip bases ask for the transport of their neighbour
+exchanges (:func:`gossip_transport`). Nothing outside :mod:`hvd_slowmo.comm` names a concrete
+communicator (SlowMo: arXiv 1910.00643).
 """
 
 import logging
 import os
+import sys
 from typing import Any
 
 from ..hierarchy import Hierarchy, node_groups
@@ -16,10 +19,13 @@ from .base import Communicator
 from .horovod import HorovodCommunicator, check_compression
 
 __all__ = [
+    "ENGINES",
     "GOSSIP_TRANSPORTS",
+    "choose_engine",
     "default_communicator",
     "gossip_transport",
     "horovod_node_hierarchy",
+    "torch_node_hierarchy",
     "worker_hierarchy",
 ]
 
@@ -27,44 +33,105 @@ log = logging.getLogger("hvd_slowmo")
 
 #: Values of the gossip bases' ``gossip_transport`` option.
 GOSSIP_TRANSPORTS = ("auto", "mpi", "horovod")
+#: Values of ``DistributedOptimizer(engine=...)``: who carries the default communicator.
+ENGINES = ("auto", "horovod", "torch")
 _logged_choice = False
 
 
-def default_communicator(communicator: Communicator | None, compression: Any) -> Communicator:
-    """The communicator of the exact average: ``communicator`` if given, else Horovod's.
+def _horovod_initialized() -> bool:
+    # Only a Horovod the user imported counts: importing it here would load its MPI/Gloo runtime
+    # into torchrun jobs (and fail where Horovod is not installed).
+    hvd = sys.modules.get("horovod.torch")
+    return hvd is not None and bool(hvd.is_initialized())
+
+
+def choose_engine(engine: str) -> str:
+    """``"horovod"`` or ``"torch"``: the engine of the default communicator.
+
+    ``"auto"``: Horovod where ``hvd.init()`` has run (the default of this package), else
+    torch.distributed where a default process group exists (``torchrun`` +
+    ``init_process_group``), else Horovod if it was imported (it then says to call ``hvd.init()``).
+
+    Args:
+        engine: ``"auto"``, ``"horovod"`` or ``"torch"``.
+
+    Raises:
+        ValueError: ``"auto"`` with neither engine initialized, or an unknown value.
+    """
+    from .torchdist import torch_distributed_ready
+
+    check_choice("engine", engine, ENGINES)
+    if engine != "auto":
+        return engine
+    if _horovod_initialized():
+        return "horovod"
+    if torch_distributed_ready():
+        return "torch"
+    if sys.modules.get("horovod.torch") is not None:
+        return "horovod"
+    raise ValueError(
+        "engine='auto' found no initialized engine: under torchrun call "
+        "torch.distributed.init_process_group() first, under horovodrun call hvd.init() first "
+        "(or pass communicator=...)"
+    )
+
+
+def default_communicator(
+    communicator: Communicator | None, compression: Any, engine: str = "auto"
+) -> Communicator:
+    """The communicator of the exact average: ``communicator`` if given, else one over the
+    engine :func:`choose_engine` picks.
 
     Args:
         communicator: the user's communicator, or None.
-        compression: ``hvd.Compression`` for the Horovod communicator's payload, or None.
+        compression: the payload's compression for the default communicator, or None:
+            ``hvd.Compression.none``/``fp16`` (either engine) or ``"fp16"`` (torch.distributed).
+        engine: ``"auto"``, ``"horovod"`` or ``"torch"`` (ignored with a user's communicator).
 
     Raises:
         TypeError: ``communicator`` is not a :class:`Communicator`, or ``compression`` is not a
-            ``hvd.Compression``.
-        ValueError: ``compression`` together with a user's communicator.
+            compression of the chosen engine.
+        ValueError: ``compression`` together with a user's communicator; an elastic Horovod
+            launch on the torch.distributed engine.
     """
-    check_compression(compression)
     if communicator is None:
-        return HorovodCommunicator(compression=compression)
+        if choose_engine(engine) == "torch":
+            from ..elastic import is_elastic_launch
+            from .torchdist import TorchDistCommunicator
+
+            if is_elastic_launch():
+                raise ValueError(
+                    "elastic training (horovodrun --min-np/--max-np) needs the Horovod engine: "
+                    "call hvd.init() or pass engine='horovod'; under torchrun, restart from a "
+                    "checkpoint instead (torchrun --max-restarts, see README)"
+                )
+            return TorchDistCommunicator(compression=compression)
+        return HorovodCommunicator(compression=check_compression(compression))
+    check_compression(compression)
     if not isinstance(communicator, Communicator):
         raise TypeError(
             f"communicator must be a hvd_slowmo.comm.Communicator, got "
-            f"{type(communicator).__name__}; leave it out to use Horovod's"
+            f"{type(communicator).__name__}; leave it out to use the engine's default"
         )
     if compression is not None:
         raise ValueError(
-            "compression is applied by the default Horovod communicator; "
+            "compression is applied by the default communicator; "
             "pass compression to your communicator instead"
         )
     return communicator
 
 
-def worker_hierarchy(worker: Any, communicator: Communicator | None) -> Hierarchy | None:
+def worker_hierarchy(
+    worker: Any, communicator: Communicator | None, comm: Communicator | None = None
+) -> Hierarchy | None:
     """The two levels of a hierarchical run, or None when every process is a worker.
 
     Args:
-        worker: ``"process"``, ``"node"`` (built from Horovod's host layout: collective) or a
-            :class:`~hvd_slowmo.hierarchy.Hierarchy`.
-        communicator: the user's communicator, or None (Horovod).
+        worker: ``"process"``, ``"node"`` (built from the host layout of ``comm``'s engine:
+            collective) or a :class:`~hvd_slowmo.hierarchy.Hierarchy`.
+        communicator: the user's communicator, or None.
+        comm: the communicator of the exact average (:func:`default_communicator`); None or a
+            Horovod one builds Horovod process sets, a torch.distributed one builds sub-groups.
     """
     if isinstance(worker, Hierarchy):
         return worker
@@ -76,6 +143,10 @@ def worker_hierarchy(worker: Any, communicator: Communicator | None) -> Hierarch
             "worker='node' builds Horovod process sets; with your own communicator pass "
             "worker=Hierarchy(node=..., cross=...) instead"
         )
+    from .torchdist import TorchDistCommunicator
+
+    if isinstance(comm, TorchDistCommunicator):
+        return torch_node_hierarchy(comm)
     return horovod_node_hierarchy()
 
 
@@ -99,8 +170,9 @@ def horovod_node_hierarchy() -> Hierarchy:
     Needs dynamic process sets: ``hvd.init(process_sets="dynamic")`` (or
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before ``hvd.init()``).
     """
-    import horovod.torch as hvd
+    from .horovod import _hvd
 
+    hvd = _hvd()
     if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", ""):
         raise ValueError(
             "worker='node' creates Horovod process sets after hvd.init(): call "
@@ -118,6 +190,58 @@ def horovod_node_hierarchy() -> Hierarchy:
     return Hierarchy(
         node=HorovodCommunicator(process_set=node_set),
         cross=HorovodCommunicator(process_set=peer_set),
+    )
+
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _node_layout() -> tuple[Any, int]:
+    """This rank's (node, local rank) as its launcher says: torchrun's ``GROUP_RANK`` (the node
+    index, which also tells emulated nodes on one host apart) and ``LOCAL_RANK``; without them
+    the host name, and -1 for a local rank to be numbered in rank order on each host."""
+    if "GROUP_RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    import socket
+
+    return socket.gethostname(), -1
+
+
+def torch_node_hierarchy(comm: Communicator) -> Hierarchy:
+    """Build the node and cross-node communicators of ``worker="node"`` as
+    ``torch.distributed.new_group`` sub-groups. Collective over every rank of the job.
+
+    Args:
+        comm: the torch.distributed communicator over every rank of the job.
+    """
+    import torch.distributed as dist
+
+    from .torchdist import TorchDistCommunicator
+
+    if comm.size != dist.get_world_size():
+        raise ValueError(
+            "worker='node' over torch.distributed builds sub-groups of the whole job: the "
+            f"communicator has {comm.size} of {dist.get_world_size()} ranks"
+        )
+    raw = comm.allgather_object(_node_layout())
+    keys = list(dict.fromkeys(node for node, _ in raw))  # node index by first appearance
+    seen: dict[Any, int] = {}
+    layout = []
+    for node, local in raw:
+        if local < 0:  # no launcher numbering: number the ranks of each host in rank order
+            local = seen[node] = seen.get(node, -1) + 1
+        layout.append((keys.index(node), local))
+    nodes, peers = node_groups(layout)
+    # new_group is collective over the whole job: every rank creates every group, in one order.
+    for ranks in nodes + peers:
+        if tuple(ranks) not in _GROUPS:
+            _GROUPS[tuple(ranks)] = dist.new_group(ranks)
+    mine = dist.get_rank()
+    node = next(r for r in nodes if mine in r)
+    peer = next(r for r in peers if mine in r)
+    return Hierarchy(
+        node=TorchDistCommunicator(group=_GROUPS[tuple(node)]),
+        cross=TorchDistCommunicator(group=_GROUPS[tuple(peer)]),
     )
 
 

@@ -18,8 +18,16 @@ REDUCE_SCATTER_MODES = ("auto", "reducescatter", "alltoall")
 
 
 def _hvd() -> Any:
-    import horovod.torch as hvd  # imported lazily: the pure parts of the package need no Horovod
-
+    # Imported lazily: the pure parts of the package and the torch.distributed engine need no
+    # Horovod.
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:
+        raise ImportError(
+            f"this feature needs Horovod, which is not importable here ({e}): build it with "
+            "scripts/install_horovod.sh (see the README), or launch with torchrun and use the "
+            "torch.distributed engine"
+        ) from e
     return hvd
 
 

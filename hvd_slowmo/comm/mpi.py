@@ -11,7 +11,9 @@ Under Horovod this shares Horovod's MPI world (a duplicate of ``COMM_WORLD``); i
 use it under a Gloo launch: mpi4py would then see a world of one process.
 
 CUDA tensors: with a CUDA-aware MPI pass ``cuda_aware=True``; otherwise each message is staged
-through pinned host buffers (written for completeness, not tested: this machine has no GPU).
+through pinned host buffers. Neither path is tested: no test runs this communicator on CUDA
+tensors (scripts/gpu_check.sh runs tests/test_cuda.py, which uses the thread and Horovod
+communicators).
 """
 
 from collections import OrderedDict

@@ -252,9 +252,8 @@ class SlowState(abc.ABC):
             self.outer_optimizer.zero_grad(set_to_none=True)
             torch._foreach_copy_(averages, self.anchor)
             return
-        if (
-            self.slow_buffer is None
-        ):  # no slow update (slow_lr=1, slow_momentum=0): keep the average
+        # No slow update (slow_lr=1, slow_momentum=0): keep the average
+        if self.slow_buffer is None:
             torch._foreach_copy_(self.anchor, averages)
             return
         cfg = self.config

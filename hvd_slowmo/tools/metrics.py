@@ -31,6 +31,9 @@ TAGS = {
     "val_accuracy": "val/accuracy",  # classification, in percent
     "val_nll": "val/nll",  # translation: per-token negative log-likelihood
     "iter_ms": "time/iter_ms",  # wall time per iteration (rank 0), window mean
+    # training seconds so far (rank 0's summed iteration times; evaluation and the consensus
+    # measurement excluded): written at the start and with every evaluation
+    "train_s": "time/train_s",
     "compute_ms": "time/compute_ms",  # iter_ms minus the three communication phases below
     # the base algorithm's per-step communication (gossip, allreduce)
     "base_comm_ms": "time/base_comm_ms",
@@ -127,6 +130,10 @@ class TrainingMonitor:
         self._reset_window()
         self._t0: float | None = None
         self._phase0: dict[str, float] = {}
+        # Every scalar's TensorBoard wall time is this start plus the training seconds so far,
+        # so the "Relative" axis compares runs by training time, evaluations left out.
+        self.wall_start = time.time()
+        self._write({"train_s": 0.0}, int(getattr(optimizer, "num_steps", 0)))
 
     def _reset_window(self) -> None:
         self._win_iters = 0
@@ -225,13 +232,14 @@ class TrainingMonitor:
             raise ValueError(
                 f"log_validation: unknown metric(s) {unknown}; use {', '.join(_EVAL_KEYS)}"
             )
-        self._write(metrics, step)
+        self._write({**metrics, "train_s": self.total_seconds}, step)
 
     def _write(self, values: dict[str, float], step: int) -> None:
         if self.writer is None:
             return
+        walltime = self.wall_start + self.total_seconds
         for key, value in values.items():
-            self.writer.add_scalar(TAGS[key], value, step)
+            self.writer.add_scalar(TAGS[key], value, step, walltime=walltime)
         self.writer.flush()
 
     def mean_iteration_ms(self) -> float:

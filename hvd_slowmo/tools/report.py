@@ -43,6 +43,8 @@ __all__ = [
     "summarize",
     "group_settings",
     "best_settings",
+    "FAIL_MARGIN",
+    "seed_failures",
     "mean_std",
     "fmt_mean_std",
     "text_table",
@@ -227,6 +229,67 @@ def fmt_mean_std(values: Sequence[float | None], spec: str, suffix: str = "") ->
     return f"{mean:{spec}}{suffix} ± {std:{spec}}{suffix}"
 
 
+#: Points of validation accuracy by which a seed must trail to fail (:func:`seed_failures`): well
+#: above the seed-to-seed noise of a stable setting (about 0.5 to 1.5 points on MNIST-1D's
+#: 500-signal validation split) and well below what a diverging seed loses (10 to 80 points).
+FAIL_MARGIN = 5.0
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def seed_failures(
+    final_losses: Sequence[float | None],
+    finals: Sequence[float | None],
+    bests: Sequence[float | None],
+    margin: float | None = FAIL_MARGIN,
+) -> list[str | None]:
+    """Which seeds of one setting fail, and why (None: the seed is fine).
+
+    A seed fails when
+
+    1. its final training loss or final validation metric is missing or not finite (it
+       diverged), or, for an accuracy (higher is better; ``margin`` given):
+    2. its final accuracy is more than ``margin`` points below its own best one (it learned,
+       then fell back toward chance), or
+    3. its final accuracy is more than ``margin`` points below the best final accuracy of the
+       setting's other seeds (it learned much less than its siblings).
+
+    A tuning rule that only compares means lets a setting through whose seeds sometimes
+    diverge; rejecting every setting with a failing seed does not.
+
+    Args:
+        final_losses: per seed, the final training loss.
+        finals: per seed, the final validation metric (accuracy in percent for 2 and 3).
+        bests: per seed, the best validation metric over the run (None: rule 2 skipped).
+        margin: points of accuracy (default :data:`FAIL_MARGIN`); None applies rule 1 only
+            (a metric such as an NLL has no common scale for a margin).
+    """
+    if not len(final_losses) == len(finals) == len(bests):
+        raise ValueError(
+            "seed_failures: final_losses, finals and bests need one entry per seed, got "
+            f"{len(final_losses)}, {len(finals)} and {len(bests)}"
+        )
+    if margin is not None and not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"seed_failures: margin must be a positive number of points, got {margin}")
+    out: list[str | None] = []
+    for i, (loss, final, best) in enumerate(zip(final_losses, finals, bests)):
+        if not (_finite(loss) and _finite(final)):
+            out.append(f"diverged (final loss {loss}, final metric {final})")
+            continue
+        assert final is not None
+        if margin is not None and _finite(best) and final < best - margin:
+            out.append(f"fell back: final {final:.2f} < best {best:.2f} - {margin:g}")
+            continue
+        others = [f for j, f in enumerate(finals) if j != i and _finite(f)]
+        if margin is not None and others and final < max(others) - margin:
+            out.append(f"trails: final {final:.2f} < best sibling {max(others):.2f} - {margin:g}")
+            continue
+        out.append(None)
+    return out
+
+
 _SEED_SUFFIX = re.compile(r"[/_-]?seed\d+$")
 
 
@@ -260,6 +323,21 @@ class Setting:
     def mean(self, key: str) -> float | None:
         """The mean of one :func:`summarize` field over the runs."""
         return mean_std(self.values(key))[0]
+
+    def failures(self, margin: float = FAIL_MARGIN) -> dict[str, str]:
+        """The runs that fail (:func:`seed_failures`): run name -> why.
+
+        Args:
+            margin: see :func:`seed_failures`.
+        """
+        accuracy = set(self.values("val_kind")) == {"accuracy"}
+        reasons = seed_failures(
+            self.values("final_train_loss"),
+            self.values("final_val"),
+            self.values("best_val") if accuracy else [None] * len(self.runs),
+            margin if accuracy else None,
+        )
+        return {r.name: why for r, why in zip(self.runs, reasons) if why}
 
 
 def group_settings(runs: Sequence[Run]) -> list[Setting]:
@@ -413,15 +491,20 @@ def _final_first(setting: Setting) -> float:
     return -mean if "accuracy" in setting.values("val_kind") else mean
 
 
-def best_settings(runs: Sequence[Run]) -> list[Setting]:
-    """Per task, algorithm and SlowMo on/off: the setting with the best mean final validation
-    metric over its seeds (what a tuning sweep chooses).
+def best_settings(runs: Sequence[Run], margin: float = FAIL_MARGIN) -> list[Setting]:
+    """Per task, algorithm and SlowMo on/off: among the *stable* settings (no seed fails,
+    :meth:`Setting.failures`), the one with the best mean final validation metric over its
+    seeds (what a tuning sweep chooses). A group whose every setting has a failing seed has
+    no choice.
 
     Args:
         runs: from :func:`load_runs`.
+        margin: see :func:`seed_failures`.
     """
     best: dict[tuple[str, str, bool], Setting] = {}
     for st in group_settings(runs):
+        if st.failures(margin):
+            continue
         key = (st.task, _label(st.runs[0]), st.runs[0].slowmo)
         if key not in best or _final_first(st) < _final_first(best[key]):
             best[key] = st
@@ -455,6 +538,7 @@ def settings_table(runs: Sequence[Run]) -> str:
                 fmt_mean_std(st.values("final_train_loss"), ".4f"),
                 _fmt_vals(st, "final_val"),
                 _fmt_vals(st, "best_val"),
+                str(len(st.failures())),
             ]
         )
     headers = [
@@ -468,8 +552,12 @@ def settings_table(runs: Sequence[Run]) -> str:
         "Final train loss",
         "Final val",
         "Best val",
+        "Failing seeds",
     ]
-    return "Settings (mean ± std over seeds; best final val first)\n" + text_table(headers, rows)
+    return (
+        "Settings (mean ± std over seeds; best final val first; failing seeds: see "
+        "hvd_slowmo.tools.report.seed_failures)\n" + text_table(headers, rows)
+    )
 
 
 def runs_table(runs: Sequence[Run]) -> str:
@@ -532,13 +620,15 @@ def _band(
     )
 
 
-def plot(runs: Sequence[Run], path: str) -> str:
+def plot(runs: Sequence[Run], path: str, seconds: bool = False) -> str:
     """Save, per setting, the mean training-loss and validation curves with a band from the
     lowest to the highest of its seeds, and a stacked bar chart of the mean time split.
 
     Args:
         runs: from :func:`load_runs`.
         path: the PNG file to write.
+        seconds: add a panel of the validation accuracy against training seconds
+            (:func:`hvd_slowmo.tools.time_to_accuracy.plot_accuracy_vs_seconds`).
 
     Returns:
         ``path``.
@@ -549,7 +639,14 @@ def plot(runs: Sequence[Run], path: str) -> str:
     import matplotlib.pyplot as plt
 
     settings = group_settings(runs)
-    fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
+    if seconds:
+        from .time_to_accuracy import plot_accuracy_vs_seconds, run_curve
+
+        fig, (ax_loss, ax_val, ax_seconds, ax_time) = plt.subplots(1, 4, figsize=(22, 4.8))
+        curves = {st.name: [run_curve(r) for r in st.runs] for st in settings}
+        plot_accuracy_vs_seconds(ax_seconds, curves)
+    else:
+        fig, (ax_loss, ax_val, ax_time) = plt.subplots(1, 3, figsize=(17, 4.8))
     loss_kinds, val_kinds = set(), set()
     for st in settings:
         n = f" (n={len(st.runs)})" if len(st.runs) > 1 else ""

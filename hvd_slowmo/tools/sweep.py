@@ -1,6 +1,8 @@
 """The paper's tuning and ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendices B-C):
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
-best setting per algorithm (mean over seeds).
+best setting per algorithm: the best mean over seeds among the settings where no seed fails
+(:func:`hvd_slowmo.tools.report.seed_failures`: a seed that diverges, falls back from its best,
+or ends far below its siblings rejects its setting).
 
     python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau \\
         --np 4    # tau in {12, 24, 48, 96}
@@ -29,6 +31,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +43,11 @@ from ..bases import BASES
 
 __all__ = [
     "ABLATIONS",
+    "LAUNCHERS",
     "horovodrun_command",
+    "launch_command",
+    "resolve_launcher",
+    "require_resolvable_hostname",
     "sweep_points",
     "point_args",
     "sweep_commands",
@@ -94,18 +101,40 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def require_resolvable_hostname(name: str | None = None) -> None:
+    """Raise unless the host name ``name`` resolves to an address.
+
+    Horovod's Gloo looks up this machine's name and, when it does not resolve, crashes (a
+    segfault in Gloo's device.cc) instead of saying so: check before a Gloo launch.
+
+    Args:
+        name: the host name to look up (default: this machine's, as ``hostname`` prints it).
+    """
+    name = socket.gethostname() if name is None else name
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError as err:
+        raise RuntimeError(
+            f"the host name {name!r} does not resolve ({err.strerror}), so horovodrun --gloo "
+            f"would crash: name it in /etc/hosts, as root: echo '127.0.1.1 {name}' >> /etc/hosts"
+        ) from None
+
+
 def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) -> list[str]:
     """The ``horovodrun`` prefix for ``np_`` local processes.
 
     Args:
         np_: number of processes (>= 1).
         launcher: ``"gloo"`` or ``"mpi"`` (OpenMPI as root needs --allow-run-as-root).
-        required: raise if horovodrun is not installed (False: name it anyway, for printing).
+        required: raise if horovodrun is not installed or, for Gloo, the host name does not
+            resolve (False: name it anyway, for printing).
     """
     if isinstance(np_, bool) or not isinstance(np_, int) or np_ < 1:
         raise ValueError(f"np must be an integer >= 1, got {np_!r}")
     if launcher not in ("gloo", "mpi"):
         raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
+    if launcher == "gloo" and required:
+        require_resolvable_hostname()
     exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     if not os.path.exists(exe):
         exe = shutil.which("horovodrun") or ""
@@ -119,6 +148,47 @@ def horovodrun_command(np_: int, launcher: str = "gloo", required: bool = True) 
     if launcher == "gloo":
         return cmd + ["--gloo"]
     return cmd + ["--mpi", "--mpi-args=--oversubscribe --allow-run-as-root"]
+
+
+#: Values of ``--launcher``: horovodrun over Gloo or MPI, torchrun (torch.distributed), or
+#: ``"auto"``: horovodrun --gloo where Horovod is installed, else torchrun.
+LAUNCHERS = ("auto", "gloo", "mpi", "torchrun")
+
+
+def resolve_launcher(launcher: str) -> str:
+    """``launcher``, with ``"auto"`` resolved: ``"gloo"`` (horovodrun) where horovodrun is
+    installed, else ``"torchrun"``.
+
+    Args:
+        launcher: one of :data:`LAUNCHERS`.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    if launcher != "auto":
+        return launcher
+    found = os.path.exists(os.path.join(os.path.dirname(sys.executable), "horovodrun"))
+    return "gloo" if found or shutil.which("horovodrun") else "torchrun"
+
+
+def launch_command(np_: int, launcher: str = "auto", required: bool = True) -> list[str]:
+    """The launcher prefix for ``np_`` local processes, followed by the python command to run
+    (``horovodrun ... --gloo`` or ``torchrun --standalone --nproc-per-node NP --no-python``).
+
+    Args:
+        np_: number of processes (>= 1).
+        launcher: one of :data:`LAUNCHERS`.
+        required: raise if horovodrun is not installed (False: name it anyway, for printing).
+    """
+    launcher = resolve_launcher(launcher)
+    if launcher != "torchrun":
+        return horovodrun_command(np_, launcher, required)
+    if isinstance(np_, bool) or not isinstance(np_, int) or np_ < 1:
+        raise ValueError(f"np must be an integer >= 1, got {np_!r}")
+    # torchrun of this interpreter's torch; --no-python: the caller names the python to run.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone"] + [
+        f"--nproc-per-node={np_}",
+        "--no-python",
+    ]
 
 
 def sweep_points(
@@ -241,17 +311,7 @@ def _run(cmd: list[str], timeout: float | None) -> Any:
         return "timeout"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line (see the module docstring).
-
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hvd_slowmo.tools.sweep",
         description=__doc__,
@@ -281,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--baseline", action="store_true", help="also run the base algorithm without SlowMo"
     )
     parser.add_argument("--np", type=int, default=4)
-    parser.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto")
     parser.add_argument(
         "--one-launch",
         action="store_true",
@@ -293,7 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="seconds per launch (default: none)"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _grid(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The ablation's grid with the command line's overrides, checked."""
     grid = dict(ABLATIONS[args.ablation])
     for key, kind in (
         ("lrs", float),
@@ -307,67 +371,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = sorted(set(grid["buffers"]) - {"reset", "maintain", "average"})
     if bad:
         raise ValueError(f"--buffers: unknown strategy {bad}; use reset, maintain or average")
-    seeds = _csv(args.seeds, "--seeds", int)
-    logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
-    launch = horovodrun_command(args.np, args.launcher, required=not args.dry_run)
-    points = sweep_points(grid, args.baseline, seeds)
-    if args.one_launch:
-        head = launch + [
-            sys.executable,
-            args.script,
-            "--algo",
-            args.algo,
-            "--logdir",
-            logdir,
-            "--no-progress",
-        ]
-        plan = [point_args(args.algo, p) + list(extra) for p in points]
-        if args.dry_run:
-            print(shlex.join(head + ["--plan", "PLAN.json"]))
-            print(json.dumps(plan))
-            return 0
-        with tempfile.TemporaryDirectory() as tmp:
-            plan_path = os.path.join(tmp, "plan.json")
-            with open(plan_path, "w", encoding="utf-8") as f:
-                json.dump(plan, f)
-            print(
-                f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
-                flush=True,
-            )
-            t0 = time.perf_counter()
-            rc = _run(head + ["--plan", plan_path], args.timeout)
-            print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
-        failed = int(rc != 0)
-        total = 1
-    else:
-        cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
-        if args.dry_run:
-            for cmd in cmds:
-                print(shlex.join(cmd))
-            return 0
-        failed, total = 0, len(cmds)
-        for i, cmd in enumerate(cmds):
-            print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
-            t0 = time.perf_counter()
-            rc = _run(cmd, args.timeout)
-            print(
-                f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
-                flush=True,
-            )
-            failed += rc != 0
+    return grid
+
+
+def _one_launch(
+    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+) -> tuple[int, int] | None:
+    """Every run inside one launch (the script's --plan); (failed, launches), or None after a
+    dry run."""
+    head = launch + [
+        sys.executable,
+        args.script,
+        "--algo",
+        args.algo,
+        "--logdir",
+        logdir,
+        "--no-progress",
+    ]
+    plan = [point_args(args.algo, p) + list(extra) for p in points]
+    if args.dry_run:
+        print(shlex.join(head + ["--plan", "PLAN.json"]))
+        print(json.dumps(plan))
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(plan, f)
+        print(
+            f"{len(plan)} runs in one launch: {shlex.join(head + ['--plan', plan_path])}",
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        rc = _run(head + ["--plan", plan_path], args.timeout)
+        print(f"exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+    return int(rc != 0), 1
+
+
+def _launch_each(
+    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+) -> tuple[int, int] | None:
+    """One launch per run; (failed, launches), or None after a dry run."""
+    cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
+    if args.dry_run:
+        for cmd in cmds:
+            print(shlex.join(cmd))
+        return None
+    failed = 0
+    for i, cmd in enumerate(cmds):
+        print(f"[{i + 1}/{len(cmds)}] {shlex.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = _run(cmd, args.timeout)
+        print(
+            f"[{i + 1}/{len(cmds)}] exit {rc} after {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        failed += rc != 0
+    return failed, len(cmds)
+
+
+def _print_chosen(logdir: str) -> None:
+    """The report of the sweep and the best setting per task and algorithm."""
     from . import report
 
     report.main([logdir])
-    if os.path.isdir(logdir):
-        print("\nChosen (best mean final validation metric over seeds, per task and algorithm):")
-        for st in report.best_settings(report.load_runs([logdir])):
-            c = st.config
-            beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
-            final = report.fmt_mean_std(st.values("final_val"), ".4g")
-            print(
-                f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
-                f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)"
-            )
+    if not os.path.isdir(logdir):
+        return
+    runs = report.load_runs([logdir])
+    for st in report.group_settings(runs):
+        for name, why in st.failures().items():
+            print(f"rejected {st.name}: seed {name} fails ({why})")
+    print(
+        "\nChosen (among the settings where no seed fails, the best mean final validation "
+        "metric over seeds, per task and algorithm):"
+    )
+    for st in report.best_settings(runs):
+        c = st.config
+        beta = c.get("slow_momentum") if st.runs[0].slowmo else "-"
+        final = report.fmt_mean_std(st.values("final_val"), ".4g")
+        print(
+            f"  {st.task} {st.name}: lr {c.get('lr')}, tau {c.get('tau')}, beta {beta}, "
+            f"buffers {c.get('buffers')}; final val {final} over {len(st.runs)} seed(s)"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line (see the module docstring).
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = _parser().parse_args(argv)
+    grid = _grid(args)
+    seeds = _csv(args.seeds, "--seeds", int)
+    logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
+    launch = launch_command(args.np, args.launcher, required=not args.dry_run)
+    points = sweep_points(grid, args.baseline, seeds)
+    run = _one_launch if args.one_launch else _launch_each
+    outcome = run(args, launch, points, logdir, extra)
+    if outcome is None:  # a dry run
+        return 0
+    failed, total = outcome
+    _print_chosen(logdir)
     if failed:
         print(f"{failed} of {total} launches failed", file=sys.stderr)
     return 1 if failed else 0

@@ -13,6 +13,7 @@ Each rank writes OUT_DIR/MODE.RANK.json: {phase: {"error": type, "message": str,
 plus "t_fault" (when the faulty rank stopped or died, written by it just before).
 """
 
+import functools
 import json
 import math
 import os
@@ -62,67 +63,67 @@ def run_phase(results, name, fn):
         }
 
 
-def mode_errors(out, results):
+def _skew():
+    build(slow_momentum=0.5 + 0.1 * (hvd.rank() == FAULTY))
+
+
+def _nan(policy):
+    model, opt = build(nonfinite=policy)
+    for k in range(5):
+        one_step(model, opt, k)
+        if k == 3 and hvd.rank() == FAULTY:  # inside outer step 1 (steps 3..5)
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = math.nan
+    one_step(model, opt, 5)  # outer step 1 ends here: the check runs
+    flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
+    return {
+        "finite": bool(flat.isfinite().all()),
+        "params": flat.tolist(),
+        "outer_steps": opt.outer_steps,
+    }
+
+
+def _uneven():
+    model, opt = build()
+    # 9 steps with tau=3: rank 0's last step is an outer step, where it meets rank 1's finish().
+    for k in range(9):
+        if k == 4 and hvd.rank() == FAULTY:
+            continue  # one batch fewer on this rank (uneven data without drop_last)
+        one_step(model, opt, k)
+    opt.finish()
+
+
+def _corrupt_checkpoint(out):
     rank = hvd.rank()
+    model, opt = build()
+    one_step(model, opt, 0)
+    path = os.path.join(out, f"ckpt.{rank}.pt")
+    save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    good = load_checkpoint(path)
+    opt.load_state_dict(good["opt"])  # the intact file round-trips
+    if rank == FAULTY:
+        with open(path, "r+b") as f:
+            # A job that died while writing with torch.save
+            f.truncate(os.path.getsize(path) // 2)
+    load_checkpoint(path)
 
-    def skew():
-        build(slow_momentum=0.5 + 0.1 * (rank == FAULTY))
 
-    def nan(policy):
-        def phase():
-            model, opt = build(nonfinite=policy)
-            for k in range(5):
-                one_step(model, opt, k)
-                if k == 3 and rank == FAULTY:  # inside outer step 1 (steps 3..5)
-                    with torch.no_grad():
-                        next(model.parameters())[0, 0] = math.nan
-            one_step(model, opt, 5)  # outer step 1 ends here: the check runs
-            flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
-            return {
-                "finite": bool(flat.isfinite().all()),
-                "params": flat.tolist(),
-                "outer_steps": opt.outer_steps,
-            }
+def _join():
+    # Uneven data "handled" with hvd.join(): rank 1 runs out after 8 steps and joins while
+    # rank 0 reaches the outer step at step 9. Last phase: Horovod is shut down afterwards.
+    model, opt = build()
+    for k in range(9 if hvd.rank() != FAULTY else 8):
+        one_step(model, opt, k)
+    hvd.join()
 
-        return phase
 
-    def uneven():
-        model, opt = build()
-        # 9 steps with tau=3: rank 0's last step is an outer step, where it meets rank 1's finish().
-        for k in range(9):
-            if k == 4 and rank == FAULTY:
-                continue  # one batch fewer on this rank (uneven data without drop_last)
-            one_step(model, opt, k)
-        opt.finish()
-
-    def corrupt_checkpoint():
-        model, opt = build()
-        one_step(model, opt, 0)
-        path = os.path.join(out, f"ckpt.{rank}.pt")
-        save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-        good = load_checkpoint(path)
-        opt.load_state_dict(good["opt"])  # the intact file round-trips
-        if rank == FAULTY:
-            with open(path, "r+b") as f:
-                f.truncate(
-                    os.path.getsize(path) // 2
-                )  # a job that died while writing with torch.save
-        load_checkpoint(path)
-
-    def join():
-        # Uneven data "handled" with hvd.join(): rank 1 runs out after 8 steps and joins while
-        # rank 0 reaches the outer step at step 9. Last phase: Horovod is shut down afterwards.
-        model, opt = build()
-        for k in range(9 if rank != FAULTY else 8):
-            one_step(model, opt, k)
-        hvd.join()
-
-    run_phase(results, "skew", skew)
-    run_phase(results, "nan-raise", nan("raise"))
-    run_phase(results, "nan-skip", nan("skip"))
-    run_phase(results, "uneven", uneven)
-    run_phase(results, "corrupt-checkpoint", corrupt_checkpoint)
-    run_phase(results, "join", join)
+def mode_errors(out, results):
+    run_phase(results, "skew", _skew)
+    run_phase(results, "nan-raise", functools.partial(_nan, "raise"))
+    run_phase(results, "nan-skip", functools.partial(_nan, "skip"))
+    run_phase(results, "uneven", _uneven)
+    run_phase(results, "corrupt-checkpoint", functools.partial(_corrupt_checkpoint, out))
+    run_phase(results, "join", _join)
 
 
 def mode_fault(out, results, mode):

@@ -18,9 +18,8 @@ import sys
 
 import torch
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # tests/: the reference
+# Tests/: the reference
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import horovod.torch as hvd
 from test_gossip import LR, centre, curvature, initial, reference

@@ -57,9 +57,8 @@ def run(cfg, comm, shard, model):
     snaps = []
     for k in range(STEPS):
         opt.param_groups[0]["lr"] = lr_at(k)
-        opt.param_groups[1]["lr"] = opt.param_groups[2]["lr"] = (
-            lr_at(k) / 2
-        )  # each group's own 1/lr scaling
+        # Each group's own 1/lr scaling
+        opt.param_groups[1]["lr"] = opt.param_groups[2]["lr"] = lr_at(k) / 2
         opt.zero_grad()
         loss_at(model, comm.rank, k).backward()
         extra.grad = torch.tensor([0.1, -0.2]) * (comm.rank + 1) * (k + 1)

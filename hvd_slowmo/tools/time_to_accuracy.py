@@ -1,0 +1,211 @@
+"""Time to accuracy: how many seconds of training each method's averaged model needs to first
+reach given test accuracies, mean ± std over seeds (the question a slow network asks of
+SlowMo, arXiv 1910.00643 Sec. 6: the same accuracy sooner?).
+
+A run's curve is its (training seconds, accuracy) at every evaluation, from its TensorBoard
+events: ``time/train_s`` (rank 0's summed iteration times: evaluation and the consensus
+measurement excluded) and ``val/accuracy``, joined by step. The accuracy is only known at
+evaluations (epoch ends), so a time to accuracy is the training seconds at the first
+evaluation at or above the target: its resolution is one epoch.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .metrics import TAGS
+from .report import Run, fmt_mean_std, mean_std, text_table
+
+__all__ = [
+    "Curve",
+    "run_curve",
+    "time_to_accuracy",
+    "default_targets",
+    "MethodTimes",
+    "time_to_accuracy_rows",
+    "time_to_accuracy_table",
+    "plot_accuracy_vs_seconds",
+]
+
+#: (training seconds, accuracy in percent) at each evaluation, in time order.
+Curve = list[tuple[float, float]]
+
+
+def run_curve(run: Run) -> Curve:
+    """The (training seconds, validation accuracy) points of a run, at the steps that logged both.
+
+    Args:
+        run: from :func:`hvd_slowmo.tools.report.load_runs`.
+
+    Raises:
+        ValueError: the run logged no training seconds or no accuracy (not written by
+            :class:`hvd_slowmo.tools.metrics.TrainingMonitor` of this version, or no evaluation).
+    """
+    seconds = dict(run.scalars.get(TAGS["train_s"], []))
+    accuracy = run.scalars.get(TAGS["val_accuracy"], [])
+    if not seconds or not accuracy:
+        raise ValueError(
+            f"run {run.name!r} has no {TAGS['train_s']!r} or {TAGS['val_accuracy']!r} scalars: "
+            "time to accuracy needs both (runs written by this version's TrainingMonitor)"
+        )
+    return [(seconds[step], acc) for step, acc in accuracy if step in seconds]
+
+
+def time_to_accuracy(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Training seconds at the first evaluation whose accuracy is at or above ``target``
+    (None: never reached).
+
+    Args:
+        curve: (seconds, accuracy) in time order (:func:`run_curve`).
+        target: accuracy in percent.
+
+    Raises:
+        ValueError: the seconds go backwards (not one run's curve).
+    """
+    last = -math.inf
+    for seconds, acc in curve:
+        if seconds < last:
+            raise ValueError(
+                f"time_to_accuracy: the curve's seconds must not decrease, got {seconds} after "
+                f"{last}"
+            )
+        last = seconds
+        if acc >= target:
+            return seconds
+    return None
+
+
+def default_targets(
+    finals: Mapping[str, Sequence[float | None]], fixed: Sequence[float] = (85.0, 90.0)
+) -> list[float]:
+    """The accuracies to time, in increasing order: ``fixed`` and the best method's mean final
+    accuracy minus one point (rounded down to 0.1), which at least the best method reaches.
+
+    Args:
+        finals: method -> its seeds' final accuracies.
+        fixed: accuracies every table shows.
+    """
+    means = [m for m in (mean_std(v)[0] for v in finals.values()) if m is not None]
+    targets = set(fixed)
+    if means:
+        targets.add(math.floor((max(means) - 1.0) * 10 + 1e-9) / 10)
+    return sorted(targets)
+
+
+@dataclass
+class MethodTimes:
+    """One method's seeds: final accuracy, training seconds, and per target the seconds each
+    seed took to reach it (None: never).
+
+    Attributes:
+        final: per seed, the last evaluation's accuracy.
+        seconds: per seed, the training seconds at the last evaluation.
+        to: target -> per seed, :func:`time_to_accuracy`.
+    """
+
+    final: list[float | None]
+    seconds: list[float | None]
+    to: dict[float, list[float | None]]
+
+
+def time_to_accuracy_rows(
+    curves: Mapping[str, Sequence[Curve]], targets: Sequence[float]
+) -> dict[str, MethodTimes]:
+    """Per method, :class:`MethodTimes` of its seeds.
+
+    Args:
+        curves: method -> one curve per seed.
+        targets: accuracies in percent.
+    """
+    return {
+        method: MethodTimes(
+            final=[c[-1][1] if c else None for c in seeds],
+            seconds=[c[-1][0] if c else None for c in seeds],
+            to={t: [time_to_accuracy(c, t) for c in seeds] for t in targets},
+        )
+        for method, seeds in curves.items()
+    }
+
+
+def _reached(times: Sequence[float | None]) -> str:
+    """Mean ± std over the seeds that reached it, and how many did when not all."""
+    got = [t for t in times if t is not None]
+    if not got:
+        return "never"
+    cell = fmt_mean_std(got, ".1f")
+    return cell if len(got) == len(times) else f"{cell} ({len(got)}/{len(times)} seeds)"
+
+
+def _all_mean(times: Sequence[float | None]) -> float | None:
+    """The mean when every seed has a time, else None."""
+    return None if not times or any(t is None for t in times) else mean_std(times)[0]
+
+
+def time_to_accuracy_table(
+    curves: Mapping[str, Sequence[Curve]],
+    targets: Sequence[float],
+    reference: str | None = "allreduce",
+    speedup_at: float | None = 90.0,
+) -> str:
+    """Seconds to each target accuracy (mean ± std over the seeds that reached it), the final
+    accuracy and training seconds, and the speed-up over ``reference`` to ``speedup_at``: the
+    ratio of the mean times, where every seed of both reached it.
+
+    Args:
+        curves: method -> one curve per seed, in the table's order.
+        targets: accuracies in percent.
+        reference: the method the speed-up is against (None or absent: no such column).
+        speedup_at: the target of the speed-up column (one of ``targets``).
+    """
+    rows = time_to_accuracy_rows(curves, targets)
+    with_speedup = reference in rows and speedup_at in targets
+    ref = _all_mean(rows[reference].to[speedup_at]) if with_speedup else None
+    table = []
+    for method, r in rows.items():
+        cells = [
+            method,
+            str(len(r.final)),
+            fmt_mean_std(r.final, ".2f"),
+            fmt_mean_std(r.seconds, ".1f"),
+        ]
+        cells += [_reached(r.to[t]) for t in targets]
+        if with_speedup:
+            mine = _all_mean(r.to[speedup_at])
+            cells.append(f"{ref / mine:.2f}x" if ref and mine else "-")
+        table.append(cells)
+    headers = ["Method", "Seeds", "Final acc %", "Train s (total)"]
+    headers += [f"s to {t:g}%" for t in targets]
+    if with_speedup:
+        headers.append(f"speed-up to {speedup_at:g}% vs {reference}")
+    return text_table(headers, table)
+
+
+def plot_accuracy_vs_seconds(ax: Any, curves: Mapping[str, Sequence[Curve]]) -> None:
+    """Draw each method's accuracy against training seconds on a matplotlib axis: at every
+    evaluation, the mean over seeds of both, with a band from the lowest to the highest
+    accuracy.
+
+    Args:
+        ax: a matplotlib ``Axes``.
+        curves: method -> one curve per seed.
+    """
+    for method, seeds in curves.items():
+        n = min((len(c) for c in seeds), default=0)
+        if n == 0:
+            continue
+        xs = [sum(c[k][0] for c in seeds) / len(seeds) for k in range(n)]
+        accs = [[c[k][1] for c in seeds] for k in range(n)]
+        (line,) = ax.plot(
+            xs, [sum(a) / len(a) for a in accs], marker=".", label=f"{method} (n={len(seeds)})"
+        )
+        ax.fill_between(
+            xs, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.2
+        )
+    ax.set(
+        title="Accuracy vs training seconds\nmean over seeds, band: lowest to highest",
+        xlabel="training seconds (evaluation excluded)",
+        ylabel="accuracy (%)",
+    )
+    if ax.lines:
+        ax.legend(fontsize=7)
