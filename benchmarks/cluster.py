@@ -191,12 +191,8 @@ def _measure(
     return runs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments, build the cluster, measure, report, tear down.
-
-    Args:
-        argv: command-line arguments (default ``sys.argv[1:]``).
-    """
+def _parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -268,9 +264,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--out", default="runs/cluster", help="output folder: results.json, table.md, tensorboard/"
     )
-    args = p.parse_args(argv)
-    command = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+    return p
 
+
+def _checked(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[dict[str, Any]], list[Any], list[Any]]:
+    """Check the arguments (``p.error`` on a bad one); returns the rates, the workloads, the
+    algorithms and one cluster plan per host count."""
     rates = args.rate or ["1gbit"]
     for r in rates:
         parse_rate(r)
@@ -299,15 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         plans = [plan_cluster(n, args.prefix, args.subnet) for n in host_counts]
     except ValueError as e:
         p.error(f"--hosts: {e}")
-    if os.geteuid() != 0:
-        print(
-            "cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr
-        )
-        return 2
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        print("cluster.py needs the `ip` and `tc` tools (iproute2).", file=sys.stderr)
-        return 2
-
     workloads = (
         [
             {"workload": "synthetic", "params": n, "compute_ms": c}
@@ -317,6 +309,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workload == "synthetic"
         else [{"workload": args.workload, "compute_ms": None}]
     )
+    return rates, workloads, algos, plans
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, build the cluster, measure, report, tear down.
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+    """
+    p = _parser()
+    args = p.parse_args(argv)
+    command = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+    rates, workloads, algos, plans = _checked(p, args)
+    if os.geteuid() != 0:
+        print(
+            "cluster.py needs root (network namespaces and tc); rerun with sudo.", file=sys.stderr
+        )
+        return 2
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        print("cluster.py needs the `ip` and `tc` tools (iproute2).", file=sys.stderr)
+        return 2
+
     os.makedirs(args.out, exist_ok=True)
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     runs: list[dict[str, Any]] = []
@@ -339,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f.write("\n".join(render_markdown(r) for r in runs))
     write_tensorboard(os.path.join(args.out, "tensorboard"), runs)
     wrote = "results.json, table.md, tensorboard/"
-    if len(host_counts) > 1:
+    if len(plans) > 1:
         with open(os.path.join(args.out, "sweep.md"), "w") as f:
             f.write(sweep_markdown(runs))
         print(sweep_markdown(runs), flush=True)

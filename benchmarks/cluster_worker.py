@@ -197,6 +197,43 @@ def init_torch_distributed() -> None:
     )
 
 
+def _optimizer(
+    algo: Algorithm, model: torch.nn.Module
+) -> tuple[torch.optim.Optimizer | None, Any, str]:
+    """The optimizer ``algo`` measures, its hvd_slowmo communicator (None for the others), and
+    why it is unavailable (an empty string when it is)."""
+    inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if algo.kind in ("compute", "ddp"):
+        return inner, None, ""
+    if algo.kind == "horovod":
+        return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters()), None, ""
+    if algo.kind == "postlocal":
+        # torch's documented set-up adds DDP with post_localSGD_hook, which after its warm-up
+        # allreduces gradients only within each host's subgroup: one worker per host here, so
+        # nothing. The honest equivalent is the plain model, and the averager alone communicates:
+        # every `tau` optimizer steps one flat allreduce of all parameters (momentum stays local).
+        averager = PeriodicModelAverager(period=algo.tau, warmup_steps=0)
+        return PostLocalSGDOptimizer(inner, averager), None, ""
+    # BatchNorm running statistics are averaged with the parameters, as in training.
+    running_stats = [b for name, b in model.named_buffers() if "running_" in name]
+    try:
+        opt = hvd_slowmo.DistributedOptimizer(
+            inner,
+            named_parameters=model.named_parameters(),
+            base=algo.base,
+            tau=algo.tau,
+            model_buffers=running_stats,
+            **algo.options,
+        )
+    except TypeError as e:
+        # A library without the option refuses the keyword before any collective, on every
+        # rank alike; any other TypeError is a bug and propagates.
+        if algo.overlap and "overlap" in str(e):
+            return None, None, f"this hvd_slowmo has no overlap option: {e}"
+        raise
+    return opt, opt.comm, ""
+
+
 def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     """Time ``algo`` over whole outer periods, after ``WARMUP_ITERS`` warm-up iterations.
 
@@ -210,37 +247,9 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     if algo.kind == "ddp":
         # DDP's reducer allreduces gradient buckets over Gloo during the backward, as in training.
         model = DistributedDataParallel(model)
-    inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    comm = None
-    if algo.kind in ("compute", "ddp"):
-        opt: torch.optim.Optimizer = inner
-    elif algo.kind == "horovod":
-        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-    elif algo.kind == "postlocal":
-        # torch's documented set-up adds DDP with post_localSGD_hook, which after its warm-up
-        # allreduces gradients only within each host's subgroup: one worker per host here, so
-        # nothing. The honest equivalent is the plain model, and the averager alone communicates:
-        # every `tau` optimizer steps one flat allreduce of all parameters (momentum stays local).
-        opt = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=algo.tau, warmup_steps=0))
-    else:
-        # BatchNorm running statistics are averaged with the parameters, as in training.
-        running_stats = [b for name, b in model.named_buffers() if "running_" in name]
-        try:
-            opt = hvd_slowmo.DistributedOptimizer(
-                inner,
-                named_parameters=model.named_parameters(),
-                base=algo.base,
-                tau=algo.tau,
-                model_buffers=running_stats,
-                **algo.options,
-            )
-        except TypeError as e:
-            # A library without the option refuses the keyword before any collective, on every
-            # rank alike; any other TypeError is a bug and propagates.
-            if algo.overlap and "overlap" in str(e):
-                return {"available": False, "reason": f"this hvd_slowmo has no overlap option: {e}"}
-            raise
-        comm = opt.comm
+    opt, comm, unavailable = _optimizer(algo, model)
+    if opt is None:
+        return {"available": False, "reason": unavailable}
 
     def iteration() -> None:
         opt.zero_grad()
@@ -248,10 +257,8 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
 
     tau = algo.tau
-    n = max(spec["iters"], spec["windows"] * tau)
-    n = (
-        -(-n // tau) * tau
-    )  # whole outer periods: any tau consecutive iterations hold exactly one outer step
+    # Whole outer periods: any tau consecutive iterations hold exactly one outer step.
+    n = -(-max(spec["iters"], spec["windows"] * tau) // tau) * tau
     for _ in range(WARMUP_ITERS):  # allocations, Horovod's first negotiation of each tensor
         iteration()
     barrier()

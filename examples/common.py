@@ -122,6 +122,17 @@ def add_common_args(
         help="base steps the exact average stays in flight (0: the paper's algorithm)",
     )
     g.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming SlowMo: outer steps of P fragments at P phases of tau (1: whole model)",
+    )
+    g.add_argument(
+        "--eager",
+        action="store_true",
+        help="eager updates while the average is in flight (needs --overlap >= 1)",
+    )
+    g.add_argument(
         "--no-average",
         action="store_true",
         help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
@@ -251,6 +262,8 @@ def build_optimizer(
         slow_lr=args.slow_lr,
         slow_momentum=args.slow_momentum,
         overlap=args.overlap,
+        fragments=args.fragments,
+        eager=args.eager,
     )
     if args.compression != "none":
         kwargs.update(compression=args.compression, error_feedback=args.error_feedback)
@@ -295,6 +308,8 @@ def run_name(args: argparse.Namespace) -> str:
         + (f"_overlap{args.overlap}" if args.overlap else "")
         + ("" if args.compression == "none" else f"_{args.compression}")
         + ("_ef" if args.error_feedback else "")
+        + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
+        + ("_eager" if args.eager else "")
     )
 
 

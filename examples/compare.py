@@ -169,6 +169,8 @@ def run_args(
     if slowmo:
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
         flags += ["--overlap", str(overlap)] if overlap else []
+        flags += ["--fragments", str(args.fragments)] if args.fragments > 1 else []
+        flags += ["--eager"] if args.eager else []
     return flags
 
 
@@ -511,6 +513,12 @@ def _parser() -> argparse.ArgumentParser:
         "--algos",
         default=None,
         help=f"comma-separated (default: {DEFAULT_ALGOS}; with --network: {NETWORK_ALGOS})",
+    )
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="SlowMo runs: streaming fragments (1: none)"
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="SlowMo runs: eager updates (needs --overlap)"
     )
     parser.add_argument(
         "--seeds", default=None, help="comma-separated (default 0,1,2; --quick 0; --full 0..4)"

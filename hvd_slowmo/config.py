@@ -90,6 +90,15 @@ class SlowMoConfig:
             without slow momentum. None: the exact average is an allreduce of the parameters.
         error_feedback: each worker adds what its codes lost to its next pseudo-gradient
             (needs a ``codec``).
+        fragments: ``P``, streaming SlowMo (arXiv 2501.18512): the parameters are split by
+            layer, strided, into ``P`` fragments, each with its own outer step at its own inner
+            step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
+            the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
+            flight at a time). 1 (default) is the whole model at once.
+        eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
+            is in flight every worker continues from a provisional slow step taken with its own
+            fresh outer gradient in its share of the average; the exact step replaces it at the
+            landing. Needs ``overlap >= 1``.
     """
 
     base: Any = "localsgd"
@@ -105,20 +114,36 @@ class SlowMoConfig:
     overlap: int = 0
     codec: str | None = None
     error_feedback: bool = False
+    fragments: int = 1
+    eager: bool = False
 
     def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)  # frozen: normalized values are set once, here
-
         base = resolve_base(self.base)
-        put("base", base)
+        self._put("base", base)
         extra = sorted(set(self.base_options) - set(base.OPTIONS))
         if extra:
             raise TypeError(
                 f"unknown argument(s) {extra} for DistributedOptimizer with "
                 f"base={base.display_name()!r} (its options: {list(base.OPTIONS) or 'none'})"
             )
-        put("base_options", dict(self.base_options))
+        self._put("base_options", dict(self.base_options))
+        self._check_slow()
+        self._check_overlap()
+        self._check_streaming(base)
+        self._check_average(base)
+        self._check_codec(base)
+        if not base.needs_exact_average and self.buffers == "average":
+            warnings.warn(
+                f"buffers='average' with base={base.display_name()!r} averages buffers that "
+                "are already identical on every worker; use buffers='maintain'",
+                stacklevel=4,
+            )
+
+    def _put(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: normalized values are set once, here
+
+    def _check_slow(self) -> None:
+        """tau, the outer optimizer, slow_lr and slow_momentum (normalized)."""
         check_int("tau", self.tau, 1, "the base steps per outer step, e.g. tau=12")
         custom = callable(self.outer_optimizer)
         if not custom:
@@ -132,9 +157,9 @@ class SlowMoConfig:
             warnings.warn(
                 "slow_lr and slow_momentum are not used with a custom outer_optimizer: set "
                 "the outer optimizer's own lr and momentum instead",
-                stacklevel=4,
+                stacklevel=5,
             )
-        put(
+        self._put(
             "slow_lr",
             check_number(
                 "slow_lr",
@@ -144,7 +169,7 @@ class SlowMoConfig:
                 fix=f"slow_lr={DEFAULT_SLOW_LR} is the paper's default",
             ),
         )
-        put(
+        self._put(
             "slow_momentum",
             check_number(
                 "slow_momentum",
@@ -155,12 +180,37 @@ class SlowMoConfig:
                 fix="the paper tunes it in [0.4, 0.8]; 0 disables slow momentum",
             ),
         )
+
+    def _check_overlap(self) -> None:
+        """The delay of the outer step (overlap), fragments and eager."""
         check_int("overlap", self.overlap, 0, "base steps the exact average stays in flight")
         if self.overlap >= self.tau:
             raise ValueError(
                 f"overlap must be smaller than tau={self.tau} (the average must land before the "
                 f"next outer step starts), got overlap={self.overlap}; e.g. overlap=1"
             )
+        check_int("fragments", self.fragments, 1, "fragments=1 is the whole model at once")
+        if self.fragments > self.tau:
+            raise ValueError(
+                f"fragments must be at most tau={self.tau} (each fragment's outer step starts at "
+                f"its own inner step of the period), got fragments={self.fragments}"
+            )
+        if self.fragments > 1 and self.overlap > self.tau // self.fragments:
+            raise ValueError(
+                f"overlap={self.overlap} with fragments={self.fragments}, tau={self.tau}: a "
+                f"fragment's average must land by the next fragment's boundary (overlap <= "
+                f"tau // fragments = {self.tau // self.fragments}), so one fragment is in flight "
+                "at a time; lower overlap or fragments"
+            )
+        check_bool("eager", self.eager)
+        if self.eager and not self.overlap:
+            raise ValueError(
+                "eager=True needs overlap >= 1 (it acts while the average is in flight); "
+                "e.g. overlap=1, eager=True"
+            )
+
+    def _check_average(self, base: Any) -> None:
+        """Buffers, the exact average, the non-finite policy and the sharded slow state."""
         check_choice("buffers", self.buffers, BUFFER_STRATEGIES)
         check_bool("average", self.average)
         check_choice("nonfinite", self.nonfinite, NONFINITE)
@@ -182,6 +232,9 @@ class SlowMoConfig:
                 "synchronize workers; use average=False only with a base that "
                 f"communicates every step ({talkers})"
             )
+
+    def _check_codec(self, base: Any) -> None:
+        """The compressed average and its error feedback."""
         if self.codec is not None:
             check_codec(self.codec)
         check_bool("error_feedback", self.error_feedback)
@@ -200,13 +253,42 @@ class SlowMoConfig:
                 f"compression={self.codec!r} has nothing to compress: base="
                 f"{base.display_name()!r} with average={self.average} runs no exact average; "
                 "drop compression",
-                stacklevel=4,
+                stacklevel=5,
             )
-        if not base.needs_exact_average and self.buffers == "average":
-            warnings.warn(
-                f"buffers='average' with base={base.display_name()!r} averages buffers that "
-                "are already identical on every worker; use buffers='maintain'",
-                stacklevel=4,
+
+    def _check_streaming(self, base: Any) -> None:
+        """Refuse the combinations of ``fragments > 1`` or ``eager`` that are not supported."""
+        what = " and ".join(
+            w for w, on in (("fragments > 1", self.fragments > 1), ("eager=True", self.eager)) if on
+        )
+        if not what:
+            return
+        if base.communicates_every_step and base.needs_exact_average:
+            raise ValueError(
+                f"{what} with base={base.display_name()!r}: a gossip base's push-sum weight is one "
+                "per worker and returns to 1 only when the whole model is averaged at once; use "
+                "base='localsgd' or 'allreduce', or fragments=1 and eager=False"
+            )
+        if self.shard_slow_state:
+            raise ValueError(
+                f"{what} with shard_slow_state=True is not supported (the shards span every "
+                "fragment); use shard_slow_state=False"
+            )
+        if callable(self.outer_optimizer):
+            raise ValueError(
+                f"{what} with a custom outer_optimizer is not supported (its step cannot be "
+                "taken per fragment or provisionally); use outer_optimizer='heavyball' or "
+                "'nesterov'"
+            )
+        if self.codec is not None:
+            raise ValueError(
+                f"{what} with compression={self.codec!r} is not supported (the compressed "
+                "average sends the whole model's pseudo-gradient); use compression=None"
+            )
+        if self.fragments > 1 and self.nonfinite == "skip":
+            raise ValueError(
+                "fragments > 1 with nonfinite='skip' is not supported (a skip restarts every "
+                "fragment from its anchor); use nonfinite='raise' or 'ignore'"
             )
 
     # --- what the settings imply -------------------------------------------------------------
@@ -233,8 +315,8 @@ class SlowMoConfig:
     @property
     def keeps_anchor(self) -> bool:
         """An anchor is kept: for the slow update, to restart a skipped outer step, or for the
-        pseudo-gradients of a compressed average."""
-        return self.slow_enabled or self.nonfinite == "skip" or self.codec is not None
+        pseudo-gradients of a compressed average, or the provisional step of eager updates."""
+        return self.slow_enabled or self.nonfinite == "skip" or self.codec is not None or self.eager
 
     @property
     def exact_average(self) -> bool:
@@ -257,6 +339,8 @@ class SlowMoConfig:
             "overlap": self.overlap,
             "compression": self.codec,
             "error_feedback": self.error_feedback,
+            "fragments": self.fragments,
+            "eager": self.eager,
         }
 
 

@@ -92,11 +92,13 @@ class ConsensusView:
         """Whether every worker holds the same model now (no communication): always with
         AR-SGD (gradients are averaged every step); with the other bases before the first step
         and right after an exact average has landed, i.e. at an outer-step boundary without an
-        average in flight (never for a gossip base run with ``average=False``)."""
+        average in flight (never for a gossip base run with ``average=False``, nor with
+        ``fragments > 1``: each fragment is averaged at its own boundary)."""
         pos = self.outer.position
         if self.comm.size == 1 or pos.num_steps == 0 or not self.base.needs_exact_average:
             return True
-        return pos.inner_step == 0 and self.average and self.outer.in_flight is None
+        whole = len(self.outer.fragments) == 1
+        return pos.inner_step == 0 and self.average and self.outer.in_flight is None and whole
 
     def consensus(self) -> tuple[list[Tensor], list[Tensor]]:
         """Copies of the workers' consensus parameters (their average, de-biased for push-sum

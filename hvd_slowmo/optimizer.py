@@ -22,6 +22,7 @@ from .comm.factory import default_communicator, worker_hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, saved_config_changes
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
+from .fragments import fragment_of
 from .hierarchy import Hierarchy
 from .outer_step import OuterLoop
 from .progress import gather_progress, outer_step_note, uneven_message
@@ -62,7 +63,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         named_parameters: ``model.named_parameters()``; names appear in error messages and in
             the cross-rank configuration check. Every optimizer parameter must be named.
         base, tau, slow_lr, slow_momentum, buffers, average, nonfinite, outer_optimizer,
-            shard_slow_state, overlap, base_options: the algorithm's settings
+            shard_slow_state, overlap, fragments, eager, base_options: the algorithm's settings
             (``base_options``: the base algorithm's own keyword options, e.g. a gossip
             topology); each is documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
@@ -119,6 +120,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
         overlap: int = 0,
+        fragments: int = 1,
+        eager: bool = False,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
@@ -140,9 +143,12 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
             overlap=overlap,
             codec=compression if isinstance(compression, str) else None,
             error_feedback=error_feedback,
+            fragments=fragments,
+            eager=eager,
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
+        split = fragment_of(self.param_names, self.config.fragments)
         # A codec is the optimizer's; a hvd.Compression belongs to the Horovod communicator.
         codec = self.config.codec
         self.comm = default_communicator(communicator, None if codec else compression, engine)
@@ -185,6 +191,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
             self.slow_state,
             lambda: self.config.base(base_comm, **self.config.base_options),
             self.timer,
+            [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
         )
         self._watch_gradients(params)
 
@@ -192,6 +199,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
     def base(self) -> BaseAlgorithm:
         """The base algorithm (rebuilt after a change of workers)."""
         return self.outer.base
+
+    @property
+    def replica_spread(self) -> float | None:
+        """This worker's RMS distance from the workers' average at the boundary of the last
+        outer step that landed (over its fragment; ``overlap >= 1``; no communication), or None:
+        a measure of how far the replicas drift apart between exact averages."""
+        return self.outer.replica_spread
 
     def __repr__(self) -> str:
         return (
@@ -207,6 +221,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         Args:
             param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
+        if self.config.fragments > 1:
+            raise ValueError(
+                "add_param_group with fragments > 1: the split into fragments is made once, at "
+                "construction; put every parameter in the optimizer before wrapping it"
+            )
         self.optimizer.add_param_group(param_group)
         new = self.optimizer.param_groups[-1]["params"]
         for i, p in enumerate(new):
@@ -217,6 +236,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
                     "parameters can be averaged"
                 )
         self.params.extend(new)
+        self.outer.fragments = [list(range(len(self.params)))]
+        if self.outer.eager_shares is not None:
+            self.outer.eager_shares.extend(torch.zeros_like(p) for p in new)
         self._watch_gradients(new)
         self.param_names.extend(
             f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new))
@@ -364,10 +386,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         in_flight = self.outer.prepare_load(
             position, s.get("in_flight"), state_dict["base_optimizer"]
         )
+        shares = self.outer.prepare_eager_shares(s.get("eager_shares"))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.slow_state.commit_load(loaded)
-        self.outer.commit_load(position, in_flight)
+        self.outer.commit_load(position, in_flight, shares)
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
             warnings.warn(

@@ -32,6 +32,12 @@ snapshot and the tensors in flight).
 A change of workers (elastic, a state loaded by another number of workers) **restarts** the
 outer step from its anchor, dropping an average in flight: the steps since that anchor are
 dropped and the counters go back with them.
+
+Streaming (``fragments=P``) gives each fragment of the parameters its own outer step at its own
+inner step of the period, one fragment in flight at a time; eager updates (``eager=True``) let
+the worker continue from a provisional slow step while the average is in flight. The split,
+the schedule and both recurrences: :mod:`hvd_slowmo.fragments`. ``P = 1`` without eager is the
+recurrence above, through the same code.
 """
 
 import logging
@@ -46,8 +52,10 @@ from .bases.base import BaseAlgorithm
 from .buffers import averageable_buffers, reset_buffers
 from .comm.base import Communicator, PendingAverage
 from .config import SlowMoConfig
+from .fragments import boundaries
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
+from .slowmo import eager_anchor_, eager_landed_
 from .timing import PhaseTimer
 
 __all__ = ["InFlight", "OuterLoop", "Position"]
@@ -94,6 +102,9 @@ class InFlight:
             (``nonfinite="ignore"``).
         probe: the progress probe (averaged over workers once its collective completed).
         averaged: whether ``sent`` (and the buffers) hold their averages.
+        fragment: which fragment of the parameters (:mod:`hvd_slowmo.fragments`; 0: the whole
+            model); ``sent`` and ``snapshot`` hold its parameters only. With eager updates the
+            snapshot holds the provisional anchor (the progress is measured from it).
     """
 
     land_at: int
@@ -109,6 +120,7 @@ class InFlight:
     probe: Tensor | None = None
     averaged: bool = False
     state_averaged: bool = False
+    fragment: int = 0
     _probe_handle: PendingAverage | None = None
     _average: PendingAverage | None = None
     _state_average: PendingAverage | None = None
@@ -187,6 +199,7 @@ class InFlight:
             "state_snapshot": self.state_snapshot,
             "mine": self.mine,
             "probe": self.probe,
+            "fragment": self.fragment,
         }
 
 
@@ -205,11 +218,22 @@ class OuterLoop:
         make_base: builds the base algorithm for the current workers (at construction and after
             every change of workers).
         timer: the optimizer's phase timer.
+        fragments: the parameter indices of each fragment
+            (:func:`hvd_slowmo.fragments.fragment_of`); None: one fragment, the whole model.
 
     Attributes:
         position: the step counters (:class:`Position`).
         in_flight: the outer step whose average is in flight (``overlap >= 1``), or None.
         base: the base algorithm.
+        fragments: the parameter indices of each fragment.
+        starts: the inner step of each fragment's boundary
+            (:func:`~hvd_slowmo.fragments.boundaries`).
+        eager_shares: ``eager=True``: ``c_i``, the other workers' shares of the last outer
+            gradient, per parameter (None until the first boundary, and after a restart or a
+            skip).
+        replica_spread: this worker's RMS distance ``|s_i - avg|`` from the workers' average at
+            the boundary of the last outer step that landed, over its fragment (no
+            communication; ``overlap >= 1`` only), or None.
     """
 
     def __init__(
@@ -222,6 +246,7 @@ class OuterLoop:
         slow_state: SlowState,
         make_base: Callable[[], BaseAlgorithm],
         timer: PhaseTimer,
+        fragments: list[list[int]] | None = None,
     ) -> None:
         self.config, self.comm, self.optimizer = config, comm, optimizer
         self.params, self.model_buffers = params, model_buffers
@@ -229,6 +254,10 @@ class OuterLoop:
         self._make_base = make_base
         self.position = Position(world=(comm.rank, comm.size))
         self.in_flight: InFlight | None = None
+        self.fragments = fragments or [list(range(len(params)))]
+        self.starts = boundaries(config.tau, len(self.fragments))
+        self.eager_shares: list[Tensor] | None = None
+        self.replica_spread: float | None = None
         self.base = make_base()
         self.base.attach(params)
 
@@ -241,37 +270,48 @@ class OuterLoop:
     # --- the outer step's life -------------------------------------------------------------
     def advance(self) -> None:
         """After a base step: count it; land the outer step in flight when its delay is up, and
-        start (and with ``overlap=0`` land) an outer step at a boundary. Collective then."""
+        start (and with ``overlap=0`` land) an outer step at a (fragment's) boundary; the last
+        fragment's boundary ends the period. Collective then."""
         pos = self.position
         pos.num_steps += 1
         pos.inner_step += 1
         if self.in_flight is not None:
             self.in_flight.poll()
         lands = self.in_flight is not None and pos.inner_step == self.in_flight.land_at
-        boundary = pos.inner_step == self.config.tau
+        boundary = pos.inner_step in self.starts
         if not (lands or boundary):
             return
         if lands:
             self.land()
         if boundary:
-            self.start()
+            fragment = self.starts.index(pos.inner_step)
+            self.start(fragment)
             if self.config.overlap == 0:
                 self.land()
-            pos.inner_step = 0
-            pos.outer_steps += 1
+            if fragment == len(self.fragments) - 1:
+                pos.inner_step = 0
+                pos.outer_steps += 1
 
     @torch.no_grad()
-    def start(self) -> None:
-        """The boundary: start the outer step's averages and its progress check. With
-        ``overlap=d >= 1`` the parameters are snapshot and the worker goes on; with ``d = 0``
-        the averages are deferred to :meth:`land`, in the same step, after the check (a
-        non-finite worker is never averaged into the others). Collective."""
+    def start(self, fragment: int = 0) -> None:
+        """The boundary (of one fragment): start the outer step's averages and its progress
+        check. With ``overlap=d >= 1`` the parameters are snapshot and the worker goes on (from a
+        provisional slow step with ``eager``); with ``d = 0`` the averages are deferred to
+        :meth:`land`, in the same step, after the check (a non-finite worker is never averaged
+        into the others). Collective.
+
+        Args:
+            fragment: which fragment's boundary (0: the whole model).
+        """
         cfg, pos = self.config, self.position
+        members = self.fragments[fragment]
+        last = fragment == len(self.fragments) - 1  # the period's end: the model buffers go too
+        live = [self.params[j] for j in members]
         with self.timer("average"):
             self.base.before_average()  # push-sum: every message home, parameters hold numerators
-            params = [p.detach() for p in self.params]
-            extra = self.model_buffers if cfg.average else []
-            state = averageable_buffers(self.optimizer.state, self.params)
+            params = [p.detach() for p in live]
+            extra = self.model_buffers if cfg.average and last else []
+            state = averageable_buffers(self.optimizer.state, live)
             state = state if cfg.buffers == "average" else []
             lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
             if cfg.overlap == 0:
@@ -279,10 +319,12 @@ class OuterLoop:
             else:
                 sent = _clone(params)
                 self.base.after_average(False)  # de-biased; a push-sum weight is kept until landing
+                land_at = cfg.overlap + (0 if last else pos.inner_step)
                 f = InFlight(
-                    cfg.overlap, lrs, sent, _clone(params), _clone(extra), _clone(extra),
+                    land_at, lrs, sent, _clone(params), _clone(extra), _clone(extra),
                     _clone(state), _clone(state), state,
                 )  # fmt: skip
+            f.fragment = fragment
             if cfg.nonfinite != "ignore":
                 f.mine = {"at": "outer step", "finite": all_finite(params),
                           "num_steps": pos.num_steps, "outer_steps": pos.outer_steps}  # fmt: skip
@@ -293,7 +335,75 @@ class OuterLoop:
                 # would be stuck in another gradient average): this probe is the average.
             if not f.in_place:
                 f.start_averages(self.comm, self.slow_state, cfg.exact_average)
+                if cfg.eager:
+                    self._provisional_step(f, members)
+                    torch._foreach_copy_(params, f.snapshot)
             self.in_flight = f
+
+    def _by_group(self, members: list[int]) -> list[tuple[int, list[int]]]:
+        """Each param group with the positions in ``members`` of its parameters."""
+        group_of = [
+            g for g, group in enumerate(self.optimizer.param_groups) for _ in group["params"]
+        ]
+        out = []
+        for g in range(len(self.optimizer.param_groups)):
+            pos = [k for k, j in enumerate(members) if group_of[j] == g]
+            if pos:
+                out.append((g, pos))
+        return out
+
+    def _provisional_step(self, f: InFlight, members: list[int]) -> None:
+        """Eager updates: the snapshot becomes the provisional anchor ``x^0`` (recurrence in
+        :mod:`hvd_slowmo.fragments`), from which this worker continues until the landing."""
+        cfg, state = self.config, self.slow_state
+        if self.eager_shares is None:  # no previous outer step: the other workers' shares are 0
+            self.eager_shares = [torch.zeros_like(p) for p in self.params]
+        assert f.snapshot is not None and state.anchor is not None
+        for g, pos in self._by_group(members):
+            if f.lrs[g] <= 0:  # no slow step at lr = 0 (the landing keeps the average)
+                continue
+            idx = [members[k] for k in pos]
+            eager_anchor_(
+                [f.snapshot[k] for k in pos],
+                [state.anchor[j] for j in idx],
+                None if state.slow_buffer is None else [state.slow_buffer[j] for j in idx],
+                [self.eager_shares[j] for j in idx],
+                f.lrs[g],
+                cfg.slow_lr,
+                cfg.slow_momentum,
+                self.comm.size,
+                nesterov=cfg.nesterov,
+            )
+
+    @torch.no_grad()
+    def _after_average(self, f: InFlight, members: list[int]) -> None:
+        """Before the slow step of an overlapped outer step: this worker's distance from the
+        average at the boundary (``opt.replica_spread``) and, with eager updates, the other
+        workers' shares ``c_i <- c_i + G`` (the snapshot is then the provisional anchor, and
+        ``s_i - avg = (x0 - avg) + lr m c_i``)."""
+        assert f.snapshot is not None
+        diff = list(torch._foreach_sub(f.snapshot, f.sent))
+        if self.config.eager and self.eager_shares is not None:
+            anchor = self.slow_state.anchor
+            assert anchor is not None
+            for g, pos in self._by_group(members):
+                lr = f.lrs[g]
+                if lr <= 0:  # no provisional step was taken: the snapshot is s_i
+                    continue
+                for k in pos:
+                    j = members[k]
+                    diff[k] = (anchor[j] - f.sent[k]).add_(
+                        self.eager_shares[j], alpha=lr * self.comm.size
+                    )
+                idx = [members[k] for k in pos]
+                eager_landed_(
+                    [self.eager_shares[j] for j in idx],
+                    [anchor[j] for j in idx],
+                    [f.sent[k] for k in pos],
+                    lr,
+                )
+        square = sum(float(d.double().square().sum()) for d in diff)
+        self.replica_spread = (square / max(sum(d.numel() for d in diff), 1)) ** 0.5
 
     @torch.no_grad()
     def land(self) -> None:
@@ -303,6 +413,9 @@ class OuterLoop:
         f, self.in_flight = self.in_flight, None
         assert f is not None, "land() needs an outer step in flight"
         cfg = self.config
+        members = self.fragments[f.fragment]
+        live = [self.params[j] for j in members]
+        last = f.fragment == len(self.fragments) - 1
         with self.timer("average"):
             everyone = f.read_progress(self.comm)
             if everyone is not None and not finite_verdict(
@@ -319,21 +432,27 @@ class OuterLoop:
                 self.base.before_average()  # push-sum: the last steps' messages home
                 self.base.after_average(False)  # the progress is measured on de-biased parameters
         with self.timer("slow_update"):
+            if not f.in_place:
+                self._after_average(f, members)
             groups = self.optimizer.param_groups
             at_boundary = [dict(g, lr=lr) for g, lr in zip(groups, f.lrs)] + groups[len(f.lrs) :]
-            self.slow_state.update_(f.sent, at_boundary)
+            if len(self.fragments) > 1:  # a full layout (config): its update takes the indices
+                self.slow_state.update_(f.sent, at_boundary, members)  # type: ignore[call-arg]
+            else:
+                self.slow_state.update_(f.sent, at_boundary)
             if not f.in_place:
-                params = [p.detach() for p in self.params]
-                for live, avg, snap in (
+                params = [p.detach() for p in live]
+                extra = self.model_buffers if cfg.average and last else []
+                for now, avg, snap in (
                     (params, f.sent, f.snapshot),
-                    (self.model_buffers if cfg.average else [], f.extra_sent, f.extra_snapshot),
+                    (extra, f.extra_sent, f.extra_snapshot),
                     (f.state_live, f.state_sent, f.state_snapshot),
                 ):
-                    if live and snap is not None:
-                        torch._foreach_sub_(live, snap)
-                        torch._foreach_add_(live, avg)
+                    if now and snap is not None:
+                        torch._foreach_sub_(now, snap)
+                        torch._foreach_add_(now, avg)
             if cfg.buffers == "reset":
-                reset_buffers(self.optimizer.state, self.params)
+                reset_buffers(self.optimizer.state, live)
             if not f.in_place and cfg.average:
                 self.base.after_average(True)  # push-sum weight back to 1
 
@@ -345,6 +464,7 @@ class OuterLoop:
             self.base.before_average()  # push-sum: messages of the steps since the boundary home
         self._back_to_anchor(reset=True)
         self.base.after_average(True)
+        self.eager_shares = None  # the shares of the skipped outer step are not used
 
     @torch.no_grad()
     def _back_to_anchor(self, reset: bool) -> None:
@@ -374,10 +494,13 @@ class OuterLoop:
         pos, tau = self.position, self.config.tau
         self.slow_state.check_world(pos.world, why)
         old, pos.world = pos.world, (self.comm.rank, self.comm.size)
-        dropped_flight, self.in_flight = self.in_flight is not None, None
+        flight, self.in_flight = self.in_flight, None
+        # Only the last fragment's boundary ends a period: with it in flight the anchor is still
+        # the previous period's (for fragments=1, the previous outer step's).
+        dropped_flight = flight is not None and flight.fragment == len(self.fragments) - 1
+        self.eager_shares = None  # the other workers' shares belong to the old workers
         self.rebuild_base()
         captured = self.slow_state.captured
-        # With an average in flight the anchor is still the previous outer step's.
         dropped = pos.inner_step + (tau if dropped_flight and captured else 0)
         if captured and dropped > 0:
             self._back_to_anchor(reset=self.config.buffers == "reset")
@@ -422,7 +545,12 @@ class OuterLoop:
                 # A state loaded by another number of workers restarts its outer step.
                 "world_size": self.comm.size,
             },
-            "in_flight": None if self.in_flight is None else self.in_flight.state_dict(),
+            "in_flight": None
+            if self.in_flight is None
+            else {**self.in_flight.state_dict(), "fragments": len(self.fragments)},
+            "eager_shares": None
+            if self.eager_shares is None
+            else dict(enumerate(self.eager_shares)),
         }
 
     def prepare_load(
@@ -449,19 +577,27 @@ class OuterLoop:
             )
         if not isinstance(saved, dict) or not isinstance(saved.get("apply_at"), int):
             raise ValueError("load_state_dict: 'in_flight' is not an outer step: a damaged state")
-        if not inner < saved["apply_at"] < cfg.tau:
+        fragment, count = saved.get("fragment", 0), len(self.fragments)
+        if saved.get("fragments", 1) != count or fragment not in range(count):
+            raise ValueError(
+                f"load_state_dict: the state was saved with fragments={saved.get('fragments', 1)!r}"
+                f" and one in flight, this optimizer has fragments={count}: resume with the "
+                "fragments it was saved with, or save when no average is in flight"
+            )
+        if not inner < saved["apply_at"] <= cfg.tau:
             raise ValueError(
                 f"load_state_dict: the outer step in flight lands at inner step "
-                f"{saved['apply_at']}, outside ({inner}, tau={cfg.tau}): the state was saved with "
-                "another tau or overlap"
+                f"{saved['apply_at']}, outside ({inner}, tau={cfg.tau}]: the state was saved "
+                "with another tau or overlap"
             )
-        params = [p.detach() for p in self.params]
-        extra = self.model_buffers if cfg.average else []
+        live = [self.params[j] for j in self.fragments[fragment]]
+        params = [p.detach() for p in live]
+        extra = self.model_buffers if cfg.average and fragment == count - 1 else []
         state: list[Tensor] = []
         if cfg.buffers == "average":
             saved_state = base_state.get("state", {})
             by_param = {p: saved_state[i] for i, p in enumerate(self.params) if i in saved_state}
-            state = averageable_buffers(by_param, self.params)
+            state = averageable_buffers(by_param, live)
 
         def like(key: str, model: list[Tensor]) -> list[Tensor]:
             tensors = saved.get(key)
@@ -490,22 +626,54 @@ class OuterLoop:
             averaged=bool(saved.get("averaged")),
             # Format 1 always started the buffers' average at the boundary (done when saved).
             state_averaged=bool(saved.get("state_averaged", True)),
+            fragment=fragment,
         )
 
-    def commit_load(self, position: dict[str, Any], in_flight: InFlight | None) -> None:
+    def prepare_eager_shares(self, saved: Any) -> list[Tensor] | None:
+        """Check saved eager shares against this model; changes nothing.
+
+        Args:
+            saved: the ``"eager_shares"`` entry of a saved state (None: none yet, not eager, or
+                a state written before they existed; the estimate then starts from zero shares).
+
+        Raises:
+            ValueError: they do not match this model.
+        """
+        if saved is None or not self.config.eager:
+            return None
+        if (
+            not isinstance(saved, dict)
+            or set(saved) != set(range(len(self.params)))
+            or any(
+                not isinstance(saved[i], Tensor) or saved[i].shape != p.shape
+                for i, p in enumerate(self.params)
+            )
+        ):
+            raise ValueError("load_state_dict: 'eager_shares' does not match this model")
+        return [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(self.params)]
+
+    def commit_load(
+        self,
+        position: dict[str, Any],
+        in_flight: InFlight | None,
+        eager_shares: list[Tensor] | None = None,
+    ) -> None:
         """Install a checked position and outer step in flight (after the base optimizer's
         state is loaded, so the live buffers of ``buffers="average"`` are bound here).
 
         Args:
             position: the saved position.
             in_flight: :meth:`prepare_load`'s result.
+            eager_shares: :meth:`prepare_eager_shares`'s result.
         """
+        self.eager_shares = eager_shares
         pos = self.position
         pos.num_steps = int(position["num_steps"])
         pos.inner_step = int(position["inner_step"])
         pos.outer_steps = int(position["outer_steps"])
         if in_flight is not None and self.config.buffers == "average":
-            in_flight.state_live = averageable_buffers(self.optimizer.state, self.params)
+            live = [self.params[j] for j in self.fragments[in_flight.fragment]]
+            in_flight.state_live = averageable_buffers(self.optimizer.state, live)
         self.in_flight = in_flight
 
     def counters(self) -> dict[str, int]:

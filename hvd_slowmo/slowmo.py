@@ -1,5 +1,6 @@
-"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), as pure
-tensor math.
+"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), and the
+provisional step of eager updates (arXiv 2502.12996; recurrences in :mod:`hvd_slowmo.fragments`),
+as pure tensor math.
 
 No communication happens here: the caller has already put the exact average into ``params``.
 """
@@ -7,7 +8,7 @@ No communication happens here: the caller has already put the exact average into
 import torch
 from torch import Tensor
 
-__all__ = ["slow_momentum_step_"]
+__all__ = ["eager_anchor_", "eager_landed_", "slow_momentum_step_"]
 
 
 def slow_momentum_step_(
@@ -55,3 +56,71 @@ def slow_momentum_step_(
     else:
         torch._foreach_add_(anchor, slow_buffer, alpha=-slow_lr * lr)
     torch._foreach_copy_(params, anchor)
+
+
+def eager_anchor_(
+    snapshot: list[Tensor],
+    anchor: list[Tensor],
+    slow_buffer: list[Tensor] | None,
+    others: list[Tensor],
+    lr: float,
+    slow_lr: float,
+    slow_momentum: float,
+    workers: int,
+    nesterov: bool = False,
+) -> None:
+    """The provisional slow step of an eager update, in place: with ``g = (x0 - s) / lr``,
+    ``G^ = c + g / m``, ``u^ = beta u + G^``, ``x^0 = x0 - alpha lr u^`` (Nesterov:
+    ``x0 - alpha lr (G^ + beta u^)``), then ``c <- -g / m``. The anchor and the slow buffer are
+    not changed: the exact step replaces this one when the average lands.
+
+    Args:
+        snapshot: ``s``, this worker's parameters at the boundary on entry; ``x^0`` on return.
+        anchor: ``x0``.
+        slow_buffer: ``u``; None without a slow update (``alpha = 1, beta = 0``).
+        others: ``c``, the other workers' shares of the previous outer gradient (zeros before
+            the first landing); ``-g / m`` on return (:func:`eager_landed_` completes it).
+        lr: the base learning rate ``gamma`` at the boundary (must be > 0).
+        slow_lr: ``alpha``.
+        slow_momentum: ``beta``.
+        workers: ``m``.
+        nesterov: Nesterov slow momentum.
+    """
+    if not snapshot:
+        return
+    if not lr > 0:
+        raise ValueError(f"eager_anchor_: lr must be > 0 to scale the outer gradient, got {lr}")
+    own = torch._foreach_sub(anchor, snapshot)  # g / m
+    torch._foreach_mul_(own, 1.0 / (lr * workers))
+    torch._foreach_add_(others, own)  # others holds the estimate G^ now
+    if slow_buffer is None:  # no slow update (alpha = 1, beta = 0): x^0 = x0 - lr G^
+        step = others
+    else:
+        step = torch._foreach_mul(slow_buffer, slow_momentum)
+        torch._foreach_add_(step, others)  # u^
+    if nesterov:
+        torch._foreach_add_(others, step, alpha=slow_momentum)
+        step = others
+    torch._foreach_copy_(snapshot, anchor)
+    torch._foreach_add_(snapshot, step, alpha=-slow_lr * lr)
+    torch._foreach_neg_(own)
+    torch._foreach_copy_(others, own)
+
+
+def eager_landed_(
+    others: list[Tensor], anchor: list[Tensor], average: list[Tensor], lr: float
+) -> None:
+    """Complete the other workers' shares when the exact average lands (before the slow step):
+    ``c <- c + (x0 - avg) / lr``, so ``c = (1/m) sum_{j != i} g_j`` at the next boundary.
+
+    Args:
+        others: ``c``, ``-g / m`` since :func:`eager_anchor_`.
+        anchor: ``x0`` (before the slow step).
+        average: the exact average of the snapshots.
+        lr: the learning rate of the boundary (> 0).
+    """
+    if not others:
+        return
+    exact = torch._foreach_sub(anchor, average)
+    torch._foreach_mul_(exact, 1.0 / lr)
+    torch._foreach_add_(others, exact)

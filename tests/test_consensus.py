@@ -76,8 +76,18 @@ def test_consensus_is_the_push_sum_average_and_training_is_undisturbed():
         (dict(overlap=1), 4, False),  # landed: each worker kept its own progress
         (dict(base="sgp", average=False), 3, False),  # no exact average ever
         (dict(base="allreduce"), 2, True),  # AR-SGD: identical every step
+        (dict(fragments=2), 3, False),  # fragment 0 averaged at step 1: moved on since
     ],
-    ids=["start", "inside", "boundary", "in-flight", "landed", "no-average", "allreduce"],
+    ids=[
+        "start",
+        "inside",
+        "boundary",
+        "in-flight",
+        "landed",
+        "no-average",
+        "allreduce",
+        "fragments",
+    ],  # fmt: skip
 )
 def test_at_consensus(kwargs, steps, expected):
     def worker(comm):

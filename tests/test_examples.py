@@ -80,7 +80,8 @@ def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
-                        overlap=0, compression="none", error_feedback=False)  # fmt: skip
+                        overlap=0, compression="none", error_feedback=False, fragments=1,
+                        eager=False)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -92,6 +93,9 @@ def test_run_names_encode_settings():
     assert (
         common.run_name(ns(compression="int8", error_feedback=True))
         == "sgp-slowmo_tau48_a1_b0.6_reset_int8_ef"
+    )
+    assert common.run_name(ns(overlap=2, fragments=4, eager=True)).endswith(
+        "_overlap2_fragments4_eager"
     )
 
 
@@ -117,7 +121,7 @@ def test_compare_parses_algorithms():
 
 
 def test_compare_runs_each_method_at_its_own_settings():
-    ns = SimpleNamespace(overlap=0)
+    ns = SimpleNamespace(overlap=0, fragments=1, eager=False)
     settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
     flags = compare.run_args("sgp-slowmo", settings, 2, ns)
     assert flags == [
@@ -139,7 +143,9 @@ def test_compare_runs_each_method_at_its_own_settings():
         "--slow-momentum",
         "0.6",
     ]
-    assert compare.run_args("sgp-slowmo", settings, 2, SimpleNamespace(overlap=1))[-2:] == [
+    assert compare.run_args(
+        "sgp-slowmo", settings, 2, SimpleNamespace(overlap=1, fragments=1, eager=False)
+    )[-2:] == [
         "--overlap",
         "1",
     ]

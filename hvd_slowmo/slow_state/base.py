@@ -241,28 +241,33 @@ class SlowState(abc.ABC):
         return opt
 
     @torch.no_grad()
-    def _slow_update_(self, averages: list[Tensor], param_groups: ParamGroups) -> None:
-        """The slow update of every anchor tensor from its exact average (one per anchor
-        tensor); on return the anchor and ``averages`` both hold the new anchor."""
+    def _slow_update_(
+        self, averages: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> None:
+        """The slow update of anchor tensors from their exact averages (one per anchor tensor,
+        or per index in ``indices``: one fragment); on return the anchor and ``averages`` both
+        hold the new anchor."""
         assert self.anchor is not None, "the anchor is captured at the first step"
+        which = list(indices) or list(range(len(self.anchor)))
+        anchors = [self.anchor[i] for i in which]
         if self.outer_optimizer is not None:
-            for a, x in zip(self.anchor, averages):
+            for a, x in zip(anchors, averages):
                 a.grad = a - x  # the unscaled pseudo-gradient
             self.outer_optimizer.step()
             self.outer_optimizer.zero_grad(set_to_none=True)
-            torch._foreach_copy_(averages, self.anchor)
+            torch._foreach_copy_(averages, anchors)
             return
         # No slow update (slow_lr=1, slow_momentum=0): keep the average
         if self.slow_buffer is None:
-            torch._foreach_copy_(self.anchor, averages)
+            torch._foreach_copy_(anchors, averages)
             return
         cfg = self.config
         for g, group in enumerate(param_groups):
-            idx = [i for i, gi in enumerate(self._groups) if gi == g]
+            idx = [k for k, i in enumerate(which) if self._groups[i] == g]
             if not idx:
                 continue
-            anchor = [self.anchor[i] for i in idx]
-            avg = [averages[i] for i in idx]
+            anchor = [anchors[k] for k in idx]
+            avg = [averages[k] for k in idx]
             lr = float(group["lr"])
             if lr <= 0:
                 # The pseudo-gradient is scaled by 1/lr: undefined at lr=0 (a warm-up that starts
@@ -279,7 +284,7 @@ class SlowState(abc.ABC):
             slow_momentum_step_(
                 avg,
                 anchor,
-                [self.slow_buffer[i] for i in idx],
+                [self.slow_buffer[which[k]] for k in idx],
                 lr,
                 cfg.slow_lr,
                 cfg.slow_momentum,

@@ -5,6 +5,7 @@ pseudo-gradients ``anchor - parameters`` (:mod:`hvd_slowmo.compression`; the mod
 go through a plain allreduce); the slow update then runs on every worker alike.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,9 +90,13 @@ class FullSlowState(SlowState):
 
         return PendingAverage(finish, progress=pending[0].poll)
 
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
-        if self.captured:
-            self._slow_update_(params, param_groups)  # params are the averages: updated in place
+    def update_(
+        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> None:
+        """:meth:`SlowState.update_`; ``indices``: which parameters ``params`` are (one fragment,
+        :mod:`hvd_slowmo.fragments`), empty for all."""
+        if self.captured:  # params are the averages: updated in place
+            self._slow_update_(params, param_groups, indices)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:

@@ -1,0 +1,135 @@
+"""Streaming SlowMo: the split of the parameters into ``P`` fragments and their schedule.
+
+Pure functions of the parameters' names and the settings: no tensors, no communication, the
+same answer on every rank (the names are compared across ranks at construction). The outer
+step that uses them lives with the overlapped outer step.
+
+**Split** (Douillard et al. 2025, "Streaming DiLoCo", arXiv 2501.18512, strided pattern): the
+parameters are grouped into *layers* (a parameter's name up to its last ``.``: ``"3.weight"``
+and ``"3.bias"`` are layer ``"3"``; an unnamed parameter ``"param7"`` is a layer of its own),
+layers numbered in the order of their first parameter in the optimizer, and layer ``l`` goes
+to fragment ``l mod P``. Every fragment so holds layers from the whole depth of the model (the
+paper found this better than consecutive blocks); sizes are balanced only as far as layers
+are alike (the transformer blocks of the paper are; an embedding is not).
+
+**Schedule**: fragment ``k`` (``0 <= k < P``) has its boundary at inner step
+``b_k = (k + 1) tau // P`` of each tau period, i.e. at the global steps ``n`` with
+``n = b_k (mod tau)``, ``n >= b_k``. ``b_{P-1} = tau``: the last fragment's boundary is the
+outer-step boundary of ``fragments=1``, so ``P = 1`` is today's schedule. ``P <= tau`` keeps the
+boundaries distinct (consecutive ones are at least ``tau // P`` steps apart). Every
+pseudo-gradient of a fragment covers exactly ``tau`` base steps, except its first (``b_k``).
+Fragment ``k``'s average is in flight for ``d`` steps (``overlap=d``) and lands at
+``b_k + d``. With ``P > 1``, ``d <= tau // P`` (the shortest phase): the landing comes by the
+next fragment's boundary, so one fragment is in flight at a time (the overlap copies, snapshot
+and tensors in flight, are of one fragment, ``1/P`` of the model, and no two collectives of one
+name are ever in flight). The recurrences would allow more (fragments are disjoint, and
+``d < tau`` keeps each fragment's landing before its own next boundary), at the cost of more
+copies in flight. At a step where one fragment lands and the next starts, the landing comes
+first. Model buffers (BatchNorm statistics) travel with the last fragment, at the period's end.
+
+**Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
+``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);
+``gamma`` each param group's lr at the fragment's boundary. At the fragment's boundary ``n``::
+
+    s_i   = x_i(n)                           snapshot; avg = mean_i s_i starts in flight
+    g_i   = (x0 - s_i) / gamma               this worker's outer gradient (pseudo-gradient)
+    G     = (x0 - avg) / gamma = mean_i g_i  the exact one, known at the landing
+
+Overlapped, not eager (``overlap=d``, as :mod:`hvd_slowmo.overlap`): worker ``i`` goes on
+from ``s_i``; at ``n + d``::
+
+    u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (Nesterov: x0 - alpha gamma (G + beta u))
+    x_i <- x0 + (x_i - s_i)                              keeps its progress since the boundary
+
+Eager (``eager=True``; Kale et al. 2025, "Eager updates for overlapped communication and
+computation in DiLoCo", arXiv 2502.12996): at the boundary the worker estimates ``G`` with its
+own fresh share and the other workers' shares of the previous outer step (``c_i``, zero
+before the first landing), and takes a provisional slow step from it::
+
+    G^_i  = c_i + g_i / m                    estimate of G: own share fresh, the others' stale
+    u^_i  = beta u + G^_i ;  x^0_i = x0 - alpha gamma u^_i   (Nesterov: G^_i + beta u^_i)
+    x_i  <- x^0_i                            the d steps start from the provisional anchor
+    c_i  <- -g_i / m
+
+and at ``n + d`` the exact slow step replaces the provisional one::
+
+    c_i <- c_i + G                           = (1/m) sum_{j != i} g_j, for the next boundary
+    u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (the same slow step as not eager)
+    x_i <- x0 + (x_i - x^0_i)                keeps its progress since the provisional anchor
+
+What the slow buffer sees: the exact ``G`` of every outer step, eager or not (``u`` and ``x0``
+follow the non-eager recurrence on the snapshots of the eager run: the estimate only moves
+where the ``d`` in-flight steps start). This is where the paper's variant differs: there the
+outer optimizer steps with the estimate itself and the replicas' outer states differ for
+good; here they are corrected at each landing. How far replicas differ: as in any local
+method, ``x_i`` differ between averages; the provisional anchors differ by
+``x^0_i - x^0_j = -alpha gamma (1 [+ beta]) (G^_i - G^_j)``. After each landing ``x0`` and
+``u`` are bitwise identical on every worker (one exact average, the same arithmetic), as
+without eager; ``x_i`` again equal ``x0`` bitwise only where they have no progress of their
+own (``d = 0``, or AR-SGD, whose workers are identical throughout). ``c_i`` is per worker
+(one more copy of the parameters, kept across outer steps). With ``alpha = 1, beta = 0``,
+``m = 1``: ``x^0 = s``, eager changes nothing.
+
+``P = 1`` is the whole model: the recurrences above with one fragment are today's
+``overlap=d`` (and with ``d = 0`` the paper's Algorithm 1), bit for bit. Not implemented: the
+paper's mixing of the received fragment with the local one by a factor (here the local
+progress is kept, as in ``overlap``); the eager paper's uncorrected outer state.
+"""
+
+from collections.abc import Sequence
+
+__all__ = ["boundaries", "fragment_of", "layer_of"]
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: its name up to the last ``.`` (the whole name if
+    there is none).
+
+    Args:
+        name: the parameter's name, as in ``model.named_parameters()``.
+    """
+    return name.rsplit(".", 1)[0]
+
+
+def fragment_of(names: Sequence[str], fragments: int) -> list[int]:
+    """Each parameter's fragment: layers numbered by first appearance, layer ``l`` in fragment
+    ``l mod fragments`` (strided, so each fragment spans the model's depth).
+
+    Args:
+        names: the parameters' names, in the optimizer's order (the same on every rank).
+        fragments: ``P``, the number of fragments (1 <= P <= the number of layers).
+
+    Returns:
+        The fragment index of each parameter, in ``names``' order.
+
+    Raises:
+        TypeError: ``fragments`` is not an int.
+        ValueError: ``fragments`` < 1, or more fragments than layers (a fragment would be empty).
+    """
+    if isinstance(fragments, bool) or not isinstance(fragments, int):
+        raise TypeError(f"fragments must be an int, got {type(fragments).__name__}")
+    layers: dict[str, int] = {}
+    for name in names:
+        layers.setdefault(layer_of(name), len(layers))
+    if not 1 <= fragments <= max(len(layers), 1):
+        raise ValueError(
+            f"fragments must be between 1 and the model's number of layers ({len(layers)}: "
+            f"parameters grouped by name up to the last '.'), got fragments={fragments}; "
+            "e.g. fragments=1 (the whole model at once)"
+        )
+    return [layers[layer_of(name)] % fragments for name in names]
+
+
+def boundaries(tau: int, fragments: int) -> list[int]:
+    """The inner step (1..tau) at which each fragment's outer step starts: ``(k + 1) tau // P``.
+
+    Args:
+        tau: base steps per period.
+        fragments: ``P`` (1 <= P <= tau).
+    """
+    if not 1 <= fragments <= tau:
+        raise ValueError(
+            f"fragments must be between 1 and tau={tau} (each fragment needs its own inner "
+            f"step of the period), got fragments={fragments}"
+        )
+    return [(k + 1) * tau // fragments for k in range(fragments)]

@@ -1,0 +1,396 @@
+"""Streaming SlowMo (fragments) and eager updates: the pure split, schedule and eager math,
+the hand-written reference (tests/reference_streaming.py) checked against the other references,
+and the configuration's refusals."""
+
+import warnings
+
+import pytest
+import torch
+from reference_streaming import reference_streaming
+
+from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.base import PendingAverage
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.config import SlowMoConfig
+from hvd_slowmo.fragments import boundaries, fragment_of
+from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
+
+from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
+from reference_overlap import reference_overlapped
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+
+
+def test_split_is_strided_by_layer():
+    names = ["emb.weight", "0.w", "0.b", "1.w", "1.b", "2.w", "head", "3.w"]
+    #          layer 0       1      1      2      2      3      4       5
+    assert fragment_of(names, 1) == [0] * 8
+    assert fragment_of(names, 2) == [0, 1, 1, 0, 0, 1, 0, 1]
+    assert fragment_of(names, 3) == [0, 1, 1, 2, 2, 0, 1, 2]
+    assert fragment_of(names, 6) == [0, 1, 1, 2, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "value,error", [(0, ValueError), (7, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_split_refuses_bad_counts(value, error):
+    names = ["a.w", "a.b", "b.w", "c.w", "d", "e", "f.w"]  # 6 layers
+    with pytest.raises(error, match="fragments"):
+        fragment_of(names, value)
+
+
+def test_schedule_ends_at_the_period_and_spreads_the_boundaries():
+    assert boundaries(12, 1) == [12]
+    assert boundaries(12, 4) == [3, 6, 9, 12]
+    assert boundaries(5, 3) == [1, 3, 5]
+    for tau in range(1, 20):
+        for p in range(1, tau + 1):
+            b = boundaries(tau, p)
+            assert b[-1] == tau and all(y - x >= tau // p for x, y in zip([0] + b, b))
+    with pytest.raises(ValueError, match="tau=3"):
+        boundaries(3, 4)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavyball", "nesterov"])
+def test_eager_math_is_the_recurrence(nesterov):
+    """x^0 = x0 - alpha gamma (beta u + c + g/m) [Nesterov: (G^ + beta u^)], c <- -g/m, and after
+    the landing c = G - g/m: the other workers' shares (checked against direct formulas)."""
+    torch.manual_seed(0)
+    x0, u, s, c, avg = (torch.randn(5, dtype=torch.float64) for _ in range(5))
+    gamma, alpha, beta, m = 0.3, 0.7, 0.6, 4
+    snap, others = [s.clone()], [c.clone()]
+    eager_anchor_(snap, [x0], [u.clone()], others, gamma, alpha, beta, m, nesterov=nesterov)
+    g = (x0 - s) / gamma
+    est = c + g / m
+    u_hat = beta * u + est
+    want = x0 - alpha * gamma * ((est + beta * u_hat) if nesterov else u_hat)
+    torch.testing.assert_close(snap[0], want)
+    torch.testing.assert_close(others[0], -g / m)
+    eager_landed_(others, [x0], [avg], gamma)
+    torch.testing.assert_close(others[0], (x0 - avg) / gamma - g / m)
+
+
+def test_eager_with_one_worker_and_plain_averaging_changes_nothing():
+    """alpha = 1, beta = 0, m = 1, no stale share: the provisional anchor is the snapshot."""
+    x0, s = torch.randn(6), torch.randn(6)
+    snap = [s.clone()]
+    eager_anchor_(snap, [x0], [torch.zeros(6)], [torch.zeros(6)], 0.5, 1.0, 0.0, 1)
+    torch.testing.assert_close(snap[0], s)
+
+
+def _same(a, b, exact):
+    for x, y in zip(a, b):
+        for p, q in zip(x.state_dict().values(), y.state_dict().values()):
+            if exact:
+                assert torch.equal(p, q)
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_reference_with_one_fragment_is_the_overlapped_reference(delay):
+    """A test of the reference: P = 1, not eager, is overlap=d (d = 0: the paper's algorithm),
+    from two independently written replays."""
+    got, _ = reference_streaming(3, 11, 4, delay, 1, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    want = reference_overlapped(3, 11, 4, delay, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    _same(got, want, exact=False)
+    if delay == 0:
+        _same(got, reference_slowmo(3, 11, 4, 0.7, 0.6, SGD, lr_schedule=lr_at), exact=False)
+
+
+def test_reference_fragments_and_eager_change_the_trajectory():
+    """A test of the test: fragments and eager each change where the workers end."""
+    base, _ = reference_streaming(3, 9, 4, 1, 1, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    frag, _ = reference_streaming(3, 9, 4, 1, 3, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    eager, _ = reference_streaming(3, 9, 4, 1, 1, True, 0.7, 0.6, SGD, lr_schedule=lr_at)
+    w = [next(mods[0].parameters()) for mods in (base, frag, eager)]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+
+
+REFUSED = {  # settings -> what the message names
+    "eager-without-overlap": (dict(eager=True), "overlap"),
+    "fragments-over-tau": (dict(tau=3, fragments=4), "tau=3"),
+    "fragments-zero": (dict(fragments=0), "fragments"),
+    "eager-not-bool": (dict(overlap=1, eager=1), "eager"),
+    "fragments-sgp": (dict(fragments=2, base="sgp"), "push-sum"),
+    "eager-osgp": (dict(overlap=1, eager=True, base="osgp"), "push-sum"),
+    "fragments-sharded": (dict(fragments=2, shard_slow_state=True), "shard_slow_state"),
+    "eager-custom-outer": (
+        dict(overlap=1, eager=True, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
+        "outer_optimizer",
+    ),
+    "fragments-skip": (dict(fragments=2, nonfinite="skip"), "nonfinite"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_combinations_are_refused(case):
+    kwargs, match = REFUSED[case]
+    with pytest.raises((ValueError, TypeError), match=match):
+        SlowMoConfig(**kwargs)
+
+
+# --- the library on thread workers against the reference -------------------------------------
+
+
+class InFlight(ForwardingCommunicator):
+    """A transport whose averages stay in flight until ``wait()`` (reading early shows)."""
+
+    def average_start(self, tensors, name):
+        tensors = list(tensors)
+        return PendingAverage(lambda: self.inner.average_(tensors, name))
+
+
+def run(m, steps, models=None, **kwargs):
+    """Train ``m`` thread workers with lr_at; per rank: (model, the anchor after every step,
+    optimizer)."""
+    models = models or [make_model() for _ in range(m)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=InFlight(comm),
+            **kwargs,
+        )
+        anchors = []
+        for k in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+            anchors.append([a.clone() for a in opt.slow_state.anchor or []])
+        return model, anchors, opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_threads(m, worker)
+
+
+CASES = {  # tau, overlap, fragments, eager, alpha, beta, buffers, outer
+    "p1-d2": (4, 2, 1, False, 0.7, 0.6, "reset", "heavyball"),
+    "p2-d0": (4, 0, 2, False, 0.7, 0.6, "reset", "heavyball"),
+    "p2-d2": (4, 2, 2, False, 1.0, 0.5, "maintain", "heavyball"),
+    "p3-d1-tau5": (5, 1, 3, False, 0.8, 0.6, "reset", "nesterov"),
+    "eager-p1-d1": (4, 1, 1, True, 0.7, 0.6, "reset", "heavyball"),
+    "eager-p1-d3-plain": (4, 3, 1, True, 1.0, 0.0, "maintain", "heavyball"),
+    "eager-p2-d2-nesterov": (4, 2, 2, True, 0.8, 0.5, "reset", "nesterov"),
+    "eager-p3-d2": (6, 2, 3, True, 1.0, 0.6, "maintain", "heavyball"),
+}
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Bitwise comparisons need one intra-op thread: with two, a matmul in the main thread (the
+    reference) may split its work differently from the same matmul in a worker thread (seen
+    here: MKL, 2 OpenMP threads), which changes its last bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
+    tau, d, p, eager, alpha, beta, buffers, outer = CASES[case]
+    m, steps = 3, 15
+    got = run(
+        m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=alpha,
+        slow_momentum=beta, buffers=buffers, outer_optimizer=outer,
+    )  # fmt: skip
+    want, anchors = reference_streaming(
+        m, steps, tau, d, p, eager, alpha, beta, SGD, buffers, lr_at, outer == "nesterov"
+    )
+    assert len(anchors) >= 3
+    assert_same_models([r[0] for r in got], want)
+    for per_rank in zip(*[r[1] for r in got]):  # the anchor: bitwise the same on every rank
+        for tensors in zip(*per_rank):
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
+    spreads = [r[2].replica_spread for r in got]  # measured at overlapped landings only
+    assert all((s is not None and s > 0) if d else s is None for s in spreads), spreads
+
+
+def train(opt, model, rank, start, stop):
+    for k in range(start, stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+
+
+def build(**kwargs):
+    def make(comm, model):
+        return DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=InFlight(comm),
+            tau=6,
+            slow_momentum=0.6,
+            **kwargs,
+        )
+
+    return make
+
+
+RESUMES = {  # settings, the step to save at (a fragment in flight there), its fragment
+    "p3-d2-average": (dict(overlap=2, fragments=3, buffers="average"), 11, 1),
+    "eager-p2-d3": (dict(overlap=3, fragments=2, eager=True), 10, 0),
+    "eager-p1-d2": (dict(overlap=2, eager=True), 13, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
+    kwargs, stop, fragment = RESUMES[case]
+
+    def check(opt):
+        assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
+        assert opt.outer.eager_shares is not None or not kwargs.get("eager")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = resume_in_fresh_workers(3, build(**kwargs), train, stop, 17, check=check)
+        whole = resume_in_fresh_workers(3, build(**kwargs), train, 17, 17)
+    assert_same_models(resumed, whole)
+
+
+def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = build(overlap=2, fragments=3, eager=True)(comm, model)
+        train(opt, model, comm.rank, 0, 3)  # fragment 0: boundary at 2, lands at 4
+        assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == 0
+        opt.flush()
+        assert opt.outer.in_flight is None and opt.replica_spread > 0
+        train(opt, model, comm.rank, 3, 5)  # fragment 1: boundary at 4, lands at 6
+        anchor = [a.clone() for a in opt.slow_state.anchor]
+        opt.adopt_world("a test")
+        assert opt.outer.in_flight is None and opt.outer.eager_shares is None
+        assert (opt.num_steps, opt.inner_step) == (0, 0)
+        assert all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
+        train(opt, model, comm.rank, 0, 12)  # and it trains on
+        return params_of(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = run_threads(2, worker)
+    assert all(torch.isfinite(x).all() for x in a)
+
+
+def test_allreduce_base_and_node_workers_keep_ranks_identical():
+    """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
+    estimate differs from the average there, and the landing corrects it); with worker="node"
+    the two ranks of a node are identical at every step."""
+    from hvd_slowmo.hierarchy import Hierarchy
+
+    models = [make_model() for _ in range(4)]
+
+    def worker(comm, kwargs):
+        r = comm.rank
+        model = models[r]
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=InFlight(comm),
+            tau=4,
+            slow_momentum=0.5,
+            overlap=2,
+            fragments=2,
+            eager=True,
+            **kwargs(comm),
+        )
+        train(opt, model, r, 0, 11)
+        return params_of(model)
+
+    node = lambda c: dict(  # noqa: E731
+        worker=Hierarchy(
+            node=c.world.split([[0, 1], [2, 3]])[c.rank],
+            cross=c.world.split([[0, 2], [1, 3]])[c.rank],
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = run_threads(4, lambda c: worker(c, lambda _: dict(base="allreduce")))
+        nodes = run_threads(4, lambda c: worker(c, node))
+    for got, pairs in ((same, [(0, 1), (0, 2), (0, 3)]), (nodes, [(0, 1), (2, 3)])):
+        for a, b in pairs:
+            assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
+    assert not all(torch.equal(x, y) for x, y in zip(nodes[0], nodes[2]))
+
+
+def test_bad_settings_at_construction_name_the_fix():
+    model = make_model()  # 3 layers
+
+    def worker(comm):
+        def make(**kwargs):
+            return DistributedOptimizer(
+                SGD(model.parameters()),
+                named_parameters=model.named_parameters(),
+                communicator=comm,
+                tau=6,
+                **kwargs,
+            )
+
+        with pytest.raises(ValueError, match="number of layers"):
+            make(fragments=4)
+        with pytest.raises(ValueError, match="tau // fragments = 2"):
+            make(fragments=3, overlap=3)
+        opt = make(fragments=2)
+        with pytest.raises(ValueError, match="add_param_group"):
+            opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+        assert len(opt.params) == 6 and len(opt.param_groups) == 1
+        train(opt, model, 0, 0, 4)  # fragment 0 in flight? no: overlap=0 lands at once
+        saved = make(fragments=2, overlap=1)
+        train(saved, model, 0, 0, 3)  # fragment 0: boundary at 3, lands at 4
+        state = saved.state_dict()
+        other = make(fragments=3, overlap=1)
+        with pytest.raises(ValueError, match="fragments=3"):
+            other.load_state_dict(state)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_threads(1, worker)
+
+
+def test_nonfinite_raise_names_the_rank_and_eager_skip_restarts_from_the_anchor():
+    models = [make_model() for _ in range(2)]
+
+    def worker(comm, **kwargs):
+        model = models[comm.rank] if kwargs.get("nonfinite") == "skip" else make_model()
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=InFlight(comm),
+            tau=4,
+            overlap=2,
+            slow_momentum=0.5,
+            **kwargs,
+        )
+        anchor = None
+        for k in range(6):  # boundary at 4, lands at 6
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            if k == 2 and comm.rank == 1:
+                next(model.parameters()).grad.fill_(float("nan"))
+            if k == 5:
+                anchor = [a.clone() for a in opt.slow_state.anchor]
+            opt.step()
+        return params_of(model), anchor, opt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_threads(2, lambda c: worker(c, nonfinite="skip", eager=True))
+        for params, anchor, opt in got:
+            assert opt.outer.in_flight is None and opt.outer.eager_shares is None
+            assert all(torch.equal(p, a) for p, a in zip(params, anchor))
+        with pytest.raises(FloatingPointError, match=r"rank\(s\) \[1\]"):
+            run_threads(2, lambda c: worker(c, nonfinite="raise", fragments=2))
