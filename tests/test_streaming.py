@@ -292,9 +292,7 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
     the two ranks of a node are identical at every step."""
     from hvd_slowmo.hierarchy import Hierarchy
 
-    models = [make_model() for _ in range(4)]
-
-    def worker(comm, kwargs):
+    def worker(comm, models, kwargs):
         r = comm.rank
         model = models[r]
         opt = DistributedOptimizer(
@@ -319,8 +317,11 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        same = run_threads(4, lambda c: worker(c, lambda _: dict(base="allreduce")))
-        nodes = run_threads(4, lambda c: worker(c, node))
+        # Fresh models for each run: one model's parameters carry one optimizer's hooks.
+        models = [make_model() for _ in range(4)]
+        same = run_threads(4, lambda c: worker(c, models, lambda _: dict(base="allreduce")))
+        models = [make_model() for _ in range(4)]
+        nodes = run_threads(4, lambda c: worker(c, models, node))
     for got, pairs in ((same, [(0, 1), (0, 2), (0, 3)]), (nodes, [(0, 1), (2, 3)])):
         for a, b in pairs:
             assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
