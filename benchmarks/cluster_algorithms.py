@@ -141,6 +141,27 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         {**_SLOWMO, "buffers": "reset", "overlap": 2},
         periodic=True,
     ),
+    # Streaming (fragments=4: a quarter of the model per average, each overlapped by up to
+    # tau // 4 = 3 steps) and the compressed exchange (int8 pseudo-gradients, overlap=2).
+    Algorithm(
+        "localsgd_slowmo_stream4",
+        "Local SGD + SlowMo, fragments=4, overlap=3",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "fragments": 4, "overlap": 3},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo_int8_overlap2",
+        "Local SGD + SlowMo, int8, overlap=2",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "compression": "int8", "overlap": 2},
+        periodic=True,
+        payload=0.25,
+    ),
     Algorithm(
         "localsgd_slowmo_nocheck",
         "Local SGD + SlowMo, nonfinite='ignore'",
@@ -193,6 +214,8 @@ PEER_ROWS = (
             "localsgd_slowmo",
             "localsgd_slowmo_overlap1",
             "localsgd_slowmo_overlap2",
+            "localsgd_slowmo_stream4",
+            "localsgd_slowmo_int8_overlap2",
         ),
     ),
 )
@@ -207,6 +230,16 @@ OVERLAP_ROWS = (
 ALGORITHM_SETS = {
     "all": tuple(a.key for a in ALGORITHMS),
     "peers": ("compute",) + tuple(k for _, keys in PEER_ROWS for k in keys),
+    # What slow links are about: the periodic methods and their overlapped forms.
+    "slowlink": (
+        "compute",
+        "torch_postlocal",
+        "localsgd_slowmo",
+        "localsgd_slowmo_overlap1",
+        "localsgd_slowmo_overlap2",
+        "localsgd_slowmo_stream4",
+        "localsgd_slowmo_int8_overlap2",
+    ),
 }
 
 

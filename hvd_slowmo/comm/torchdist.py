@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .base import Communicator, PendingAverage, PendingExchange, shard_range
 
-__all__ = ["TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
+__all__ = ["FP16", "TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
 
 
 def torch_distributed_ready() -> bool:
@@ -44,8 +44,11 @@ def torch_distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class _FP16:
-    """``compression="fp16"``: the payload travels as float16, the result is cast back."""
+class FP16:
+    """fp16 compression of the parameters' allreduce (as ``hvd.Compression.fp16``): the payload
+    travels as float16, the result is cast back. Pass it as ``compression=FP16``; a codec name
+    (``compression="fp16"``) compresses the pseudo-gradient instead
+    (:mod:`hvd_slowmo.compression`)."""
 
     @staticmethod
     def compress(t: Tensor) -> tuple[Tensor, torch.dtype]:
@@ -62,7 +65,7 @@ def _compression(value: Any) -> Any:
     if value is None or value == "none":
         return None
     if value == "fp16":
-        return _FP16
+        return FP16
     if callable(getattr(value, "compress", None)) and callable(getattr(value, "decompress", None)):
         return value
     raise TypeError(f"compression must be None, 'none', 'fp16' or a hvd.Compression, got {value!r}")

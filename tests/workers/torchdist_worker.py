@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import hvd_slowmo
-from hvd_slowmo.comm.torchdist import TorchDistCommunicator, broadcast_parameters
+from hvd_slowmo.comm.torchdist import FP16, TorchDistCommunicator, broadcast_parameters
 
 from reference import batch, loss_at, lr_at, make_model, params_of
 
@@ -69,7 +69,7 @@ def build(cfg, model=None):
         base_opt,
         named_parameters=model.named_parameters(),
         model_buffers=model.buffers(),
-        compression="fp16" if cfg.pop("fp16", False) else None,
+        compression=FP16 if cfg.pop("fp16", False) else None,
         **cfg,
     )
     return model, opt
