@@ -219,6 +219,8 @@ _PEERS = [
     "localsgd_slowmo",
     "localsgd_slowmo_overlap1",
     "localsgd_slowmo_overlap2",
+    "localsgd_slowmo_stream4",
+    "localsgd_slowmo_int8_overlap2",
 ]
 
 
