@@ -8,7 +8,6 @@ of: the configuration (:mod:`.config`), the base algorithm (:mod:`.bases`), the 
 (:mod:`.slow_state`) and the communicators (:mod:`.comm`).
 """
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,15 +18,16 @@ from .amp import GradientSync
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import default_communicator, worker_hierarchy
-from .config import SlowMoConfig, check_same_everywhere, param_names, saved_config_changes
+from .config import SlowMoConfig, check_same_everywhere, param_names
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
 from .fragments import fragment_of
 from .hierarchy import Hierarchy
 from .outer_step import OuterLoop
 from .progress import gather_progress, outer_step_note, uneven_message
+from .saved_state import SavedState
 from .slow_state import make_slow_state
-from .state_format import STATE_FORMAT, check_saved_state
+from .state_format import STATE_FORMAT
 from .timing import PhaseTimer
 from .validation import check_base_optimizer
 from .wrapper import WrappedOptimizer
@@ -45,7 +45,7 @@ def _counter(name: str) -> property:
     )
 
 
-class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
+class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptimizer):
     """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
 
     Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
@@ -346,80 +346,3 @@ class DistributedOptimizer(GradientSync, ConsensusView, WrappedOptimizer):
         shapes, dtypes). Collective."""
         params = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]
         check_same_everywhere(self.comm, {**self._settings(), "params": params})
-
-    # --- checkpoints ----------------------------------------------------------------------
-    def _state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly, keyed by parameter index (not tensor identity):
-        the base optimizer's ``state_dict``, the position (step counters), the slow state, an
-        outer step in flight, the base algorithm's own state and the configuration (layout:
-        :mod:`hvd_slowmo.state_format`). Tensors are references, as in torch's own
-        ``state_dict``; ``torch.save`` copies them."""
-        return {
-            "format": STATE_FORMAT,
-            "base_optimizer": self.optimizer.state_dict(),
-            "slowmo": {
-                "config": self._settings(),
-                "num_params": len(self.params),
-                **self.outer.state_dict(),
-                "slow_state": self.slow_state.state_dict(),
-                "base_algorithm": self.base.state_dict(),
-            },
-        }
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (of this or an earlier format); on any error the
-        optimizer is left unchanged.
-
-        Args:
-            state_dict: from :meth:`state_dict` (any rank's, or rank 0's broadcast).
-
-        Raises:
-            ValueError: a state from an unknown format version, another model, or configuration.
-        """
-        s = check_saved_state(state_dict, len(self.params), self.tau)
-        position = s["position"]
-        changes = saved_config_changes(s.get("config"), self._settings())
-        loaded = self.slow_state.prepare_load(
-            s["slow_state"], self.param_groups, position, self.param_names
-        )
-        self.base.check_state_dict(s.get("base_algorithm", {}))
-        in_flight = self.outer.prepare_load(
-            position, s.get("in_flight"), state_dict["base_optimizer"]
-        )
-        shares = self.outer.prepare_eager_shares(s.get("eager_shares"))
-        # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
-        self.optimizer.load_state_dict(state_dict["base_optimizer"])
-        self.slow_state.commit_load(loaded)
-        self.outer.commit_load(position, in_flight, shares)
-        self.base.load_state_dict(s.get("base_algorithm", {}))
-        if changes:
-            warnings.warn(
-                f"load_state_dict: the state was saved with other settings ({'; '.join(changes)}); "
-                "training continues with this optimizer's",
-                stacklevel=2,
-            )
-        saved_size = position.get("world_size")  # absent in states written before it was recorded
-        if saved_size is not None and saved_size != self.comm.size:
-            # Inside an outer step each worker's parameters and base state are its own: with
-            # another number of workers only the anchor is common, so restart from it.
-            self.adopt_world(
-                f"a state saved by {saved_size} workers was loaded by {self.comm.size}"
-            )
-
-    def broadcast_state(self, root_rank: int = 0) -> None:
-        """Give every rank ``root_rank``'s full optimizer state (base state, anchor, slow buffer,
-        counters), e.g. after rank 0 alone loaded a checkpoint. Collective.
-
-        Args:
-            root_rank: the rank whose state is sent.
-
-        Raises:
-            ValueError: each rank holds its own part of the slow state (``shard_slow_state=True``).
-        """
-        if self.slow_state.per_rank:
-            raise ValueError(
-                "broadcast_optimizer_state: with shard_slow_state=True each rank holds its own "
-                "shard of the slow state; have every rank load the state it saved instead"
-            )
-        mine = self.state_dict() if self.comm.rank == root_rank else None
-        self.load_state_dict(self.comm.broadcast_object(mine, root_rank=root_rank))
