@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange, PendingTensors
 from hvd_slowmo.comm.local import run_threads
 
-from reference import make_model
+from reference import loss_at, lr_at, make_model
 
 __all__ = ["ForwardingCommunicator", "assert_same_models", "resume_in_fresh_workers"]
 
@@ -156,3 +156,14 @@ def assert_same_models(got: Sequence[nn.Module], want: Sequence[nn.Module]) -> N
     for rank, (a, b) in enumerate(zip(got, want)):
         for key, x in a.state_dict().items():
             assert torch.equal(x, b.state_dict()[key]), f"rank {rank}: {key} differs"
+
+
+def train_steps(opt: Any, model: nn.Module, rank: int, start: int, stop: int) -> None:
+    """Steps ``start .. stop - 1`` of worker ``rank`` on its reference batches, at the reference
+    lr schedule (``reference.lr_at``)."""
+    for k in range(start, stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()

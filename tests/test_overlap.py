@@ -12,6 +12,7 @@ from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 
 from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
 
@@ -256,15 +257,6 @@ def test_node_workers():
     for per_rank in zip(*[anchors for _, anchors in got]):
         for tensors in zip(*per_rank):
             assert all(torch.equal(t, tensors[0]) for t in tensors[1:])
-
-
-def train(opt, model, rank, start, stop):
-    for k in range(start, stop):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k)
-        opt.zero_grad()
-        loss_at(model, rank, k).backward()
-        opt.step()
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded", "buffers-average", "sgp"])

@@ -16,6 +16,7 @@ from hvd_slowmo.fragments import boundaries, fragment_of
 from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
 
 from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
 
@@ -213,15 +214,6 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
     spreads = [r[2].replica_spread for r in got]  # measured at overlapped landings only
     assert all((s is not None and s > 0) if d else s is None for s in spreads), spreads
-
-
-def train(opt, model, rank, start, stop):
-    for k in range(start, stop):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k)
-        opt.zero_grad()
-        loss_at(model, rank, k).backward()
-        opt.step()
 
 
 def build(**kwargs):
