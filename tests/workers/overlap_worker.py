@@ -65,6 +65,9 @@ def main():
             model, opt = build(cfg)
             anchors = []
             train(model, opt, 0, STEPS, anchors)
+            # An outer step is still in flight: no rank may exit (Horovod shuts down at exit)
+            # before every rank has started its averages. finish() meets them all, state unchanged.
+            opt.finish()
             result[name] = {
                 "anchors": anchors,
                 "final": model.state_dict(),
@@ -79,12 +82,14 @@ def main():
             {"model": model.state_dict(), "opt": opt.state_dict()},
             os.path.join(out, f"ckpt.{rank}.pt"),
         )
+        opt.finish()
     elif mode == "resume":
         model, opt = build(CONFIGS["localsgd-d2-maintain"])
         ckpt = torch.load(os.path.join(out, f"ckpt.{rank}.pt"), weights_only=False)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         train(model, opt, int(sys.argv[3]), STEPS)
+        opt.finish()
         torch.save({"final": model.state_dict()}, os.path.join(out, f"resume.{rank}.pt"))
     print(params_of(model)[0].sum().item() if mode != "train" else "done")
 

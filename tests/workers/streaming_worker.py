@@ -48,6 +48,9 @@ def main():
             loss_at(model, hvd.rank(), k).backward()
             opt.step()
             anchors.append([a.clone() for a in opt.slow_state.anchor])
+        # An outer step is still in flight: no rank may exit (Horovod shuts down at exit) before
+        # every rank has started its averages. finish() meets them all and changes no state.
+        opt.finish()
         result[name] = {"anchors": anchors, "final": model.state_dict()}
     torch.save(result, os.path.join(out, f"train.{hvd.rank()}.pt"))
     print("done")
