@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .comm.base import Communicator
 from .finite import all_finite, by_device_and_dtype
-from .grad_buckets import BucketedAverage, Stage
+from .grad_buckets import BucketedAverage, Stage, choose_bucket_bytes
 
 __all__ = ["GradientSync", "any_nonfinite", "on_backward", "overflow_anywhere", "unscale_grads_"]
 
@@ -153,8 +153,9 @@ class GradientSync:
         if self._buckets is None or self._buckets_for != (self.base, len(self.params)):
             if self._buckets is not None:
                 self._buckets.discard()
+            bucket_bytes = choose_bucket_bytes(self.base.bucket_bytes, self._gradient_stages())
             self._buckets = BucketedAverage(
-                self.params, self.base.backward_passes_per_step, self.base.bucket_bytes
+                self.params, self.base.backward_passes_per_step, bucket_bytes
             )
             self._buckets_for = (self.base, len(self.params))
             self._param_index = {id(p): i for i, p in enumerate(self.params)}

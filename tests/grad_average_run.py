@@ -59,13 +59,19 @@ def loss(model: Net, case: str, rank: int, step: int, p: int) -> Tensor:
 
 
 def train(
-    model: Net, case: str, rank: int, communicator: Any = None, **kwargs: Any
+    model: Net,
+    case: str,
+    rank: int,
+    communicator: Any = None,
+    opts: list | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """One worker through hvd_slowmo's ``base="allreduce"``.
 
     Args:
         model: a fresh :class:`Net` (built outside worker threads: torch's global RNG is not
             thread-safe).
+        opts: if given, the optimizer is appended to it (for tests that inspect it).
 
     Returns:
         ``grads``: the gradients right after each step's last backward pass (averaged, since
@@ -83,6 +89,8 @@ def train(
         backward_passes_per_step=c["passes"],
         **{"bucket_mb": BUCKET_MB, **kwargs},
     )
+    if opts is not None:
+        opts.append(opt)
     out: dict[str, list] = {"grads": [], "params": []}
     for k in range(STEPS):
         opt.zero_grad(set_to_none=c["set_to_none"])

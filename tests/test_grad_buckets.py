@@ -3,6 +3,7 @@ hand-written reference of tests/grad_average_run.py (bitwise: the thread communi
 element in rank order, as the reference does, whatever the buckets)."""
 
 import warnings
+from types import SimpleNamespace
 
 import grad_average_run as run
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import ThreadCommunicator, run_threads
-from hvd_slowmo.grad_buckets import plan_buckets
+from hvd_slowmo.grad_buckets import BUCKET_BYTES, choose_bucket_bytes, plan_buckets
 from hvd_slowmo.hierarchy import Hierarchy
 
 from reference import batch
@@ -37,6 +38,12 @@ class Deferred(ThreadCommunicator):
     def _average_(self, tensors, name):
         self.log.append(("average", name))
         return super()._average_(tensors, name)
+
+
+class Fusing(Deferred):
+    """A deferred thread communicator that says it fuses averages itself, as Horovod does."""
+
+    fuses_averages = True
 
 
 def assert_equal_runs(got, want):
@@ -65,12 +72,28 @@ def test_plan_buckets_fills_from_the_last_parameter():
     assert plan_buckets([mb // 2] * 4, 25 * mb) == [[3, 2], [1, 0]]
 
 
-@pytest.mark.parametrize("transport", ["threads", "deferred"])
+def test_bucket_size_is_the_transports_choice_unless_given():
+    fusing, plain = SimpleNamespace(fuses_averages=True), SimpleNamespace(fuses_averages=False)
+    assert choose_bucket_bytes(None, [(fusing, "a")]) == 1  # one parameter per bucket
+    assert choose_bucket_bytes(None, [(plain, "a")]) == BUCKET_BYTES
+    # Two stages: a bucket waits for its first before its second, so buckets stay large.
+    assert choose_bucket_bytes(None, [(fusing, "a"), (fusing, "b")]) == BUCKET_BYTES
+    assert choose_bucket_bytes(5, [(fusing, "a")]) == 5
+
+
+@pytest.mark.parametrize("transport", ["threads", "deferred", "fusing"])
 @pytest.mark.parametrize("case", list(run.CASES))
 def test_equals_the_hand_written_average(case, transport):
     models = [run.Net() for _ in range(3)]
+    buckets = []
 
     def worker(comm):
+        if transport == "fusing":  # the default bucket size: each parameter's average alone
+            comm = Fusing(comm, [])
+            opts = []
+            out = run.train(models[comm.rank], case, comm.rank, comm, bucket_mb=None, opts=opts)
+            buckets.append(opts[0]._buckets.buckets)
+            return out
         if transport == "deferred":
             comm = Deferred(comm, [])
         return run.train(models[comm.rank], case, comm.rank, comm)
@@ -79,6 +102,9 @@ def test_equals_the_hand_written_average(case, transport):
     want = run.reference(case, 3)
     for r in got:
         assert_equal_runs(r, want)
+    if transport == "fusing":
+        n = len(list(models[0].parameters()))
+        assert all(b == [[i] for i in reversed(range(n))] for b in buckets), buckets
 
 
 @pytest.mark.parametrize("case", ["plain", "accumulate-unused"])

@@ -45,9 +45,10 @@ def test_buckets_equal_the_reference(tmp_path, np_):
     ranks = load(tmp_path, np_)
     for case in run.CASES:
         want = run.reference(case, np_)
-        for key in (case, (case, "one bucket")):
+        for key in (case, (case, "one bucket"), (case, "default")):
             assert_ranks_equal(ranks, key)
             compare(ranks[0][key], want, np_ == 2, f"{key}")
+        assert ranks[0][(case, "default buckets")] == len(list(run.Net().parameters()))
     assert_ranks_equal(ranks, ("plain", "fp16"))
     fp16 = ranks[0][("plain", "fp16")]
     for a, b in zip(fp16["params"][-1], run.reference("plain", np_)["params"][-1]):

@@ -20,7 +20,9 @@ class AllReduceSGD(BaseAlgorithm):
         comm: the communicator over the SlowMo workers.
         bucket_mb: megabytes (2**20 bytes) of gradients per bucket; a bucket's average starts
             once all its gradients are ready. Smaller buckets start earlier, larger ones make
-            fewer collectives (DDP's default is 25).
+            fewer collectives. None (default): each parameter on its own where the transport
+            fuses what is ready itself (Horovod, as ``hvd.DistributedOptimizer``), else DDP's
+            25 MB (:func:`hvd_slowmo.grad_buckets.choose_bucket_bytes`).
         backward_passes_per_step: backward passes whose gradients accumulate locally before
             each average (Horovod's argument): the average starts during the last one, and a
             further pass before ``step()`` raises.
@@ -34,11 +36,17 @@ class AllReduceSGD(BaseAlgorithm):
     averages_gradients = True
 
     def __init__(
-        self, comm: Communicator, bucket_mb: float = 25.0, backward_passes_per_step: int = 1
+        self,
+        comm: Communicator,
+        bucket_mb: float | None = None,
+        backward_passes_per_step: int = 1,
     ) -> None:
         super().__init__(comm)
-        mb = check_number("bucket_mb", bucket_mb, low=0.0, low_open=True, fix="e.g. bucket_mb=25")
-        self.bucket_bytes = max(1, int(mb * 2**20))
+        if bucket_mb is not None:
+            mb = check_number(
+                "bucket_mb", bucket_mb, low=0.0, low_open=True, fix="e.g. bucket_mb=25"
+            )
+            self.bucket_bytes = max(1, int(mb * 2**20))
         self.backward_passes_per_step = check_int(
             "backward_passes_per_step",
             backward_passes_per_step,

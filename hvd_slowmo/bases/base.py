@@ -71,8 +71,9 @@ class BaseAlgorithm:
     #: :meth:`communicate_gradients`), so a non-finite check on them agrees everywhere.
     averages_gradients = False
     #: The most gradient bytes in one bucket of the per-step gradient average (and of the
-    #: node-level average of ``worker="node"``).
-    bucket_bytes: int = 25 * 2**20
+    #: node-level average of ``worker="node"``); None: the transport's choice
+    #: (:func:`hvd_slowmo.grad_buckets.choose_bucket_bytes`).
+    bucket_bytes: int | None = None
     #: Backward passes accumulated into the gradients before each per-step average.
     backward_passes_per_step: int = 1
 

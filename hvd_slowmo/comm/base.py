@@ -166,6 +166,10 @@ class Communicator(abc.ABC):
         supports_alltoall: :meth:`alltoall_flat` and :meth:`allgather_flat` work (the
             compressed average, :mod:`hvd_slowmo.compression`, needs them).
         supports_exchange: :meth:`exchange_start` works (the gossip bases need it).
+        fuses_averages: the transport itself fuses averages started close together into one
+            collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
+            gradient average starts each parameter's average as soon as its gradient is ready
+            instead of waiting for a bucket of them (:mod:`hvd_slowmo.grad_buckets`).
     """
 
     rank: int
@@ -174,6 +178,7 @@ class Communicator(abc.ABC):
     supports_sharding: bool = False
     supports_alltoall: bool = False
     supports_exchange: bool = False
+    fuses_averages: bool = False
 
     # --- the operations every communicator has -------------------------------------------
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:

@@ -95,6 +95,7 @@ class HorovodCommunicator(Communicator):
     supports_sharding = True
     supports_alltoall = True
     supports_exchange = True
+    fuses_averages = True
 
     def __init__(
         self, compression: Any = None, process_set: Any = None, reduce_scatter: str = "auto"

@@ -3,7 +3,8 @@ horovodrun.
 
 Usage: grad_bucket_worker.py OUT_DIR [node]
 For every scenario of tests/grad_average_run.py, this rank's gradients after each backward pass
-and parameters after each step, with small buckets, with one bucket, and with fp16 compression
+and parameters after each step, with small buckets, with one bucket, with the default (one
+parameter per average: Horovod fuses them), and with fp16 compression
 (``node``: ``worker="node"``, the NODE_CASES, small buckets only); written to
 OUT_DIR/buckets.RANK.pt.
 """
@@ -30,6 +31,11 @@ def main():
             continue
         results[case] = run.train(run.Net(), case, hvd.rank())
         results[(case, "one bucket")] = run.train(run.Net(), case, hvd.rank(), bucket_mb=100)
+        opts = []  # the default: one parameter per average, fused by Horovod itself
+        results[(case, "default")] = run.train(
+            run.Net(), case, hvd.rank(), opts=opts, bucket_mb=None
+        )
+        results[(case, "default buckets")] = len(opts[0]._buckets.buckets)
     if not node:
         results[("plain", "fp16")] = run.train(
             run.Net(), "plain", hvd.rank(), compression=hvd.Compression.fp16
