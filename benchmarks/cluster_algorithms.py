@@ -88,6 +88,16 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         12,
         {**_SLOWMO, "buffers": "reset"},
     ),
+    # hvd_slowmo over its torch.distributed engine (Gloo): only the transport differs from the
+    # row above; measured beside its PyTorch peers (DDP here, post-local SGD below).
+    Algorithm(
+        "allreduce_td",
+        "AR-SGD (hvd_slowmo base=allreduce, torch.distributed)",
+        "slowmo",
+        "allreduce",
+        12,
+        {**_PLAIN, "buffers": "maintain", "engine": "torch"},
+    ),
     # The same without the per-outer-step NaN/inf check (one small allgather): what that check
     # costs.
     Algorithm(
@@ -124,12 +134,30 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         periodic=True,
     ),
     Algorithm(
+        "localsgd_slowmo_td",
+        "Local SGD + SlowMo (torch.distributed)",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "engine": "torch"},
+        periodic=True,
+    ),
+    Algorithm(
         "localsgd_slowmo_overlap1",
         "Local SGD + SlowMo, overlap=1",
         "slowmo",
         "localsgd",
         12,
         {**_SLOWMO, "buffers": "reset", "overlap": 1},
+        periodic=True,
+    ),
+    Algorithm(
+        "localsgd_slowmo_overlap1_td",
+        "Local SGD + SlowMo, overlap=1 (torch.distributed)",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "overlap": 1, "engine": "torch"},
         periodic=True,
     ),
     Algorithm(
@@ -206,7 +234,7 @@ TABLE2_ROWS = (
 )
 #: Rows of the peers table: (family, keys shown side by side), PyTorch's and Horovod's first.
 PEER_ROWS = (
-    ("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce", "allreduce_slowmo")),
+    ("AR-SGD", ("torch_ddp", "horovod_ar", "allreduce", "allreduce_slowmo", "allreduce_td")),
     (
         "Local SGD (tau=12)",
         (
@@ -217,6 +245,8 @@ PEER_ROWS = (
             "localsgd_slowmo_overlap2",
             "localsgd_slowmo_stream4",
             "localsgd_slowmo_int8_overlap2",
+            "localsgd_slowmo_td",
+            "localsgd_slowmo_overlap1_td",
         ),
     ),
 )
@@ -239,6 +269,15 @@ ALGORITHM_SETS = {
         "localsgd_slowmo_overlap1",
         "localsgd_slowmo_overlap2",
         "localsgd_slowmo_int8_overlap2",
+    ),
+    # hvd_slowmo over torch.distributed beside PyTorch's own tools (same Gloo transport).
+    "engines": (
+        "compute",
+        "torch_ddp",
+        "allreduce_td",
+        "torch_postlocal",
+        "localsgd_slowmo_td",
+        "localsgd_slowmo_overlap1_td",
     ),
 }
 

@@ -90,14 +90,14 @@ def render_markdown(run: dict[str, Any]) -> str:
     out += [
         "",
         "| algorithm | tau | ms/it median [min-max] | speed-up vs AR-SGD | / compute | / ideal | "
-        "bytes sent / worker / it |",
-        "|---|---|---|---|---|---|---|",
+        "bytes sent / worker / it | peak bytes / worker / step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         algo = ALGORITHM_BY_KEY[key]
         if not r.get("available", True):
             out.append(
-                f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | |"
+                f"| {algo.label} | {algo.tau} | not available ({r.get('reason', '')}) | | | | | |"
             )
             continue
         row = rows[key]
@@ -108,7 +108,8 @@ def render_markdown(run: dict[str, Any]) -> str:
             f"| {algo.label} | {algo.tau} | "
             f"{r['median_ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | "
             f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['over_compute'], '.2f', 'x')} | "
-            f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} |"
+            f"{_fmt(row['over_ideal'], '.3f', 'x')} | {sent} | "
+            f"{_fmt_bytes(r.get('peak_bytes_per_step'))} |"
         )
 
     out += [

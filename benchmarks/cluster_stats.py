@@ -52,7 +52,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Args:
         repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
-            ``rank_median_ms``, ``bytes_per_iter``, ``bytes_computed`` and, for hvd_slowmo,
+            ``rank_median_ms``, ``bytes_per_iter``, ``peak_bytes_per_step``, ``bytes_computed``
+            and, for hvd_slowmo,
             ``phase_ms_per_iter``.
     """
     if not repeats:
@@ -71,6 +72,7 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "repeat_median_ms": [r["median_ms"] for r in repeats],
         "rank_median_ms": [r["rank_median_ms"] for r in repeats],
         "bytes_per_iter": statistics.fmean(r["bytes_per_iter"] for r in repeats),
+        "peak_bytes_per_step": max(r.get("peak_bytes_per_step", 0) for r in repeats),
         "bytes_computed": repeats[0]["bytes_computed"],
     }
     if "phase_ms_per_iter" in repeats[0]:

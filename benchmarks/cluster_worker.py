@@ -41,8 +41,21 @@ import hvd_slowmo
 Step = Callable[[nn.Module], None]
 
 
+class Layer(nn.Module):
+    """One synthetic layer: a weight vector (its own module, so ``fragments=P`` can split the
+    model by layer as it splits a real one).
+
+    Args:
+        size: its parameter count.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size) * 0.01)
+
+
 class Synthetic(nn.Module):
-    """``num_params`` parameters in up to 8 tensors (like layers); compute is a sleep.
+    """``num_params`` parameters in up to 8 layers of one tensor each; compute is a sleep.
 
     Args:
         num_params: total parameter count.
@@ -50,10 +63,10 @@ class Synthetic(nn.Module):
 
     def __init__(self, num_params: int) -> None:
         super().__init__()
-        chunks = min(8, num_params)
-        sizes = [num_params // chunks] * chunks
+        layers = min(8, num_params)
+        sizes = [num_params // layers] * layers
         sizes[-1] += num_params - sum(sizes)
-        self.chunks = nn.ParameterList(nn.Parameter(torch.randn(s) * 0.01) for s in sizes)
+        self.layers = nn.ModuleList(Layer(s) for s in sizes)
 
     def forward(self, backward_s: float = 0.0) -> torch.Tensor:
         """A cheap loss that gives every parameter a gradient (through ``forward``, so DDP's
@@ -66,10 +79,10 @@ class Synthetic(nn.Module):
                 the backward pass goes on.
         """
         loss = torch.zeros(())
-        for i, p in enumerate(self.chunks):
-            loss = loss + p.sum() * (1e-3 * (i + 1))
+        for i, layer in enumerate(self.layers):
+            loss = loss + layer.weight.sum() * (1e-3 * (i + 1))
             if backward_s > 0:
-                loss = SleepInBackward.apply(loss, backward_s / len(self.chunks))
+                loss = SleepInBackward.apply(loss, backward_s / len(self.layers))
         return loss
 
 
@@ -170,6 +183,11 @@ def barrier() -> None:
 TORCH_KINDS = ("ddp", "postlocal")
 
 
+def uses_torch_distributed(algo: Algorithm) -> bool:
+    """A PyTorch peer, or hvd_slowmo over its torch.distributed engine."""
+    return algo.kind in TORCH_KINDS or algo.options.get("engine") == "torch"
+
+
 def init_torch_distributed() -> None:
     """Join every worker into one ``torch.distributed`` Gloo group, the PyTorch peers' transport.
 
@@ -232,7 +250,7 @@ def _optimizer(
             return None, None, f"this hvd_slowmo has no overlap option: {e}"
         raise
     except ValueError as e:
-        # fragments=P needs P layers; a one-layer workload (the synthetic one) has one.
+        # fragments=P needs P layers (the synthetic model has up to 8).
         if "fragments" in str(e):
             return None, None, f"not for this workload: {e}"
         raise
@@ -270,9 +288,11 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     bytes0 = comm.bytes_sent if comm is not None else 0
     timings0 = dict(opt.timings) if comm is not None else {}
     stamps = [time.perf_counter()]
+    sent = [bytes0]
     for _ in range(n):
         iteration()
         stamps.append(time.perf_counter())
+        sent.append(comm.bytes_sent if comm is not None else 0)
     barrier()
     everyone = hvd.allgather_object(stamps, name=f"cluster.stamps.{algo.key}")
     merged = cluster_stamps(everyone)
@@ -283,14 +303,19 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if comm is not None:
         out["bytes_per_iter"] = (comm.bytes_sent - bytes0) / n
+        # hvd_slowmo has at most one exact average (or fragment's) in flight, so the most bytes
+        # started in one step is the most in flight at once: what the link must carry per phase.
+        out["peak_bytes_per_step"] = max(b - a for a, b in zip(sent, sent[1:]))
         out["bytes_computed"] = False
         out["phase_ms_per_iter"] = {k: 1e3 * (v - timings0[k]) / n for k, v in opt.timings.items()}
     elif algo.kind in ("horovod", "ddp", "postlocal"):
         # Gloo's ring volume (not counted): every step, or one parameter average per `tau` steps.
         out["bytes_per_iter"] = ring_bytes(grad_bytes, hvd.size()) / algo.tau
+        out["peak_bytes_per_step"] = ring_bytes(grad_bytes, hvd.size())  # all at once
         out["bytes_computed"] = True
     else:
         out["bytes_per_iter"], out["bytes_computed"] = 0, False
+        out["peak_bytes_per_step"] = 0
     return out
 
 
@@ -301,7 +326,7 @@ def main() -> None:
     spec = json.loads(parser.parse_args().spec)
     torch.set_num_threads(1)
     hvd.init()
-    if any(ALGORITHM_BY_KEY[key].kind in TORCH_KINDS for key in spec["algorithms"]):
+    if any(uses_torch_distributed(ALGORITHM_BY_KEY[key]) for key in spec["algorithms"]):
         init_torch_distributed()
     raw: dict[str, list[dict[str, Any]]] = {key: [] for key in spec["algorithms"]}
     unavailable: dict[str, dict[str, Any]] = {}

@@ -214,10 +214,13 @@ _PEERS = [
     "torch_ddp",
     "allreduce",
     "allreduce_slowmo",
+    "allreduce_td",
     "torch_postlocal",
     "localsgd",
     "localsgd_slowmo",
+    "localsgd_slowmo_td",
     "localsgd_slowmo_overlap1",
+    "localsgd_slowmo_overlap1_td",
     "localsgd_slowmo_overlap2",
     "localsgd_slowmo_stream4",
     "localsgd_slowmo_int8_overlap2",
@@ -293,6 +296,7 @@ def test_pool_repeats():
             "iterations": iters,
             "rank_median_ms": [1.0, 2.0],
             "bytes_per_iter": sent,
+            "peak_bytes_per_step": sent,
             "bytes_computed": False,
             "phase_ms_per_iter": {"average": phase},
         }
@@ -307,6 +311,7 @@ def test_pool_repeats():
     )
     assert pooled["repeat_median_ms"] == [30.0, 40.0]
     assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
+    assert pooled["peak_bytes_per_step"] == 300.0  # the most of any repeat
     with pytest.raises(ValueError, match="at least one"):
         cstats.pool_repeats([])
 
@@ -469,7 +474,8 @@ def test_synthetic_backward_sleeps_between_layers(monkeypatch):
     events = []
     monkeypatch.setattr(worker.time, "sleep", lambda s: events.append(("sleep", round(s, 6))))
     model = worker.Synthetic(800)
-    for i, p in enumerate(model.chunks):
+    assert [n for n, _ in model.named_parameters()] == [f"layers.{i}.weight" for i in range(8)]
+    for i, p in enumerate(model.parameters()):
         p.register_post_accumulate_grad_hook(lambda _, i=i: events.append(("grad", i)))
     worker.synthetic_step(80.0, 0.5)(model)
     # 40 ms before backward, then 5 ms before each layer's gradient, last layer first.
@@ -532,7 +538,7 @@ def test_render_markdown_peers():
     )
     assert (
         "| Local SGD + SlowMo, overlap=2 | 12 | not available (this hvd_slowmo has no overlap "
-        "option: x) | | | | |" in lines
+        "option: x) | | | | | |" in lines
     )
     # No peer row measured: no peers table, no peer bullets.
     md = creport.render_markdown(
@@ -592,7 +598,7 @@ def test_end_to_end_two_hosts(tmp_path):
         "2",
         "--algorithms",
         "compute,horovod_ar,torch_ddp,allreduce,torch_postlocal,localsgd_slowmo,"
-        "localsgd_slowmo_overlap1",
+        "localsgd_slowmo_overlap1,localsgd_slowmo_stream4,localsgd_slowmo_td",
         "--prefix",
         prefix,
         "--subnet",
@@ -622,6 +628,8 @@ def test_end_to_end_two_hosts(tmp_path):
         "torch_postlocal",
         "localsgd_slowmo",
         "localsgd_slowmo_overlap1",
+        "localsgd_slowmo_stream4",
+        "localsgd_slowmo_td",
     }
     # The overlapped row runs exactly when the library has the option; otherwise it says why not.
     import inspect
@@ -650,6 +658,15 @@ def test_end_to_end_two_hosts(tmp_path):
     assert res["torch_ddp"]["bytes_per_iter"] == 400_000
     assert res["torch_ddp"]["bytes_computed"] is True
     assert res["torch_postlocal"]["bytes_per_iter"] == pytest.approx(400_000 / 12)
+    # The most bytes started in one step: the whole model at once, except streaming (a quarter:
+    # 8 equal layers in 4 fragments).
+    for key in ("allreduce", "localsgd_slowmo", "torch_postlocal", "torch_ddp"):
+        assert res[key]["peak_bytes_per_step"] == pytest.approx(400_000, rel=0.01), key
+    stream = res["localsgd_slowmo_stream4"]
+    assert stream["peak_bytes_per_step"] == pytest.approx(100_000, rel=0.01), stream
+    assert stream["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
+    # hvd_slowmo over torch.distributed counts its own bytes, as over Horovod.
+    assert res["localsgd_slowmo_td"]["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
     table = (tmp_path / "table.md").read_text()
     assert "| Local SGD |" in table
     assert "| Local SGD (tau=12) | Local SGD (torch PostLocalSGDOptimizer, Gloo) |" in table
