@@ -335,7 +335,7 @@ def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():
 def test_allreduce_base_and_node_workers_keep_ranks_identical():
     """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
     estimate differs from the average there, and the landing corrects it); with worker="node"
-    the two ranks of a node are identical at every step."""
+    the two ranks of a node are identical at every step, also with an int8 exchange."""
     from hvd_slowmo.hierarchy import Hierarchy
 
     def worker(comm, models, kwargs):
@@ -368,10 +368,18 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
         same = run_threads(4, lambda c: worker(c, models, lambda _: dict(base="allreduce")))
         models = [make_model() for _ in range(4)]
         nodes = run_threads(4, lambda c: worker(c, models, node))
-    for got, pairs in ((same, [(0, 1), (0, 2), (0, 3)]), (nodes, [(0, 1), (2, 3)])):
+        models = [make_model() for _ in range(4)]
+        int8 = lambda c: dict(node(c), compression="int8", error_feedback=True)  # noqa: E731
+        coded = run_threads(4, lambda c: worker(c, models, int8))
+    for got, pairs in (
+        (same, [(0, 1), (0, 2), (0, 3)]),
+        (nodes, [(0, 1), (2, 3)]),
+        (coded, [(0, 1), (2, 3)]),
+    ):
         for a, b in pairs:
             assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
     assert not all(torch.equal(x, y) for x, y in zip(nodes[0], nodes[2]))
+    assert not all(torch.equal(x, y) for x, y in zip(nodes[0], coded[0]))  # really compressed
 
 
 def test_bad_settings_at_construction_name_the_fix():
