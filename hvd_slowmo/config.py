@@ -87,9 +87,11 @@ class SlowMoConfig:
             its pseudo-gradient ``anchor - parameters`` as ``"fp16"``, ``"bf16"``, ``"int8"`` or
             ``"fp8"`` codes (``"fp32"``: uncompressed, through the same all-to-all), the sums
             are float32, and every worker ends with the same parameters. Keeps an anchor even
-            without slow momentum. None: the exact average is an allreduce of the parameters.
+            without slow momentum. With ``fragments``, each fragment's average is compressed
+            on its own. None: the exact average is an allreduce of the parameters.
         error_feedback: each worker adds what its codes lost to its next pseudo-gradient
-            (needs a ``codec``).
+            (needs a ``codec``); the residual is per element, so with ``fragments`` each
+            fragment's residual carries into that fragment's next average.
         fragments: ``P``, streaming SlowMo (arXiv 2501.18512): the parameters are split by
             layer, strided, into ``P`` fragments, each with its own outer step at its own inner
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
@@ -279,11 +281,6 @@ class SlowMoConfig:
                 f"{what} with a custom outer_optimizer is not supported (its step cannot be "
                 "taken per fragment or provisionally); use outer_optimizer='heavyball' or "
                 "'nesterov'"
-            )
-        if self.codec is not None:
-            raise ValueError(
-                f"{what} with compression={self.codec!r} is not supported (the compressed "
-                "average sends the whole model's pseudo-gradient); use compression=None"
             )
         if self.fragments > 1 and self.nonfinite == "skip":
             raise ValueError(

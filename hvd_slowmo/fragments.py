@@ -27,6 +27,11 @@ name are ever in flight). The recurrences would allow more (fragments are disjoi
 copies in flight. At a step where one fragment lands and the next starts, the landing comes
 first. Model buffers (BatchNorm statistics) travel with the last fragment, at the period's end.
 
+**Compressed exchange** (``compression=<codec>``, :mod:`hvd_slowmo.compression`): a fragment's
+``avg`` below is ``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors, ``mean_c``
+the compressed mean; the error-feedback residual is per element, so each fragment's average
+adds and updates only its own parameters' residual.
+
 **Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
 ``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);
 ``gamma`` each param group's lr at the fragment's boundary. At the fragment's boundary ``n``::

@@ -41,7 +41,7 @@ recurrence above, through the same code.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -130,7 +130,9 @@ class InFlight:
         """Whether it lands in the boundary's own step, on the parameters themselves."""
         return self.snapshot is None
 
-    def start_averages(self, comm: Communicator, slow_state: SlowState, exact: bool) -> None:
+    def start_averages(
+        self, comm: Communicator, slow_state: SlowState, exact: bool, indices: Sequence[int] = ()
+    ) -> None:
         """Start the averages not yet started or done: the parameters with the model buffers
         (as the slow state's layout averages them) and the base optimizer's buffers. Collective.
 
@@ -138,9 +140,11 @@ class InFlight:
             comm: the communicator over all workers.
             slow_state: the slow state.
             exact: whether the parameters need averaging (False: ``sent`` is this worker's own).
+            indices: which parameters ``sent`` holds (one of several fragments: a compressed
+                average reads their anchor); empty for the whole model.
         """
         if not self.averaged and self._average is None:
-            self._average = slow_state.average_start_(self.sent, self.extra_sent, exact)
+            self._average = slow_state.average_start_(self.sent, self.extra_sent, exact, indices)
         if self.state_sent and not self.state_averaged and self._state_average is None:
             self._state_average = comm.average_start(
                 self.state_sent, name="hvd_slowmo.buffer_average"
@@ -334,11 +338,15 @@ class OuterLoop:
                 # else (AR-SGD) every worker holds the same parameters after the same steps (or
                 # would be stuck in another gradient average): this probe is the average.
             if not f.in_place:
-                f.start_averages(self.comm, self.slow_state, cfg.exact_average)
+                f.start_averages(self.comm, self.slow_state, cfg.exact_average, self._indices(f))
                 if cfg.eager:
                     self._provisional_step(f, members)
                     torch._foreach_copy_(params, f.snapshot)
             self.in_flight = f
+
+    def _indices(self, f: InFlight) -> list[int]:
+        """The parameters of ``f``'s fragment, or none (all of them) for ``fragments=1``."""
+        return self.fragments[f.fragment] if len(self.fragments) > 1 else []
 
     def _by_group(self, members: list[int]) -> list[tuple[int, list[int]]]:
         """Each param group with the positions in ``members`` of its parameters."""
@@ -424,7 +432,7 @@ class OuterLoop:
                 self._skip(f)
                 return
             # Started here: overlap=0, a resumed state, or a layout that cannot overlap.
-            f.start_averages(self.comm, self.slow_state, cfg.exact_average)
+            f.start_averages(self.comm, self.slow_state, cfg.exact_average, self._indices(f))
             f.finish_averages(deferred=True)
             if f.in_place:
                 self.base.after_average(cfg.average)

@@ -99,6 +99,34 @@ def reference_compressed_mean(
     return [result.clone() for _ in range(m)], new_residuals, sent_bytes
 
 
+def pseudo_gradient_average(codec: str, error_feedback: bool, block: int = 256):
+    """A fragment's average for ``reference_streaming(average=...)``: ``x0 - mean_c(x0 - s_i)``
+    with ``mean_c`` the compressed average above, over the fragment's parameters concatenated
+    in order. With error feedback each worker keeps one residual per parameter (zero at first),
+    so what a parameter's codes lost is added to that parameter's next average."""
+    residuals: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> residual
+
+    def average(members, snapshots, anchor):
+        m = len(snapshots)
+        sizes = [a.numel() for a in anchor]
+        flat_anchor = torch.cat([a.reshape(-1) for a in anchor])
+        grads = [flat_anchor - torch.cat([s.reshape(-1) for s in snaps]) for snaps in snapshots]
+        carried = None
+        if error_feedback:
+            carried = [
+                torch.cat([residuals.get((i, j), torch.zeros(n)) for j, n in zip(members, sizes)])
+                for i in range(m)
+            ]
+        means, lost, _ = reference_compressed_mean(grads, codec, block, carried)
+        if lost is not None:
+            for i in range(m):
+                for j, part in zip(members, lost[i].split(sizes)):
+                    residuals[(i, j)] = part.clone()
+        return [a - d.view_as(a) for a, d in zip(anchor, means[0].split(sizes))]
+
+    return average
+
+
 def reference_slowmo_compressed(
     m: int,
     steps: int,

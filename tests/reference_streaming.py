@@ -8,7 +8,7 @@ outer step at the global steps ``n >= b_k`` with ``n = b_k (mod tau)``, ``b_k = 
 and lands it at ``n + d``. Model buffers travel with fragment ``P - 1``. For one fragment, with
 ``x0``, ``u`` its anchor and slow buffer and ``gamma`` the lr at its boundary::
 
-    boundary n:  s_i = x_i ;  avg = mean_i s_i (in flight)
+    boundary n:  s_i = x_i ;  avg = mean_i s_i (in flight; or ``average``'s, e.g. compressed)
                  eager:  g_i = (x0 - s_i) / gamma ;  G^_i = c_i + g_i / m
                          u^ = beta u + G^_i ;  x^0_i = x0 - alpha gamma u^
                          (Nesterov: x^0_i = x0 - alpha gamma (G^_i + beta u^))
@@ -29,6 +29,9 @@ import torch
 from torch import nn
 
 from reference import loss_at, make_model
+
+#: ``(members, snapshots, anchor) -> average``: a fragment's exact average (see below).
+Average = Callable[[list[int], list[list[torch.Tensor]], list[torch.Tensor]], list[torch.Tensor]]
 
 
 def strided_fragments(names: list[str], fragments: int) -> list[int]:
@@ -58,8 +61,14 @@ def reference_streaming(
     lr_schedule: Callable[[int], float] | None = None,
     nesterov: bool = False,
     model_fn: Callable[[], nn.Module] = make_model,
+    average: Average | None = None,
 ) -> tuple[list[nn.Module], list[list[torch.Tensor]]]:
     """Replay streaming (and eager) SlowMo over Local SGD for ``m`` workers.
+
+    ``average(members, snapshots, anchor)``, if given, replaces the plain mean of a fragment's
+    snapshots: ``members`` are the fragment's parameter indices, ``snapshots[i]`` worker ``i``'s
+    parameters at the boundary and ``anchor`` the anchor, both in ``members``' order; it returns
+    the average every worker receives, in the same order (the model buffers keep the plain mean).
 
     Returns:
         Each worker's model, and the anchor (all parameters) after every landing, in order.
@@ -109,7 +118,12 @@ def reference_streaming(
 
     def start(f: int, n: int) -> None:
         gamma = opts[0].param_groups[0]["lr"]
-        avg = {j: sum(params[i][j].detach().clone() for i in range(m)) / m for j in members[f]}
+        if average is None:
+            avg = {j: sum(params[i][j].detach().clone() for i in range(m)) / m for j in members[f]}
+        else:
+            snaps = [[params[i][j].detach().clone() for j in members[f]] for i in range(m)]
+            got = average(members[f], snaps, [anchor[j] for j in members[f]])
+            avg = dict(zip(members[f], got))
         bases = [{j: params[i][j].detach().clone() for j in members[f]} for i in range(m)]
         snap_b, avg_b = None, None
         if f == fragments - 1:  # the model buffers travel with the last fragment

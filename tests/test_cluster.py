@@ -223,6 +223,7 @@ _PEERS = [
     "localsgd_slowmo_overlap1_td",
     "localsgd_slowmo_overlap2",
     "localsgd_slowmo_stream4",
+    "localsgd_slowmo_stream4_int8",
     "localsgd_slowmo_int8_overlap2",
 ]
 

@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 import torch
-from reference_streaming import reference_streaming
+from reference_compression import pseudo_gradient_average
+from reference_streaming import reference_streaming, strided_fragments
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
@@ -145,7 +146,7 @@ class InFlight(ForwardingCommunicator):
 
 def run(m, steps, models=None, **kwargs):
     """Train ``m`` thread workers with lr_at; per rank: (model, the anchor after every step,
-    optimizer)."""
+    optimizer, the parameters after every step)."""
     models = models or [make_model() for _ in range(m)]
 
     def worker(comm):
@@ -157,7 +158,7 @@ def run(m, steps, models=None, **kwargs):
             communicator=InFlight(comm),
             **kwargs,
         )
-        anchors = []
+        anchors, params = [], []
         for k in range(steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(k)
@@ -165,7 +166,8 @@ def run(m, steps, models=None, **kwargs):
             loss_at(model, comm.rank, k).backward()
             opt.step()
             anchors.append([a.clone() for a in opt.slow_state.anchor or []])
-        return model, anchors, opt
+            params.append(params_of(model))
+        return model, anchors, opt, params
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -216,6 +218,52 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     assert all((s is not None and s > 0) if d else s is None for s in spreads), spreads
 
 
+CODEC_CASES = {  # tau, overlap, fragments, eager, codec, error feedback
+    "int8-feedback-p2-d2": (4, 2, 2, False, "int8", True),
+    "int8-feedback-p2-d0": (4, 0, 2, False, "int8", True),
+    "int8-feedback-p3-d1-tau5": (5, 1, 3, False, "int8", True),
+    "eager-bf16-p2-d1": (4, 1, 2, True, "bf16", False),
+}
+
+
+@pytest.mark.parametrize("case", list(CODEC_CASES))
+def test_fragments_with_a_codec_equal_the_reference_bitwise(case, one_intra_op_thread):
+    """Each fragment's average is the compressed pseudo-gradient average of its parameters from
+    their anchor, with each parameter's residual carried into its fragment's next average (the
+    reference keeps one per worker and parameter; fragment 0 of P = 2 is not contiguous in the
+    residual). The anchors are bitwise identical on every rank after every step; with d = 0 so
+    are a fragment's parameters right after its landing."""
+    tau, d, p, eager, codec, feedback = CODEC_CASES[case]
+    m, steps = 3, 15
+    got = run(
+        m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=0.8, slow_momentum=0.6,
+        compression=codec, error_feedback=feedback,
+    )  # fmt: skip
+    average = pseudo_gradient_average(codec, feedback)
+    want, anchors = reference_streaming(
+        m, steps, tau, d, p, eager, 0.8, 0.6, SGD, "reset", lr_at, average=average
+    )
+    assert_same_models([r[0] for r in got], want)
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
+    for per_rank in zip(*[r[1] for r in got]):
+        for tensors in zip(*per_rank):
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
+    split = strided_fragments([n for n, _ in want[0].named_parameters()], p)
+    lands = {b % tau: f for f, b in enumerate(boundaries(tau, p))}  # d = 0: inner step -> fragment
+    for k in range(steps) if d == 0 else ():
+        if (k + 1) % tau in lands:
+            landed = [j for j, f in enumerate(split) if f == lands[(k + 1) % tau]]
+            for r in range(1, m):
+                assert all(torch.equal(got[r][3][k][j], got[0][3][k][j]) for j in landed), (k, r)
+    if feedback:  # each fragment's average wrote its own parameters' residual
+        residual = got[0][2].slow_state.compressed.residual
+        sizes = [t.numel() for t in got[0][3][0]]
+        assert all(part.abs().sum() > 0 for part in residual.split(sizes))
+    # A test of the test: the codes are lossy, and the reference sees it.
+    plain, _ = reference_streaming(m, steps, tau, d, p, eager, 0.8, 0.6, SGD, "reset", lr_at)
+    assert not torch.equal(want[0][0].weight, plain[0][0].weight)
+
+
 def build(**kwargs):
     def make(comm, model):
         return DistributedOptimizer(
@@ -235,6 +283,11 @@ RESUMES = {  # settings, the step to save at (a fragment in flight there), its f
     "p3-d2-average": (dict(overlap=2, fragments=3, buffers="average"), 11, 1),
     "eager-p2-d3": (dict(overlap=3, fragments=2, eager=True), 10, 0),
     "eager-p1-d2": (dict(overlap=2, eager=True), 13, 0),
+    "int8-feedback-p2-d3": (
+        dict(overlap=3, fragments=2, compression="int8", error_feedback=True),
+        10,
+        0,
+    ),
 }
 
 
@@ -245,6 +298,7 @@ def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
         assert opt.outer.eager_shares is not None or not kwargs.get("eager")
+        assert opt.slow_state.compressed is None or opt.slow_state.compressed.residual is not None
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -281,7 +335,7 @@ def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():
 def test_allreduce_base_and_node_workers_keep_ranks_identical():
     """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
     estimate differs from the average there, and the landing corrects it); with worker="node"
-    the two ranks of a node are identical at every step."""
+    the two ranks of a node are identical at every step, also with an int8 exchange."""
     from hvd_slowmo.hierarchy import Hierarchy
 
     def worker(comm, models, kwargs):
@@ -314,10 +368,18 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
         same = run_threads(4, lambda c: worker(c, models, lambda _: dict(base="allreduce")))
         models = [make_model() for _ in range(4)]
         nodes = run_threads(4, lambda c: worker(c, models, node))
-    for got, pairs in ((same, [(0, 1), (0, 2), (0, 3)]), (nodes, [(0, 1), (2, 3)])):
+        models = [make_model() for _ in range(4)]
+        int8 = lambda c: dict(node(c), compression="int8", error_feedback=True)  # noqa: E731
+        coded = run_threads(4, lambda c: worker(c, models, int8))
+    for got, pairs in (
+        (same, [(0, 1), (0, 2), (0, 3)]),
+        (nodes, [(0, 1), (2, 3)]),
+        (coded, [(0, 1), (2, 3)]),
+    ):
         for a, b in pairs:
             assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
     assert not all(torch.equal(x, y) for x, y in zip(nodes[0], nodes[2]))
+    assert not all(torch.equal(x, y) for x, y in zip(nodes[0], coded[0]))  # really compressed
 
 
 def test_bad_settings_at_construction_name_the_fix():

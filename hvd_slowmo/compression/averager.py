@@ -5,9 +5,16 @@ Every worker holds the same anchor ``x0``; the workers average ``d_i = x0 - x_i`
 (:func:`~hvd_slowmo.compression.exchange.compressed_mean`) and every worker sets its parameters
 to ``x0 - mean(d)``. The codes then carry the progress of one outer step, whose size does not
 grow with the weights, instead of the weights themselves.
+
+With streaming (``fragments=P``, :mod:`hvd_slowmo.fragments`) each average covers one fragment's
+parameters, their pseudo-gradients from their own anchor tensors, concatenated in the
+optimizer's order. The residual is per element of the whole model, so each fragment's average
+adds, and updates, only its own parameters' residual, which carries into that fragment's next
+average; with one fragment this is today's single flat residual, bit for bit.
 """
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -30,8 +37,9 @@ class PseudoGradientAverage:
         block: elements per scale of the scaled codecs.
 
     Attributes:
-        residual: this worker's error-feedback residual (flat float32 over all parameters), or
-            None (no error feedback, or nothing lost yet).
+        residual: this worker's error-feedback residual, flat float32 over all the model's
+            parameters in the optimizer's order (the same layout for any number of fragments),
+            or None (no error feedback, or nothing lost yet).
     """
 
     def __init__(
@@ -44,47 +52,84 @@ class PseudoGradientAverage:
         self.residual: Tensor | None = None
 
     def start(
-        self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str
+        self,
+        params: Sequence[Tensor],
+        anchor: Sequence[Tensor],
+        name: str,
+        indices: Sequence[int] = (),
     ) -> PendingAverage:
         """Start the average; once the returned handle's ``wait()`` returns, every parameter
         holds ``anchor - mean(anchor - params)``, bitwise the same on every worker. Collective.
 
         Args:
-            params: this worker's parameters (overwritten at ``wait()``; not read after this).
-            anchor: the anchor, one tensor per parameter, identical on every worker.
+            params: this worker's parameters (overwritten at ``wait()``; not read after this):
+                all of the model's, or those of ``indices``.
+            anchor: the anchor of every parameter of the model, one tensor each, identical on
+                every worker.
             name: a label for the collectives.
+            indices: which parameters ``params`` are (their positions in ``anchor``: one
+                fragment); empty: all of them, in order.
         """
         params, anchor = list(params), list(anchor)
-        if len(params) != len(anchor):
+        which = list(indices) or list(range(len(anchor)))
+        if len(params) != len(which) or not all(0 <= j < len(anchor) for j in which):
             raise ValueError(
-                f"PseudoGradientAverage: {len(params)} parameters but {len(anchor)} anchor tensors"
+                f"PseudoGradientAverage: {len(params)} parameters for indices {which} of "
+                f"{len(anchor)} anchor tensors"
             )
         if not params:
             return PendingAverage()
-        flat = torch.cat([(a.float() - p.float()).reshape(-1) for p, a in zip(params, anchor)])
-        residual = None
+        mine = [anchor[j] for j in which]
+        flat = torch.cat([(a.float() - p.float()).reshape(-1) for p, a in zip(params, mine)])
+        residual, segments = None, None
         if self.error_feedback:
-            if self.residual is None or self.residual.shape != flat.shape:
-                self.residual = torch.zeros_like(flat)
-            self.residual = residual = self.residual.to(flat.device)  # a loaded one: on the CPU
+            residual, segments = self._residual_of(which, anchor, flat.device)
         pending = PendingMean(self.comm, flat, self.codec, name, residual, self.block)
+        if residual is not None and segments is not None:  # a gathered copy: put it back
+            assert self.residual is not None
+            for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
+                self.residual.narrow(0, offset, size).copy_(part)
 
         def finish() -> None:
             mean = pending.wait()
-            for p, a, d in zip(params, anchor, mean.split([p.numel() for p in params])):
+            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params])):
                 p.copy_(a.float() - d.view_as(p))
 
         return PendingAverage(finish, progress=pending.poll)
 
-    def average_(self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str) -> None:
+    def _residual_of(
+        self, which: list[int], anchor: list[Tensor], device: torch.device
+    ) -> tuple[Tensor, list[tuple[int, int]] | None]:
+        """The residual of the parameters ``which`` (PendingMean updates it in place at its
+        start): a view of :attr:`residual` when they are consecutive (one fragment: all of
+        them), else a gathered copy with its ``(offset, size)`` segments, to be put back."""
+        sizes = [a.numel() for a in anchor]
+        if self.residual is None or tuple(self.residual.shape) != (sum(sizes),):
+            self.residual = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.residual = self.residual.to(device)  # a loaded one: on the CPU
+        offsets = [0, *accumulate(sizes)]
+        first, count = which[0], sum(sizes[j] for j in which)
+        if which == list(range(first, first + len(which))):
+            return self.residual.narrow(0, offsets[first], count), None
+        segments = [(offsets[j], sizes[j]) for j in which]
+        return torch.cat([self.residual.narrow(0, o, n) for o, n in segments]), segments
+
+    def average_(
+        self,
+        params: Sequence[Tensor],
+        anchor: Sequence[Tensor],
+        name: str,
+        indices: Sequence[int] = (),
+    ) -> None:
         """:meth:`start` and wait. Collective.
 
         Args:
             params: as for :meth:`start`.
             anchor: as for :meth:`start`.
             name: as for :meth:`start`.
+            indices: as for :meth:`start`.
         """
-        self.start(params, anchor, name).wait()
+        self.start(params, anchor, name, indices).wait()
 
     def reset(self) -> None:
         """Forget the residual (a restart from the anchor: what it held was lost with the

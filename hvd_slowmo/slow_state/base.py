@@ -127,7 +127,7 @@ class SlowState(abc.ABC):
         """
 
     def average_start_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool
+        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
     ) -> PendingAverage:
         """:meth:`average_` without waiting (``overlap >= 1``); the average is complete once the
         handle's ``wait()`` returns. By default nothing starts here: ``wait()`` runs the blocking
@@ -137,7 +137,10 @@ class SlowState(abc.ABC):
             params: the tensors to average in place (a snapshot of the parameters).
             extra: other tensors averaged with them (a snapshot of the model buffers).
             exact: whether the parameters need averaging.
+            indices: which parameters ``params`` are (one fragment, :mod:`hvd_slowmo.fragments`;
+                only the full layout takes fragments: config), empty for all.
         """
+        assert not indices, f"the {self.layout} layout averages the whole model (config)"
         return PendingAverage(lambda: self.average_(params, extra, exact), started=False)
 
     @abc.abstractmethod

@@ -68,11 +68,13 @@ class FullSlowState(SlowState):
                 [p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1
             )
 
-    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
-        self.average_start_(params, extra, exact).wait()
+    def average_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
+    ) -> None:
+        self.average_start_(params, extra, exact, indices).wait()
 
     def average_start_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool
+        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
     ) -> PendingAverage:
         if self.compressed is None or not exact or not params:
             # One collective for the parameters and the model buffers together.
@@ -80,7 +82,7 @@ class FullSlowState(SlowState):
             return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
         assert self.anchor is not None, "a compressed average keeps an anchor (config)"
         pending = [
-            self.compressed.start(params, self.anchor, "hvd_slowmo.compressed_average"),
+            self.compressed.start(params, self.anchor, "hvd_slowmo.compressed_average", indices),
             self.comm.average_start(extra, name="hvd_slowmo.exact_average"),
         ]
 

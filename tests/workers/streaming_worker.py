@@ -1,5 +1,6 @@
 """Worker for tests/test_streaming_horovod.py, run under horovodrun: streaming SlowMo (fragments)
-and eager updates over Horovod's asynchronous grouped allreduce.
+and eager updates over Horovod's asynchronous grouped allreduce, and fragments with the
+compressed exchange (all-to-all and all-gather).
 
 Usage: streaming_worker.py OUT_DIR
   Per configuration and rank: the anchor after every step and the final model.
@@ -22,6 +23,15 @@ CONFIGS = {
     "p2-d2-nesterov": dict(
         tau=4, overlap=2, fragments=2, slow_lr=0.8, slow_momentum=0.5, outer_optimizer="nesterov"
     ),
+    "p2-d2-int8-feedback": dict(
+        tau=4,
+        overlap=2,
+        fragments=2,
+        slow_lr=0.8,
+        slow_momentum=0.6,
+        compression="int8",
+        error_feedback=True,
+    ),  # fmt: skip
 }
 STEPS = 15
 
