@@ -19,6 +19,7 @@ SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # no
 REFS = {  # name: the reference's (tau, delay, fragments, eager, alpha, beta, buffers, nesterov)
     "p3-d2-eager": (6, 2, 3, True, 1.0, 0.6, "reset", False),
     "p2-d2-nesterov": (4, 2, 2, False, 0.8, 0.5, "reset", True),
+    "p2-d1-local": (4, 1, 2, "local", 0.8, 0.6, "reset", False),
 }
 
 

@@ -22,6 +22,9 @@ CONFIGS = {
     "p2-d2-nesterov": dict(
         tau=4, overlap=2, fragments=2, slow_lr=0.8, slow_momentum=0.5, outer_optimizer="nesterov"
     ),
+    "p2-d1-local": dict(
+        tau=4, overlap=1, fragments=2, eager="local", slow_lr=0.8, slow_momentum=0.6
+    ),
 }
 STEPS = 15
 
