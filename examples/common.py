@@ -294,7 +294,9 @@ def eager_option(flag: str | None) -> bool | str:
     Args:
         flag: the parsed ``--eager`` value (None when not given).
     """
-    return {None: False, "shares": True}.get(flag, flag)  # type: ignore[return-value]
+    if flag is None:
+        return False
+    return True if flag == "shares" else flag
 
 
 def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
