@@ -129,8 +129,13 @@ def add_common_args(
     )
     g.add_argument(
         "--eager",
-        action="store_true",
-        help="eager updates while the average is in flight (needs --overlap >= 1)",
+        nargs="?",
+        const="shares",
+        default=None,
+        choices=("shares", "local"),
+        help="eager updates while the average is in flight (needs --overlap >= 1): 'shares' "
+        "(the default with no value; the paper's estimate, eager=True) or 'local' (the own "
+        "outer gradient, eager='local')",
     )
     g.add_argument(
         "--no-average",
@@ -263,7 +268,7 @@ def build_optimizer(
         slow_momentum=args.slow_momentum,
         overlap=args.overlap,
         fragments=args.fragments,
-        eager=args.eager,
+        eager=eager_option(args.eager),
     )
     if args.compression != "none":
         kwargs.update(compression=args.compression, error_feedback=args.error_feedback)
@@ -280,6 +285,18 @@ def build_optimizer(
         model_buffers=model.buffers(),
         **kwargs,
     )
+
+
+def eager_option(flag: str | None) -> bool | str:
+    """The optimizer's ``eager`` for ``--eager``: absent False, ``shares`` True (the paper's
+    estimate), ``local`` itself.
+
+    Args:
+        flag: the parsed ``--eager`` value (None when not given).
+    """
+    if flag is None:
+        return False
+    return True if flag == "shares" else flag
 
 
 def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
@@ -309,7 +326,7 @@ def run_name(args: argparse.Namespace) -> str:
         + ("" if args.compression == "none" else f"_{args.compression}")
         + ("_ef" if args.error_feedback else "")
         + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
-        + ("_eager" if args.eager else "")
+        + ({None: "", "shares": "_eager", "local": "_eager-local"}[args.eager])
     )
 
 

@@ -170,7 +170,7 @@ def run_args(
         flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
         flags += ["--overlap", str(overlap)] if overlap else []
         flags += ["--fragments", str(args.fragments)] if args.fragments > 1 else []
-        flags += ["--eager"] if args.eager else []
+        flags += ["--eager", args.eager] if args.eager else []
     return flags
 
 
@@ -518,7 +518,25 @@ def _parser() -> argparse.ArgumentParser:
         "--fragments", type=int, default=1, help="SlowMo runs: streaming fragments (1: none)"
     )
     parser.add_argument(
-        "--eager", action="store_true", help="SlowMo runs: eager updates (needs --overlap)"
+        "--eager",
+        nargs="?",
+        const="shares",
+        default=None,
+        choices=("shares", "local"),
+        help="SlowMo runs: eager updates (needs --overlap); 'shares' (no value: the paper's "
+        "estimate) or 'local' (the own outer gradient)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="every method's lr instead of its tuned one (e.g. a table's earlier settings)",
+    )
+    parser.add_argument(
+        "--slow-momentum",
+        type=float,
+        default=None,
+        help="every SlowMo method's beta instead of its tuned one",
     )
     parser.add_argument(
         "--seeds", default=None, help="comma-separated (default 0,1,2; --quick 0; --full 0..4)"
@@ -668,7 +686,11 @@ def main(argv: list[str] | None = None) -> int:
     algos = args.algos or (FULL_ALGOS if args.full else NETWORK_ALGOS if network else DEFAULT_ALGOS)
     seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
     runnable = _runnable_methods(algos, settings, args.task)
-    method_settings = {m: settings[settings_key(m)] for m in runnable}
+    chosen = {"lr": args.lr, "slow_momentum": args.slow_momentum}
+    method_settings = {
+        m: {**settings[settings_key(m)], **{k: v for k, v in chosen.items() if v is not None}}
+        for m in runnable
+    }
 
     # SIGTERM becomes SystemExit, so launch() stops the workers (and --network removes its
     # hosts) before exiting.

@@ -22,6 +22,7 @@ from .compression.codecs import check_codec
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
+    "EAGER_ESTIMATES",
     "NONFINITE",
     "OUTER_OPTIMIZERS",
     "SlowMoConfig",
@@ -34,6 +35,8 @@ __all__ = [
 NONFINITE = ("raise", "skip", "ignore")
 #: The built-in slow updates (``outer_optimizer=``); a callable is the third kind.
 OUTER_OPTIMIZERS = ("heavyball", "nesterov")
+#: The named estimates of eager updates (``eager=``) besides True (the paper's) and False.
+EAGER_ESTIMATES = ("local",)
 #: The paper's defaults (Section 5): alpha = 1, beta = 0.5.
 DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM = 1.0, 0.5
 
@@ -98,9 +101,12 @@ class SlowMoConfig:
             the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
             flight at a time). 1 (default) is the whole model at once.
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
-            is in flight every worker continues from a provisional slow step taken with its own
-            fresh outer gradient in its share of the average; the exact step replaces it at the
-            landing. Needs ``overlap >= 1``.
+            is in flight every worker continues from a provisional slow step taken with an
+            estimate of the average outer gradient; the exact step replaces it at the landing.
+            ``True``: the paper's estimate, the worker's own fresh share plus the other
+            workers' shares of the previous outer step (one more copy of the parameters);
+            ``"local"``: the worker's own fresh outer gradient alone (no copy). False: off.
+            Needs ``overlap >= 1``.
     """
 
     base: Any = "localsgd"
@@ -117,7 +123,7 @@ class SlowMoConfig:
     codec: str | None = None
     error_feedback: bool = False
     fragments: int = 1
-    eager: bool = False
+    eager: bool | str = False
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -204,11 +210,15 @@ class SlowMoConfig:
                 f"tau // fragments = {self.tau // self.fragments}), so one fragment is in flight "
                 "at a time; lower overlap or fragments"
             )
-        check_bool("eager", self.eager)
+        if not (isinstance(self.eager, bool) or self.eager in EAGER_ESTIMATES):
+            raise (ValueError if isinstance(self.eager, str) else TypeError)(
+                f"eager must be False, True (the paper's estimate: own share plus the others' "
+                f"previous shares) or 'local' (own outer gradient), got eager={self.eager!r}"
+            )
         if self.eager and not self.overlap:
             raise ValueError(
-                "eager=True needs overlap >= 1 (it acts while the average is in flight); "
-                "e.g. overlap=1, eager=True"
+                f"eager={self.eager!r} needs overlap >= 1 (it acts while the average is in "
+                f"flight); e.g. overlap=1, eager={self.eager!r}"
             )
 
     def _check_average(self, base: Any) -> None:
@@ -261,7 +271,12 @@ class SlowMoConfig:
     def _check_streaming(self, base: Any) -> None:
         """Refuse the combinations of ``fragments > 1`` or ``eager`` that are not supported."""
         what = " and ".join(
-            w for w, on in (("fragments > 1", self.fragments > 1), ("eager=True", self.eager)) if on
+            w
+            for w, on in (
+                ("fragments > 1", self.fragments > 1),
+                (f"eager={self.eager!r}", self.eager),
+            )
+            if on
         )
         if not what:
             return

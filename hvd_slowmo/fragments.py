@@ -62,18 +62,26 @@ and at ``n + d`` the exact slow step replaces the provisional one::
     u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (the same slow step as not eager)
     x_i <- x0 + (x_i - x^0_i)                keeps its progress since the provisional anchor
 
+``eager="local"``: the worker's own fresh outer gradient alone stands in for ``G`` (no stale
+shares, nothing kept between outer steps, no ``c_i``)::
+
+    G^_i  = g_i ;  u^_i = beta u + g_i ;  x^0_i = x0 - alpha gamma u^_i  (Nesterov: g_i + beta u^_i)
+    x_i  <- x^0_i ;  at n + d: the same exact slow step, x_i <- x0 + (x_i - x^0_i)
+
 What the slow buffer sees: the exact ``G`` of every outer step, eager or not (``u`` and ``x0``
 follow the non-eager recurrence on the snapshots of the eager run: the estimate only moves
 where the ``d`` in-flight steps start). This is where the paper's variant differs: there the
 outer optimizer steps with the estimate itself and the replicas' outer states differ for
 good; here they are corrected at each landing. How far replicas differ: as in any local
 method, ``x_i`` differ between averages; the provisional anchors differ by
-``x^0_i - x^0_j = -alpha gamma (1 [+ beta]) (G^_i - G^_j)``. After each landing ``x0`` and
+``x^0_i - x^0_j = -alpha gamma (1 [+ beta]) (G^_i - G^_j)`` (with ``"local"``,
+``G^_i - G^_j = g_i - g_j``). After each landing ``x0`` and
 ``u`` are bitwise identical on every worker (one exact average, the same arithmetic), as
 without eager; ``x_i`` again equal ``x0`` bitwise only where they have no progress of their
 own (``d = 0``, or AR-SGD, whose workers are identical throughout). ``c_i`` is per worker
-(one more copy of the parameters, kept across outer steps). With ``alpha = 1, beta = 0``,
-``m = 1``: ``x^0 = s``, eager changes nothing.
+(one more copy of the parameters, kept across outer steps; none with ``"local"``). With
+``alpha = 1, beta = 0``, ``m = 1`` (``"local"``: any ``m``): ``x^0 = s`` (to rounding), eager
+changes nothing.
 
 ``P = 1`` is the whole model: the recurrences above with one fragment are today's
 ``overlap=d`` (and with ``d = 0`` the paper's Algorithm 1), bit for bit. Not implemented: the

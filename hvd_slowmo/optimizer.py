@@ -121,7 +121,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         shard_slow_state: bool = False,
         overlap: int = 0,
         fragments: int = 1,
-        eager: bool = False,
+        eager: bool | str = False,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",

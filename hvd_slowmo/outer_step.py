@@ -34,10 +34,10 @@ outer step from its anchor, dropping an average in flight: the steps since that 
 dropped and the counters go back with them.
 
 Streaming (``fragments=P``) gives each fragment of the parameters its own outer step at its own
-inner step of the period, one fragment in flight at a time; eager updates (``eager=True``) let
-the worker continue from a provisional slow step while the average is in flight. The split,
-the schedule and both recurrences: :mod:`hvd_slowmo.fragments`. ``P = 1`` without eager is the
-recurrence above, through the same code.
+inner step of the period, one fragment in flight at a time; eager updates (``eager=True`` or
+``"local"``) let the worker continue from a provisional slow step while the average is in
+flight. The split, the schedule and the recurrences: :mod:`hvd_slowmo.fragments`. ``P = 1``
+without eager is the recurrence above, through the same code.
 """
 
 import logging
@@ -55,7 +55,7 @@ from .config import SlowMoConfig
 from .fragments import boundaries
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
-from .slowmo import eager_anchor_, eager_landed_
+from .slowmo import eager_anchor_, eager_landed_, local_anchor_, local_gradient
 from .timing import PhaseTimer
 
 __all__ = ["InFlight", "OuterLoop", "Position"]
@@ -233,8 +233,8 @@ class OuterLoop:
         starts: the inner step of each fragment's boundary
             (:func:`~hvd_slowmo.fragments.boundaries`).
         eager_shares: ``eager=True``: ``c_i``, the other workers' shares of the last outer
-            gradient, per parameter (None until the first boundary, and after a restart or a
-            skip).
+            gradient, per parameter (None until the first boundary, after a restart or a
+            skip, and always with ``eager="local"``).
         replica_spread: this worker's RMS distance ``|s_i - avg|`` from the workers' average at
             the boundary of the last outer step that landed, over its fragment (no
             communication; ``overlap >= 1`` only), or None.
@@ -364,13 +364,26 @@ class OuterLoop:
         """Eager updates: the snapshot becomes the provisional anchor ``x^0`` (recurrence in
         :mod:`hvd_slowmo.fragments`), from which this worker continues until the landing."""
         cfg, state = self.config, self.slow_state
-        if self.eager_shares is None:  # no previous outer step: the other workers' shares are 0
+        local = cfg.eager == "local"  # the own fresh outer gradient alone: no shares kept
+        if self.eager_shares is None and not local:  # no previous step: the others' shares are 0
             self.eager_shares = [torch.zeros_like(p) for p in self.params]
         assert f.snapshot is not None and state.anchor is not None
         for g, pos in self._by_group(members):
             if f.lrs[g] <= 0:  # no slow step at lr = 0 (the landing keeps the average)
                 continue
             idx = [members[k] for k in pos]
+            if local:
+                local_anchor_(
+                    [f.snapshot[k] for k in pos],
+                    [state.anchor[j] for j in idx],
+                    None if state.slow_buffer is None else [state.slow_buffer[j] for j in idx],
+                    f.lrs[g],
+                    cfg.slow_lr,
+                    cfg.slow_momentum,
+                    nesterov=cfg.nesterov,
+                )
+                continue
+            assert self.eager_shares is not None
             eager_anchor_(
                 [f.snapshot[k] for k in pos],
                 [state.anchor[j] for j in idx],
@@ -388,10 +401,26 @@ class OuterLoop:
         """Before the slow step of an overlapped outer step: this worker's distance from the
         average at the boundary (``opt.replica_spread``) and, with eager updates, the other
         workers' shares ``c_i <- c_i + G`` (the snapshot is then the provisional anchor, and
-        ``s_i - avg = (x0 - avg) + lr m c_i``)."""
+        ``s_i - avg = (x0 - avg) + lr m c_i``; with ``eager="local"``,
+        ``s_i - avg = (x0 - avg) - lr g_i``, ``lr g_i`` recovered from the provisional anchor)."""
         assert f.snapshot is not None
+        cfg = self.config
         diff = list(torch._foreach_sub(f.snapshot, f.sent))
-        if self.config.eager and self.eager_shares is not None:
+        if cfg.eager == "local":
+            anchor, slow = self.slow_state.anchor, self.slow_state.slow_buffer
+            assert anchor is not None
+            for g, pos in self._by_group(members):
+                lr = f.lrs[g]
+                if lr <= 0:  # no provisional step was taken: the snapshot is s_i
+                    continue
+                for k in pos:
+                    j = members[k]
+                    own = local_gradient(
+                        f.snapshot[k], anchor[j], None if slow is None else slow[j], lr,
+                        cfg.slow_lr, cfg.slow_momentum, cfg.nesterov,
+                    )  # fmt: skip
+                    diff[k] = (anchor[j] - f.sent[k]).sub_(own)
+        elif cfg.eager and self.eager_shares is not None:
             anchor = self.slow_state.anchor
             assert anchor is not None
             for g, pos in self._by_group(members):
@@ -647,7 +676,7 @@ class OuterLoop:
         Raises:
             ValueError: they do not match this model.
         """
-        if saved is None or not self.config.eager:
+        if saved is None or self.config.eager is not True:  # "local" keeps no shares
             return None
         if (
             not isinstance(saved, dict)

@@ -8,7 +8,13 @@ No communication happens here: the caller has already put the exact average into
 import torch
 from torch import Tensor
 
-__all__ = ["eager_anchor_", "eager_landed_", "slow_momentum_step_"]
+__all__ = [
+    "eager_anchor_",
+    "eager_landed_",
+    "local_anchor_",
+    "local_gradient",
+    "slow_momentum_step_",
+]
 
 
 def slow_momentum_step_(
@@ -58,6 +64,30 @@ def slow_momentum_step_(
     torch._foreach_copy_(params, anchor)
 
 
+def _provisional_anchor_(
+    snapshot: list[Tensor],
+    anchor: list[Tensor],
+    slow_buffer: list[Tensor] | None,
+    estimate: list[Tensor],
+    lr: float,
+    slow_lr: float,
+    slow_momentum: float,
+    nesterov: bool,
+) -> None:
+    """``snapshot <- x0 - alpha lr u^`` with ``u^ = beta u + G^`` (Nesterov: ``G^ + beta u^``).
+    ``estimate`` (``G^``) is overwritten under Nesterov."""
+    if slow_buffer is None:  # no slow update (alpha = 1, beta = 0): x^0 = x0 - lr G^
+        step = estimate
+    else:
+        step = torch._foreach_mul(slow_buffer, slow_momentum)
+        torch._foreach_add_(step, estimate)  # u^
+    if nesterov:
+        torch._foreach_add_(estimate, step, alpha=slow_momentum)
+        step = estimate
+    torch._foreach_copy_(snapshot, anchor)
+    torch._foreach_add_(snapshot, step, alpha=-slow_lr * lr)
+
+
 def eager_anchor_(
     snapshot: list[Tensor],
     anchor: list[Tensor],
@@ -69,10 +99,10 @@ def eager_anchor_(
     workers: int,
     nesterov: bool = False,
 ) -> None:
-    """The provisional slow step of an eager update, in place: with ``g = (x0 - s) / lr``,
-    ``G^ = c + g / m``, ``u^ = beta u + G^``, ``x^0 = x0 - alpha lr u^`` (Nesterov:
-    ``x0 - alpha lr (G^ + beta u^)``), then ``c <- -g / m``. The anchor and the slow buffer are
-    not changed: the exact step replaces this one when the average lands.
+    """The provisional slow step of an eager update (``eager=True``), in place: with
+    ``g = (x0 - s) / lr``, ``G^ = c + g / m``, ``u^ = beta u + G^``, ``x^0 = x0 - alpha lr u^``
+    (Nesterov: ``x0 - alpha lr (G^ + beta u^)``), then ``c <- -g / m``. The anchor and the slow
+    buffer are not changed: the exact step replaces this one when the average lands.
 
     Args:
         snapshot: ``s``, this worker's parameters at the boundary on entry; ``x^0`` on return.
@@ -93,18 +123,70 @@ def eager_anchor_(
     own = torch._foreach_sub(anchor, snapshot)  # g / m
     torch._foreach_mul_(own, 1.0 / (lr * workers))
     torch._foreach_add_(others, own)  # others holds the estimate G^ now
-    if slow_buffer is None:  # no slow update (alpha = 1, beta = 0): x^0 = x0 - lr G^
-        step = others
-    else:
-        step = torch._foreach_mul(slow_buffer, slow_momentum)
-        torch._foreach_add_(step, others)  # u^
-    if nesterov:
-        torch._foreach_add_(others, step, alpha=slow_momentum)
-        step = others
-    torch._foreach_copy_(snapshot, anchor)
-    torch._foreach_add_(snapshot, step, alpha=-slow_lr * lr)
+    _provisional_anchor_(
+        snapshot, anchor, slow_buffer, others, lr, slow_lr, slow_momentum, nesterov
+    )
     torch._foreach_neg_(own)
     torch._foreach_copy_(others, own)
+
+
+def local_anchor_(
+    snapshot: list[Tensor],
+    anchor: list[Tensor],
+    slow_buffer: list[Tensor] | None,
+    lr: float,
+    slow_lr: float,
+    slow_momentum: float,
+    nesterov: bool = False,
+) -> None:
+    """The provisional slow step of ``eager="local"``, in place: the worker's own fresh outer
+    gradient ``g = (x0 - s) / lr`` stands in for the average, ``u^ = beta u + g``,
+    ``x^0 = x0 - alpha lr u^`` (Nesterov: ``x0 - alpha lr (g + beta u^)``). Nothing is kept
+    for the next outer step; the anchor and the slow buffer are not changed.
+
+    Args:
+        snapshot: ``s``, this worker's parameters at the boundary on entry; ``x^0`` on return.
+        anchor: ``x0``.
+        slow_buffer: ``u``; None without a slow update (``alpha = 1, beta = 0``).
+        lr: the base learning rate ``gamma`` at the boundary (must be > 0).
+        slow_lr: ``alpha``.
+        slow_momentum: ``beta``.
+        nesterov: Nesterov slow momentum.
+    """
+    if not snapshot:
+        return
+    if not lr > 0:
+        raise ValueError(f"local_anchor_: lr must be > 0 to scale the outer gradient, got {lr}")
+    own = torch._foreach_sub(anchor, snapshot)
+    torch._foreach_mul_(own, 1.0 / lr)  # g
+    _provisional_anchor_(snapshot, anchor, slow_buffer, own, lr, slow_lr, slow_momentum, nesterov)
+
+
+def local_gradient(
+    provisional: Tensor,
+    anchor: Tensor,
+    slow_buffer: Tensor | None,
+    lr: float,
+    slow_lr: float,
+    slow_momentum: float,
+    nesterov: bool = False,
+) -> Tensor:
+    """``lr g = x0 - s`` recovered from the provisional anchor of :func:`local_anchor_` (to
+    rounding: for the replica-spread metric, which needs ``s`` after it was overwritten):
+    ``x0 - x^0 = alpha lr (k g + b u)`` with ``k = 1, b = beta`` (Nesterov: ``1 + beta``,
+    ``beta^2``).
+
+    Args:
+        provisional: ``x^0``.
+        anchor: ``x0`` (not yet changed by the landing's slow step).
+        slow_buffer: ``u`` (likewise); None without a slow update.
+        lr, slow_lr, slow_momentum, nesterov: as for :func:`local_anchor_`.
+    """
+    out = (anchor - provisional).div_(slow_lr)
+    if slow_buffer is not None:
+        b = slow_momentum * slow_momentum if nesterov else slow_momentum
+        out.sub_(slow_buffer, alpha=lr * b)
+    return out.div_(1.0 + slow_momentum if nesterov else 1.0)
 
 
 def eager_landed_(

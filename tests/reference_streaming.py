@@ -9,12 +9,13 @@ and lands it at ``n + d``. Model buffers travel with fragment ``P - 1``. For one
 ``x0``, ``u`` its anchor and slow buffer and ``gamma`` the lr at its boundary::
 
     boundary n:  s_i = x_i ;  avg = mean_i s_i (in flight; or ``average``'s, e.g. compressed)
-                 eager:  g_i = (x0 - s_i) / gamma ;  G^_i = c_i + g_i / m
+                 eager:  g_i = (x0 - s_i) / gamma ;  G^_i = c_i + g_i / m   (eager=True)
+                                                     G^_i = g_i             (eager="local")
                          u^ = beta u + G^_i ;  x^0_i = x0 - alpha gamma u^
                          (Nesterov: x^0_i = x0 - alpha gamma (G^_i + beta u^))
-                         x_i <- x^0_i ;  base_i = x^0_i ;  c_i <- -g_i / m
+                         x_i <- x^0_i ;  base_i = x^0_i ;  c_i <- -g_i / m  (eager=True)
                  else:   base_i = s_i
-    landing n+d: eager:  c_i <- c_i + (x0 - avg) / gamma
+    landing n+d: eager=True:  c_i <- c_i + (x0 - avg) / gamma
                  u <- beta u + (x0 - avg) / gamma ;  x0 <- x0 - alpha gamma u  (Nesterov likewise)
                  x_i <- x0 + (x_i - base_i) ;  buffers="reset": the fragment's optimizer state goes
 
@@ -53,7 +54,7 @@ def reference_streaming(
     tau: int,
     delay: int,
     fragments: int,
-    eager: bool,
+    eager: bool | str,
     slow_lr: float,
     slow_momentum: float,
     make_opt: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
@@ -70,11 +71,14 @@ def reference_streaming(
     parameters at the boundary and ``anchor`` the anchor, both in ``members``' order; it returns
     the average every worker receives, in the same order (the model buffers keep the plain mean).
 
+    ``eager``: False, True (the estimate with the other workers' previous shares ``c_i``) or
+    ``"local"`` (the worker's own outer gradient alone).
+
     Returns:
         Each worker's model, and the anchor (all parameters) after every landing, in order.
     """
     assert 0 <= delay < tau and 1 <= fragments <= tau and buffers in ("reset", "maintain")
-    assert not eager or delay > 0
+    assert eager in (False, True, "local") and (not eager or delay > 0)
     models = [model_fn() for _ in range(m)]
     opts = [make_opt(mod.parameters()) for mod in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -93,7 +97,7 @@ def reference_streaming(
     def land(f: int) -> None:
         _, gamma, avg, bases, avg_b, snap_b = pending.pop(f)
         for j in members[f]:
-            if eager:
+            if eager is True:
                 for c in others:
                     c[j] = c[j] + (anchor[j] - avg[j]) * (1.0 / gamma)
             diff = avg[j] - anchor[j]
@@ -132,13 +136,16 @@ def reference_streaming(
         if eager:
             for i in range(m):
                 for j in members[f]:
-                    own = (anchor[j] - bases[i][j]) * (1.0 / (gamma * m))
-                    est = others[i][j] + own
+                    if eager == "local":  # G^_i = g_i: nothing kept for the next boundary
+                        est = (anchor[j] - bases[i][j]) * (1.0 / gamma)
+                    else:
+                        own = (anchor[j] - bases[i][j]) * (1.0 / (gamma * m))
+                        est = others[i][j] + own
+                        others[i][j] = -own
                     u_hat = slow[j] * slow_momentum + est
                     step = torch.add(est, u_hat, alpha=slow_momentum) if nesterov else u_hat
                     bases[i][j] = torch.add(anchor[j], step, alpha=-slow_lr * gamma)
                     params[i][j].copy_(bases[i][j])
-                    others[i][j] = -own
         pending[f] = (n + delay, gamma, avg, bases, avg_b, snap_b)
 
     for k in range(steps):

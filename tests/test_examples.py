@@ -81,7 +81,7 @@ def test_run_names_encode_settings():
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
                         overlap=0, compression="none", error_feedback=False, fragments=1,
-                        eager=False)  # fmt: skip
+                        eager=None)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -94,9 +94,11 @@ def test_run_names_encode_settings():
         common.run_name(ns(compression="int8", error_feedback=True))
         == "sgp-slowmo_tau48_a1_b0.6_reset_int8_ef"
     )
-    assert common.run_name(ns(overlap=2, fragments=4, eager=True)).endswith(
+    assert common.run_name(ns(overlap=2, fragments=4, eager="shares")).endswith(
         "_overlap2_fragments4_eager"
     )
+    assert common.run_name(ns(overlap=1, eager="local")).endswith("_overlap1_eager-local")
+    assert [common.eager_option(f) for f in (None, "shares", "local")] == [False, True, "local"]
 
 
 def test_translation_tokenizer_vocab_and_batches():
@@ -121,7 +123,7 @@ def test_compare_parses_algorithms():
 
 
 def test_compare_runs_each_method_at_its_own_settings():
-    ns = SimpleNamespace(overlap=0, fragments=1, eager=False)
+    ns = SimpleNamespace(overlap=0, fragments=1, eager=None)
     settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
     flags = compare.run_args("sgp-slowmo", settings, 2, ns)
     assert flags == [
@@ -144,7 +146,7 @@ def test_compare_runs_each_method_at_its_own_settings():
         "0.6",
     ]
     assert compare.run_args(
-        "sgp-slowmo", settings, 2, SimpleNamespace(overlap=1, fragments=1, eager=False)
+        "sgp-slowmo", settings, 2, SimpleNamespace(overlap=1, fragments=1, eager=None)
     )[-2:] == [
         "--overlap",
         "1",

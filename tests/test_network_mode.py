@@ -57,7 +57,7 @@ def test_method_names_with_overlap():
     assert compare.settings_key("localsgd-slowmo-overlap2") == "localsgd-slowmo"
     with pytest.raises(ValueError, match="-overlapD is an option of SlowMo"):
         compare.parse_method("localsgd-overlap1")
-    args = compare.argparse.Namespace(overlap=0, fragments=1, eager=False)
+    args = compare.argparse.Namespace(overlap=0, fragments=1, eager=None)
     flags = compare.run_args("localsgd-slowmo-overlap1", {"lr": 0.1, "slow_momentum": 0.5}, 3, args)
     assert flags[flags.index("--overlap") + 1] == "1"
     assert flags[flags.index("--run-name") + 1] == "localsgd-slowmo-overlap1/seed3"

@@ -14,7 +14,7 @@ from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.config import SlowMoConfig
 from hvd_slowmo.fragments import boundaries, fragment_of
-from hvd_slowmo.slowmo import eager_anchor_, eager_landed_
+from hvd_slowmo.slowmo import eager_anchor_, eager_landed_, local_anchor_, local_gradient
 
 from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
 from helpers import train_steps as train
@@ -73,6 +73,26 @@ def test_eager_math_is_the_recurrence(nesterov):
     torch.testing.assert_close(others[0], (x0 - avg) / gamma - g / m)
 
 
+@pytest.mark.parametrize("slow", ["heavyball", "nesterov", "none"])
+def test_local_eager_math_is_the_recurrence(slow):
+    """eager="local": x^0 = x0 - alpha gamma (beta u + g) [Nesterov: (g + beta u^)], and the
+    spread's ``gamma g = x0 - s`` is recovered from it (no slow buffer: alpha = 1, beta = 0)."""
+    torch.manual_seed(0)
+    x0, u, s = (torch.randn(5, dtype=torch.float64) for _ in range(3))
+    gamma, alpha, beta = 0.3, 0.7, 0.6
+    if slow == "none":
+        alpha, beta, u = 1.0, 0.0, None
+    nesterov = slow == "nesterov"
+    snap = [s.clone()]
+    local_anchor_(snap, [x0], None if u is None else [u], gamma, alpha, beta, nesterov=nesterov)
+    g = (x0 - s) / gamma
+    u_hat = g if u is None else beta * u + g
+    want = x0 - alpha * gamma * ((g + beta * u_hat) if nesterov else u_hat)
+    torch.testing.assert_close(snap[0], want)
+    back = local_gradient(snap[0], x0, u, gamma, alpha, beta, nesterov=nesterov)
+    torch.testing.assert_close(back, x0 - s)
+
+
 def test_eager_with_one_worker_and_plain_averaging_changes_nothing():
     """alpha = 1, beta = 0, m = 1, no stale share: the provisional anchor is the snapshot."""
     x0, s = torch.randn(6), torch.randn(6)
@@ -106,8 +126,9 @@ def test_reference_fragments_and_eager_change_the_trajectory():
     base, _ = reference_streaming(3, 9, 4, 1, 1, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
     frag, _ = reference_streaming(3, 9, 4, 1, 3, False, 0.7, 0.6, SGD, lr_schedule=lr_at)
     eager, _ = reference_streaming(3, 9, 4, 1, 1, True, 0.7, 0.6, SGD, lr_schedule=lr_at)
-    w = [next(mods[0].parameters()) for mods in (base, frag, eager)]
-    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+    local, _ = reference_streaming(3, 9, 4, 1, 1, "local", 0.7, 0.6, SGD, lr_schedule=lr_at)
+    w = [next(mods[0].parameters()) for mods in (base, frag, eager, local)]
+    assert all(not torch.equal(w[a], w[b]) for a, b in ((0, 1), (0, 2), (0, 3), (2, 3)))
 
 
 REFUSED = {  # settings -> what the message names
@@ -115,6 +136,8 @@ REFUSED = {  # settings -> what the message names
     "fragments-over-tau": (dict(tau=3, fragments=4), "tau=3"),
     "fragments-zero": (dict(fragments=0), "fragments"),
     "eager-not-bool": (dict(overlap=1, eager=1), "eager"),
+    "eager-unknown-estimate": (dict(overlap=1, eager="stale"), "'local'"),
+    "eager-local-without-overlap": (dict(eager="local"), "overlap"),
     "fragments-sgp": (dict(fragments=2, base="sgp"), "push-sum"),
     "eager-osgp": (dict(overlap=1, eager=True, base="osgp"), "push-sum"),
     "fragments-sharded": (dict(fragments=2, shard_slow_state=True), "shard_slow_state"),
@@ -183,6 +206,10 @@ CASES = {  # tau, overlap, fragments, eager, alpha, beta, buffers, outer
     "eager-p1-d3-plain": (4, 3, 1, True, 1.0, 0.0, "maintain", "heavyball"),
     "eager-p2-d2-nesterov": (4, 2, 2, True, 0.8, 0.5, "reset", "nesterov"),
     "eager-p3-d2": (6, 2, 3, True, 1.0, 0.6, "maintain", "heavyball"),
+    "local-p1-d1": (4, 1, 1, "local", 0.7, 0.6, "reset", "heavyball"),
+    "local-p1-d3-plain": (4, 3, 1, "local", 1.0, 0.0, "maintain", "heavyball"),
+    "local-p2-d2-nesterov": (4, 2, 2, "local", 0.8, 0.5, "reset", "nesterov"),
+    "local-p3-d2": (6, 2, 3, "local", 1.0, 0.6, "maintain", "heavyball"),
 }
 
 
@@ -216,6 +243,7 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
     spreads = [r[2].replica_spread for r in got]  # measured at overlapped landings only
     assert all((s is not None and s > 0) if d else s is None for s in spreads), spreads
+    assert all((r[2].outer.eager_shares is not None) == (eager is True) for r in got)
 
 
 CODEC_CASES = {  # tau, overlap, fragments, eager, codec, error feedback
@@ -288,6 +316,7 @@ RESUMES = {  # settings, the step to save at (a fragment in flight there), its f
         10,
         0,
     ),
+    "local-p2-d3": (dict(overlap=3, fragments=2, eager="local"), 10, 0),
 }
 
 
@@ -297,7 +326,7 @@ def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
 
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
-        assert opt.outer.eager_shares is not None or not kwargs.get("eager")
+        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
         assert opt.slow_state.compressed is None or opt.slow_state.compressed.residual is not None
 
     with warnings.catch_warnings():
@@ -380,6 +409,36 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
             assert all(torch.equal(x, y) for x, y in zip(got[a], got[b])), (a, b)
     assert not all(torch.equal(x, y) for x, y in zip(nodes[0], nodes[2]))
     assert not all(torch.equal(x, y) for x, y in zip(nodes[0], coded[0]))  # really compressed
+
+
+def test_local_eager_spread_is_measured_from_the_snapshot():
+    """AR-SGD keeps the workers identical, so s_i = avg and the spread is 0 up to rounding,
+    although with eager="local" the snapshot was overwritten by a provisional anchor far from
+    the average (the spread recovers s_i from it)."""
+
+    models = [make_model() for _ in range(2)]  # in the main thread: the same seeded init
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=InFlight(comm),
+            base="allreduce",
+            tau=4,
+            slow_lr=0.8,
+            slow_momentum=0.5,
+            overlap=1,
+            eager="local",
+        )
+        train(opt, model, comm.rank, 0, 9)  # landings at 5 and 9
+        return opt.replica_spread, params_of(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_threads(2, worker)
+    assert all(0 <= spread < 1e-6 for spread, _ in got), [spread for spread, _ in got]
+    assert all(torch.equal(x, y) for x, y in zip(got[0][1], got[1][1]))
 
 
 def test_bad_settings_at_construction_name_the_fix():

@@ -23,6 +23,7 @@ REFS = {  # name: the reference's (tau, delay, fragments, eager, alpha, beta, bu
     "p3-d2-eager": (6, 2, 3, True, 1.0, 0.6, "reset", False),
     "p2-d2-nesterov": (4, 2, 2, False, 0.8, 0.5, "reset", True),
     "p2-d2-int8-feedback": (4, 2, 2, False, 0.8, 0.6, "reset", False),
+    "p2-d1-local": (4, 1, 2, "local", 0.8, 0.6, "reset", False),
 }
 CODECS = {"p2-d2-int8-feedback": ("int8", True)}  # name: (codec, error feedback)
 

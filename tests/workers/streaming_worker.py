@@ -32,6 +32,9 @@ CONFIGS = {
         compression="int8",
         error_feedback=True,
     ),  # fmt: skip
+    "p2-d1-local": dict(
+        tau=4, overlap=1, fragments=2, eager="local", slow_lr=0.8, slow_momentum=0.6
+    ),
 }
 STEPS = 15
 
