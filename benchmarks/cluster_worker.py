@@ -293,6 +293,11 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
         iteration()
         stamps.append(time.perf_counter())
         sent.append(comm.bytes_sent if comm is not None else 0)
+    timings1 = dict(opt.timings) if comm is not None else {}
+    if comm is not None:
+        # Untimed: land what is still in flight, so the next row's collectives (same names) never
+        # meet this row's, and its buffers are freed with the optimizer.
+        opt.flush()
     barrier()
     everyone = hvd.allgather_object(stamps, name=f"cluster.stamps.{algo.key}")
     merged = cluster_stamps(everyone)
@@ -302,12 +307,12 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     out["rank_median_ms"] = [window_stats(s, tau)["median_ms"] for s in everyone]
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if comm is not None:
-        out["bytes_per_iter"] = (comm.bytes_sent - bytes0) / n
+        out["bytes_per_iter"] = (sent[-1] - bytes0) / n
         # hvd_slowmo has at most one exact average (or fragment's) in flight, so the most bytes
         # started in one step is the most in flight at once: what the link must carry per phase.
         out["peak_bytes_per_step"] = max(b - a for a, b in zip(sent, sent[1:]))
         out["bytes_computed"] = False
-        out["phase_ms_per_iter"] = {k: 1e3 * (v - timings0[k]) / n for k, v in opt.timings.items()}
+        out["phase_ms_per_iter"] = {k: 1e3 * (v - timings0[k]) / n for k, v in timings1.items()}
     elif algo.kind in ("horovod", "ddp", "postlocal"):
         # Gloo's ring volume (not counted): every step, or one parameter average per `tau` steps.
         out["bytes_per_iter"] = ring_bytes(grad_bytes, hvd.size()) / algo.tau
