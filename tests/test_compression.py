@@ -8,6 +8,7 @@ import pytest
 import torch
 from reference_compression import reference_compressed_mean
 
+from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import CODECS, compressed_mean, decode, encode, encoded_nbytes
 from hvd_slowmo.compression.averager import PseudoGradientAverage
@@ -131,6 +132,30 @@ def test_alltoall_sizes_must_agree():
 
     with pytest.raises(RuntimeError, match="expected"):
         run_threads(2, fn)
+
+
+def test_a_communicator_without_the_collectives_says_what_to_implement():
+    class Minimal(Communicator):  # the required operations only (a user's own transport)
+        rank, size = 0, 2
+
+        def _average_(self, tensors, name):
+            return 0
+
+        def _allgather_object(self, obj):
+            return [obj, obj]
+
+        def _broadcast_object(self, obj, root_rank):
+            return obj
+
+    comm = Minimal()
+    assert not comm.supports_alltoall
+    with pytest.raises(NotImplementedError, match="supports_alltoall = True implements"):
+        comm.alltoall_flat([torch.zeros(1)] * 2, [1, 1], "t")
+    with pytest.raises(NotImplementedError, match="implements _allgather_flat"):
+        comm.allgather_flat([torch.zeros(1)], "t")
+    # The compressed average refuses such a transport up front, naming the fix.
+    with pytest.raises(ValueError, match="use compression=None"):
+        compressed_mean(comm, torch.zeros(4), "int8", "t")
 
 
 def test_pseudo_gradient_average_and_its_residual_state():

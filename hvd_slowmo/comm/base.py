@@ -316,7 +316,11 @@ class Communicator(abc.ABC):
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         """:meth:`allgather_flat` for two or more workers (transports that finish at once)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support allgather_flat")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support allgather_flat: a communicator with "
+            "supports_alltoall or supports_sharding implements _allgather_flat or "
+            "_allgather_flat_start"
+        )
 
     # --- all-to-all (supports_alltoall) --------------------------------------------------
     def alltoall_flat(
@@ -381,7 +385,10 @@ class Communicator(abc.ABC):
         self, sends: list[Tensor], recv_numels: list[int], name: str
     ) -> list[Tensor]:
         """:meth:`alltoall_flat` for two or more workers (transports that finish at once)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support alltoall_flat")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support alltoall_flat: a communicator with "
+            "supports_alltoall = True implements _alltoall_flat or _alltoall_flat_start"
+        )
 
     # --- neighbour exchanges (supports_exchange) -----------------------------------------
     def exchange_start(
