@@ -1,27 +1,32 @@
 """The envelope of a saved :class:`~hvd_slowmo.DistributedOptimizer` state: its format version,
 the checks every load starts with, and the upgrade of earlier formats.
 
-Format 2 (current)::
+Format 3 (current)::
 
-    {"format": 2,
+    {"format": 3,
      "base_optimizer": <the wrapped optimizer's state_dict>,
      "slowmo": {"config": {...}, "num_params": int,
                 "position": {"num_steps", "inner_step", "outer_steps", "world_size"},
                 "slow_state": {"layout": "full" | "sharded", ...the layout's own keys},
-                "in_flight": None | <an outer step whose average is in flight>,
+                "in_flight": None | {"land_at": int, "fragment": int, ...}
+                             (an outer step whose average is in flight),
                 "eager_shares": None | {param index: tensor}   (eager=True; optional),
+                "exchange": None | <the exchange's own state: a codec's residual>,
                 "base_algorithm": {...}}}
 
-Format 1 kept the counters at the top of ``"slowmo"``, wrote both layouts' keys (the other
-layout's as None) and called the outer step in flight ``"overlap"``; :func:`upgrade` reads it.
+Format 2 called the landing step of the outer step in flight ``"apply_at"`` and kept the
+compressed exchange's state in ``slow_state["compression"]``. Format 1 kept the counters at the
+top of ``"slowmo"``, wrote both layouts' keys (the other layout's as None) and called the outer
+step in flight ``"overlap"``. :func:`upgrade` reads both, one version at a time.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["STATE_FORMAT", "check_saved_state", "upgrade"]
 
 #: Version of the ``state_dict`` layout written by this version of the library.
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 
 
 def upgrade(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -34,14 +39,23 @@ def upgrade(state_dict: dict[str, Any]) -> dict[str, Any]:
         ValueError: a format this version cannot read.
     """
     version = state_dict.get("format")
-    if version == STATE_FORMAT:
-        return state_dict
-    if version != 1:
+    if version not in _UPGRADES and version != STATE_FORMAT:
         raise ValueError(
             f"load_state_dict: state format {version!r} is not supported (this version reads "
             f"formats 1 to {STATE_FORMAT}); it was written by a newer hvd_slowmo"
         )
-    old = state_dict["slowmo"]
+    while version != STATE_FORMAT:
+        state_dict = {
+            **state_dict,
+            "format": version + 1,
+            "slowmo": _UPGRADES[version](state_dict["slowmo"]),
+        }
+        version += 1
+    return state_dict
+
+
+def _from_1(old: dict[str, Any]) -> dict[str, Any]:
+    """Format 1's ``"slowmo"`` entry in format 2."""
     if old.get("sharded") is not None:
         slow_state = {"layout": "sharded", **old["sharded"]}
     else:
@@ -49,7 +63,7 @@ def upgrade(state_dict: dict[str, Any]) -> dict[str, Any]:
             "layout": "full",
             **{k: old.get(k) for k in ("anchor", "slow_buffer", "outer_optimizer")},
         }
-    slowmo = {
+    return {
         "config": old.get("config"),
         "num_params": old.get("num_params"),
         "position": {
@@ -59,7 +73,27 @@ def upgrade(state_dict: dict[str, Any]) -> dict[str, Any]:
         "in_flight": old.get("overlap"),
         "base_algorithm": old.get("base_algorithm", {}),
     }
-    return {**state_dict, "format": STATE_FORMAT, "slowmo": slowmo}
+
+
+def _from_2(old: dict[str, Any]) -> dict[str, Any]:
+    """Format 2's ``"slowmo"`` entry in format 3: the landing step is ``"land_at"``, and the
+    compressed exchange's state moves from the slow state to ``"exchange"``."""
+    new = dict(old)
+    flight = old.get("in_flight")
+    if isinstance(flight, dict) and "apply_at" in flight:
+        new["in_flight"] = {
+            **{k: v for k, v in flight.items() if k != "apply_at"},
+            "land_at": flight["apply_at"],
+        }
+    slow_state = old.get("slow_state")
+    if isinstance(slow_state, dict):
+        new["slow_state"] = {k: v for k, v in slow_state.items() if k != "compression"}
+        new["exchange"] = slow_state.get("compression")
+    return new
+
+
+#: Format version -> the upgrade of its ``"slowmo"`` entry to the next version.
+_UPGRADES: dict[Any, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _from_1, 2: _from_2}
 
 
 def check_saved_state(state_dict: Any, num_params: int, tau: int) -> dict[str, Any]:

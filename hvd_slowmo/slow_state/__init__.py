@@ -5,11 +5,18 @@ across workers (:mod:`.sharded`), behind one interface (:mod:`.base`)."""
 from ..comm.base import Communicator
 from ..config import SlowMoConfig
 from ..timing import PhaseTimer
-from .base import LoadedSlowState, SlowState
+from .base import LoadedSlowState, SlowState, SlowView
 from .full import FullSlowState
 from .sharded import ShardedSlowState
 
-__all__ = ["FullSlowState", "LoadedSlowState", "ShardedSlowState", "SlowState", "make_slow_state"]
+__all__ = [
+    "FullSlowState",
+    "LoadedSlowState",
+    "ShardedSlowState",
+    "SlowState",
+    "SlowView",
+    "make_slow_state",
+]
 
 
 def make_slow_state(comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> SlowState:
@@ -19,5 +26,11 @@ def make_slow_state(comm: Communicator, config: SlowMoConfig, timer: PhaseTimer)
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
         timer: the optimizer's phase timer (a layout books its collectives to ``"average"``).
+
+    Raises:
+        ValueError: the layout cannot run with a feature of ``config`` (its ``unsupported``).
+        TypeError: ``comm`` lacks the collectives the layout needs.
     """
-    return (ShardedSlowState if config.shard_slow_state else FullSlowState)(comm, config, timer)
+    layout = ShardedSlowState if config.shard_slow_state else FullSlowState
+    layout.check_supported(config.features())
+    return layout(comm, config, timer)

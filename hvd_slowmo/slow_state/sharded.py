@@ -24,7 +24,7 @@ Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -115,6 +115,15 @@ class ShardedSlowState(SlowState):
 
     per_rank = True
     layout = "sharded"
+    setting, alternative = "shard_slow_state=True", "shard_slow_state=False"
+    unsupported: ClassVar[dict[str, str]] = {
+        "fragments": "a shard spans every fragment's parameters (its buckets are per param "
+        "group, dtype and device), so one fragment's slow update would need every rank's shard",
+        "eager": "the provisional slow step reads each parameter's anchor and slow buffer, and "
+        "each rank holds only its shard of them",
+        "codec": "the compressed average sends pseudo-gradients, which need the whole anchor on "
+        "every worker",
+    }
 
     def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
         if not comm.supports_sharding:
@@ -157,6 +166,16 @@ class ShardedSlowState(SlowState):
 
     @torch.no_grad()
     def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
+        """The exact average as this layout needs it (:class:`hvd_slowmo.exchange.ShardedExchange`
+        calls it): a reduce-scatter of each bucket, this rank's shard of the average kept for
+        :meth:`update_`, and an allreduce of the model buffers. Collective.
+
+        Args:
+            params: the parameters (detached), in the optimizer's order.
+            extra: other tensors averaged in place (floating-point model buffers).
+            exact: whether the parameters need averaging (False: they are identical on every
+                rank, like AR-SGD's: each rank slices its shard).
+        """
         assert self.buckets is not None, "the anchor is captured at the first step"
         if extra:
             self.comm.average_(extra, name="hvd_slowmo.exact_average")
@@ -167,7 +186,11 @@ class ShardedSlowState(SlowState):
             self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, self.buckets)]
 
     @torch.no_grad()
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
+    def update_(
+        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> None:
+        if indices:
+            raise RuntimeError(f"the sharded layout: {self.unsupported['fragments']}")
         assert self._averages is not None, "average_ comes first"
         averages, self._averages = self._averages, None
         self._slow_update_(averages, param_groups)
