@@ -10,7 +10,7 @@ one; the recurrences are in :mod:`hvd_slowmo.fragments`, the arithmetic in
 
 import abc
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -258,3 +258,30 @@ def make_estimate(
         members: the fragment's parameter indices (its own list).
     """
     return ESTIMATES[config.estimate](config, comm, slow_state, members)
+
+
+def check_shares(saved: Any, params: list[Tensor], estimate: str | None) -> list[Tensor] | None:
+    """Saved eager shares (``"eager_shares"``: ``{param index: tensor}``), checked against this
+    model and copied onto its parameters' devices and dtypes; changes nothing.
+
+    Args:
+        saved: the saved entry (None: none yet, not eager, or a state written before they
+            existed; the estimate then starts from zero shares).
+        params: every parameter, in the optimizer's order.
+        estimate: the running ``eager`` estimate (only ``"shares"`` keeps any).
+
+    Raises:
+        ValueError: they do not match this model.
+    """
+    if saved is None or estimate != "shares":
+        return None
+    if (
+        not isinstance(saved, dict)
+        or set(saved) != set(range(len(params)))
+        or any(
+            not isinstance(saved[i], Tensor) or saved[i].shape != p.shape
+            for i, p in enumerate(params)
+        )
+    ):
+        raise ValueError("load_state_dict: 'eager_shares' does not match this model")
+    return [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(params)]

@@ -5,14 +5,41 @@ save/load of what is in flight. The whole model is the one-fragment case.
 
 Its life, driven by :class:`hvd_slowmo.outer_step.OuterLoop` (the scheduler)::
 
-    start(base, position)   at the fragment's boundary: snapshot, start the exchange and the
+    start(base, ...)        at the fragment's boundary: snapshot, start the exchange and the
                             progress probe; with eager updates, the provisional slow step
     land(base)              ``overlap`` steps later (at once with overlap=0): read the probe
                             (False: a worker is non-finite, the scheduler skips), finish the
                             average, slow update of the fragment's anchor, carry the progress
     drop()                  a restart: forget what is in flight and the estimate
 
-The recurrences: :mod:`hvd_slowmo.fragments` and :mod:`hvd_slowmo.outer_step`.
+At the boundary the base algorithm brings its messages home, and the exact average of the
+fragment's parameters (with the model buffers for the fragment that ends the period, and the base
+optimizer's buffers under ``buffers="average"``) starts together with a 4-number progress probe
+(equal step counts, finite parameters). ``d = overlap`` base steps later it lands: the probe is
+read, then either every worker skips (a non-finite worker under ``nonfinite="skip"``: back to
+the anchor) or the slow update runs on the average and each worker keeps its progress since the
+boundary. With ``d = 0`` (the paper's algorithm) start and landing run in the same step, on the
+parameters themselves, and no copy is made. For the outer step whose boundary is global step
+``n_t`` (over the fragment's parameters and anchor; the streaming and eager recurrences:
+:mod:`hvd_slowmo.fragments`)::
+
+    s_i   = x_i(n_t)                        snapshot (numerators for push-sum bases)
+    avg   = mean_i s_i                      in flight during steps n_t+1 .. n_t+d
+    gamma = each param group's lr at n_t    (what the non-overlapped step reads)
+    at step n_t + d:
+      u     <- beta u + (x0 - avg) / gamma
+      x0    <- x0 - alpha gamma u
+      x_i   <- x0 + (x_i - s_i)             each worker keeps its progress since the snapshot
+
+What is stale with ``d >= 1``: the ``d`` steps after a boundary start from the worker's own,
+un-averaged parameters, and the next pseudo-gradient (measured from the new anchor) includes
+their progress; every pseudo-gradient still covers exactly ``tau`` base steps per worker, and the
+slow buffer sees one per outer step. Model buffers and, with ``buffers="average"``, the base
+optimizer's buffers follow the same rule; ``buffers="reset"`` resets at the landing. Push-sum
+bases average the numerators (their mean is the consensus value), measure the progress on the
+de-biased parameters, and return the weight to 1 when the slow step lands (``average=False``
+keeps each worker's own weight). Cost of ``d >= 1``: two more copies of the parameters (the
+snapshot and the tensors in flight).
 """
 
 from dataclasses import dataclass, field
@@ -25,13 +52,14 @@ from .bases.base import BaseAlgorithm
 from .buffers import averageable_buffers, reset_buffers
 from .comm.base import Communicator, PendingAverage
 from .config import SlowMoConfig
-from .eager import EagerEstimate, GroupSlice
+from .eager import EagerEstimate, GroupSlice, make_estimate
 from .exchange import Exchange, Payload
+from .fragments import boundaries
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
 from .timing import PhaseTimer
 
-__all__ = ["Fragment", "InFlight", "OuterParts"]
+__all__ = ["Fragment", "InFlight", "OuterParts", "make_fragments"]
 
 
 def _clone(tensors: list[Tensor]) -> list[Tensor]:
@@ -450,3 +478,25 @@ class Fragment:
             live = [self.parts.params[j] for j in self.members]
             in_flight.state_live = averageable_buffers(self.parts.optimizer.state, live)
         self.in_flight = in_flight
+
+
+def make_fragments(parts: OuterParts, split: list[list[int]]) -> list[Fragment]:
+    """The fragments of ``split``, each with its boundary in the period and its eager estimate.
+
+    Args:
+        parts: what every fragment works with.
+        split: the parameter indices of each fragment (one list: the whole model).
+    """
+    starts = boundaries(parts.config.tau, len(split))
+    return [
+        Fragment(
+            index=k,
+            members=members,
+            boundary=starts[k],
+            ends_period=k == len(split) - 1,
+            whole=len(split) == 1,
+            parts=parts,
+            eager=make_estimate(parts.config, parts.comm, parts.slow_state, members),
+        )
+        for k, members in enumerate(split)
+    ]

@@ -1,48 +1,17 @@
-"""The outer loop of SlowMo (arXiv 1910.00643, Algorithm 1): the step counters, and the life of
-each outer step (start, landing, skip, restart from the anchor, flush), owned by one object.
+"""The outer loop of SlowMo (arXiv 1910.00643, Algorithm 1): the scheduler of the outer steps.
 
-Every ``tau`` base steps a worker reaches a *boundary*. There the outer step **starts**: the base
-algorithm brings its messages home, and the exact average of the parameters (with the model
-buffers, and the base optimizer's buffers under ``buffers="average"``) is started together with a
-4-number progress probe (equal step counts, finite parameters). ``d = overlap`` base steps later
-it **lands**: the probe is read, then either every worker **skips** (a non-finite worker under
-``nonfinite="skip"``: back to the anchor) or the slow update runs on the average and each worker
-keeps its progress since the boundary. With ``d = 0`` (the paper's algorithm) start and landing
-run in the same step, on the parameters themselves, and no copy is made. For outer step ``t``,
-whose boundary is global step ``n_t``::
-
-    s_i   = x_i(n_t)                        snapshot (numerators for push-sum bases)
-    avg   = mean_i s_i                      in flight during steps n_t+1 .. n_t+d
-    gamma = each param group's lr at n_t    (what the non-overlapped step reads)
-    at step n_t + d:
-      u     <- beta u + (x0 - avg) / gamma
-      x0    <- x0 - alpha gamma u
-      x_i   <- x0 + (x_i - s_i)             each worker keeps its progress since the snapshot
-
-What is stale with ``d >= 1``: the ``d`` steps after a boundary start from the worker's own,
-un-averaged parameters, and the next pseudo-gradient (measured from the new anchor) includes
-their progress; every pseudo-gradient still covers exactly ``tau`` base steps per worker, and the
-slow buffer sees one per outer step. Model buffers and, with ``buffers="average"``, the base
-optimizer's buffers follow the same rule; ``buffers="reset"`` resets at the landing. Push-sum
-bases average the numerators (their mean is the consensus value), measure the progress on the
-de-biased parameters, and return the weight to 1 when the slow step lands (``average=False``
-keeps each worker's own weight). Cost of ``d >= 1``: two more copies of the parameters (the
-snapshot and the tensors in flight).
-
-A change of workers (elastic, a state loaded by another number of workers) **restarts** the
-outer step from its anchor, dropping an average in flight: the steps since that anchor are
-dropped and the counters go back with them.
-
-Streaming (``fragments=P``) gives each fragment of the parameters its own outer step at its own
-inner step of the period, one fragment in flight at a time; eager updates (``eager=True`` or
-``"local"``) let the worker continue from a provisional slow step while the average is in
-flight. The split, the schedule and the recurrences: :mod:`hvd_slowmo.fragments`. ``P = 1``
-without eager is the recurrence above, through the same code.
+Every ``tau`` base steps a worker reaches a *boundary*, where the outer step **starts**; ``d =
+overlap`` base steps later it **lands**, or every worker **skips** it (a non-finite worker under
+``nonfinite="skip"``: back to the anchor). A change of workers **restarts** it from its anchor,
+dropping an average in flight (the counters go back with the dropped steps). Streaming
+(``fragments=P``, :mod:`hvd_slowmo.fragments`) gives each fragment its own boundary in the
+period, one fragment in flight at a time; ``P = 1`` is the whole model, through the same code.
 
 Who owns what: each fragment's outer step is a :class:`~hvd_slowmo.fragment.Fragment` (its
-parameters, boundary, outer step in flight, eager estimate); the average goes through one
-:class:`~hvd_slowmo.exchange.Exchange`; :class:`OuterLoop` here is the scheduler: the counters,
-whose turn it is, and what concerns the whole model (a skip, a restart, the saved state).
+parameters, boundary, outer step in flight, eager estimate; the recurrence is documented there);
+the average goes through one :class:`~hvd_slowmo.exchange.Exchange`; :class:`OuterLoop` keeps
+the counters, says whose turn it is, and does what concerns the whole model (a skip, a restart,
+the saved state).
 """
 
 import logging
@@ -55,9 +24,9 @@ from torch import Tensor
 
 from .bases.base import BaseAlgorithm
 from .buffers import reset_buffers
-from .eager import make_estimate
-from .fragment import Fragment, InFlight, OuterParts
-from .fragments import boundaries
+from .eager import check_shares
+from .fragment import Fragment, InFlight, OuterParts, make_fragments
+from .state_format import check_in_flight
 
 __all__ = ["InFlight", "OuterLoop", "Position"]
 
@@ -115,20 +84,7 @@ class OuterLoop:
         self.exchange = parts.exchange
         self._make_base = make_base
         self.position = Position(world=(self.comm.rank, self.comm.size))
-        split = split or [list(range(len(parts.params)))]
-        starts = boundaries(self.config.tau, len(split))
-        self.fragments = [
-            Fragment(
-                index=k,
-                members=members,
-                boundary=starts[k],
-                ends_period=k == len(split) - 1,
-                whole=len(split) == 1,
-                parts=parts,
-                eager=make_estimate(self.config, self.comm, parts.slow_state, members),
-            )
-            for k, members in enumerate(split)
-        ]
+        self.fragments = make_fragments(parts, split or [list(range(len(parts.params)))])
         self._at = {f.boundary: f for f in self.fragments}  # inner step -> whose boundary
         self.replica_spread: float | None = None
         self.base = make_base()
@@ -262,14 +218,11 @@ class OuterLoop:
             return
         if self.comm.rank == 0:
             change = f"{old[1]} -> {self.comm.size} workers, " if old[1] != self.comm.size else ""
+            base, size = self.config.base_name, self.comm.size
             log.warning(
-                "hvd_slowmo: %s (%sbase %r rebuilt for %d workers): %s. The learning rate is "
-                "yours: rescale it in a reset callback if it depends on the number of workers",
-                why,
-                change,
-                self.config.base_name,
-                self.comm.size,
-                what,
+                f"hvd_slowmo: {why} ({change}base {base!r} rebuilt for {size} workers): {what}. "
+                "The learning rate is yours: rescale it in a reset callback if it depends on "
+                "the number of workers"
             )
 
     def check_progress(self) -> None:
@@ -314,52 +267,18 @@ class OuterLoop:
         """
         if saved is None:
             return None
-        if not self.config.overlap:
-            raise ValueError(
-                "load_state_dict: the state was saved with an outer step in flight (overlap >= 1);"
-                " resume with the overlap it was saved with, or save when no average is in flight"
-            )
-        if not isinstance(saved, dict) or not isinstance(saved.get("land_at"), int):
-            raise ValueError("load_state_dict: 'in_flight' is not an outer step: a damaged state")
-        fragment, count = saved.get("fragment", 0), len(self.fragments)
-        if saved.get("fragments", 1) != count or fragment not in range(count):
-            raise ValueError(
-                f"load_state_dict: the state was saved with fragments={saved.get('fragments', 1)!r}"
-                f" and one in flight, this optimizer has fragments={count}: resume with the "
-                "fragments it was saved with, or save when no average is in flight"
-            )
-        land_at = saved["land_at"]
-        if not position["inner_step"] < land_at <= self.config.tau:
-            raise ValueError(
-                f"load_state_dict: the outer step in flight lands at inner step {land_at}, "
-                f"outside ({position['inner_step']}, tau={self.config.tau}]: the state was "
-                "saved with another tau or overlap"
-            )
+        cfg, count = self.config, len(self.fragments)
+        fragment, land_at = check_in_flight(saved, position, cfg.tau, cfg.overlap, count)
         return self.fragments[fragment].prepare_load(saved, land_at, base_state)
 
     def prepare_eager_shares(self, saved: Any) -> list[Tensor] | None:
-        """Check saved eager shares against this model; changes nothing.
+        """Check saved eager shares against this model (:func:`hvd_slowmo.eager.check_shares`);
+        changes nothing.
 
         Args:
-            saved: the ``"eager_shares"`` entry of a saved state (None: none yet, not eager, or
-                a state written before they existed; the estimate then starts from zero shares).
-
-        Raises:
-            ValueError: they do not match this model.
+            saved: the ``"eager_shares"`` entry of a saved state, or None.
         """
-        params = self.parts.params
-        if saved is None or self.config.estimate != "shares":  # only "shares" keeps any
-            return None
-        if (
-            not isinstance(saved, dict)
-            or set(saved) != set(range(len(params)))
-            or any(
-                not isinstance(saved[i], Tensor) or saved[i].shape != p.shape
-                for i, p in enumerate(params)
-            )
-        ):
-            raise ValueError("load_state_dict: 'eager_shares' does not match this model")
-        return [saved[i].detach().to(p.device, p.dtype).clone() for i, p in enumerate(params)]
+        return check_shares(saved, self.parts.params, self.config.estimate)
 
     def commit_load(
         self,

@@ -23,7 +23,7 @@ step in flight ``"overlap"``. :func:`upgrade` reads both, one version at a time.
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["STATE_FORMAT", "check_saved_state", "upgrade"]
+__all__ = ["STATE_FORMAT", "check_in_flight", "check_saved_state", "upgrade"]
 
 #: Version of the ``state_dict`` layout written by this version of the library.
 STATE_FORMAT = 3
@@ -143,3 +143,42 @@ def check_saved_state(state_dict: Any, num_params: int, tau: int) -> dict[str, A
     if not isinstance(saved.get("slow_state"), dict):
         raise ValueError("load_state_dict: the state has no 'slow_state': a damaged state")
     return saved
+
+
+def check_in_flight(
+    saved: Any, position: dict[str, Any], tau: int, overlap: int, fragments: int
+) -> tuple[int, int]:
+    """Check a saved outer step in flight (current format) against the running configuration.
+
+    Args:
+        saved: the ``"in_flight"`` entry (not None).
+        position: the saved (checked) position.
+        tau, overlap, fragments: the running configuration's.
+
+    Returns:
+        Its fragment and the inner step at which it lands.
+
+    Raises:
+        ValueError: the entry is damaged, or belongs to another configuration.
+    """
+    if not overlap:
+        raise ValueError(
+            "load_state_dict: the state was saved with an outer step in flight (overlap >= 1);"
+            " resume with the overlap it was saved with, or save when no average is in flight"
+        )
+    if not isinstance(saved, dict) or not isinstance(saved.get("land_at"), int):
+        raise ValueError("load_state_dict: 'in_flight' is not an outer step: a damaged state")
+    fragment = saved.get("fragment", 0)
+    if saved.get("fragments", 1) != fragments or fragment not in range(fragments):
+        raise ValueError(
+            f"load_state_dict: the state was saved with fragments={saved.get('fragments', 1)!r}"
+            f" and one in flight, this optimizer has fragments={fragments}: resume with the "
+            "fragments it was saved with, or save when no average is in flight"
+        )
+    land_at, inner = saved["land_at"], position["inner_step"]
+    if not inner < land_at <= tau:
+        raise ValueError(
+            f"load_state_dict: the outer step in flight lands at inner step {land_at}, outside "
+            f"({inner}, tau={tau}]: the state was saved with another tau or overlap"
+        )
+    return fragment, land_at
