@@ -80,7 +80,8 @@ class SlowMoConfig:
             style, :mod:`hvd_slowmo.slow_state.sharded`): the exact average becomes a
             reduce-scatter, the slow update runs on the shard and an all-gather returns the new
             anchor (same bytes on the wire). Each rank saves and loads its own shard, in a job of
-            the same size.
+            the same size. Works with ``fragments`` (buckets cut by fragment); not with eager
+            updates nor a codec (declared in ``ShardedSlowState.unsupported``, with the reasons).
         overlap: ``d``, the base steps the exact average stays in flight (``0 <= d < tau``): at
             each outer-step boundary the average of a snapshot starts in the background, the
             workers take ``d`` more base steps, then the slow step is applied and each worker

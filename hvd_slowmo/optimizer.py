@@ -168,7 +168,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         #: the time spent at the boundary and waiting for it to land).
         self.timer = PhaseTimer(("base_comm", "average", "slow_update"))
         self.timings = self.timer.totals
-        self.slow_state = make_slow_state(self.comm, self.config, self.timer)
+        self.slow_state = make_slow_state(self.comm, self.config, self.timer, split)
         #: How the outer step averages a fragment's parameters (:mod:`hvd_slowmo.exchange`).
         self.exchange = make_exchange(self.comm, self.config, self.slow_state)
         if is_elastic_launch():

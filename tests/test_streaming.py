@@ -164,7 +164,6 @@ def test_unsupported_combinations_are_refused(case):
 
 
 SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the settings that ask
-    "fragments": dict(fragments=2),
     "eager": dict(overlap=1, eager=True),
     "codec": dict(compression="int8"),
 }
@@ -173,7 +172,7 @@ SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the setti
 @pytest.mark.parametrize("feature", list(SHARDED_REFUSES))
 def test_the_sharded_layout_refuses_what_it_declares(feature):
     """A refusal is the layout's declared capability, with its reason, at construction."""
-    assert feature in ShardedSlowState.unsupported
+    assert set(ShardedSlowState.unsupported) == set(SHARDED_REFUSES)  # fragments: supported
     assert ShardedSlowState.unsupported[feature] in str(ShardedExchange.unsupported[feature])
     model = make_model()
     with pytest.raises(ValueError, match="shard_slow_state=True is not supported") as e:

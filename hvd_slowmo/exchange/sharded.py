@@ -28,8 +28,7 @@ class ShardedExchange(Exchange):
         self.slow_state = slow_state
 
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
-        if payload.indices:
-            raise RuntimeError(f"the sharded exchange: {self.unsupported['fragments']}")
+        p = payload
         return PendingAverage(
-            lambda: self.slow_state.average_(payload.params, payload.extra, exact), started=False
+            lambda: self.slow_state.average_(p.params, p.extra, exact, p.indices), started=False
         )

@@ -2,6 +2,8 @@
 slow buffer ``u_t`` or an outer optimizer, kept whole on every worker (:mod:`.full`) or sharded
 across workers (:mod:`.sharded`), behind one interface (:mod:`.base`)."""
 
+from collections.abc import Sequence
+
 from ..comm.base import Communicator
 from ..config import SlowMoConfig
 from ..timing import PhaseTimer
@@ -19,18 +21,23 @@ __all__ = [
 ]
 
 
-def make_slow_state(comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> SlowState:
+def make_slow_state(
+    comm: Communicator, config: SlowMoConfig, timer: PhaseTimer, split: Sequence[int] | None = None
+) -> SlowState:
     """The slow state that ``config`` asks for (``shard_slow_state``), over ``comm``.
 
     Args:
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
         timer: the optimizer's phase timer (a layout books its collectives to ``"average"``).
+        split: each parameter's fragment (:func:`hvd_slowmo.fragments.fragment_of`); None: one.
 
     Raises:
         ValueError: the layout cannot run with a feature of ``config`` (its ``unsupported``).
         TypeError: ``comm`` lacks the collectives the layout needs.
     """
-    layout = ShardedSlowState if config.shard_slow_state else FullSlowState
-    layout.check_supported(config.features())
-    return layout(comm, config, timer)
+    if config.shard_slow_state:
+        ShardedSlowState.check_supported(config.features())
+        return ShardedSlowState(comm, config, timer, split)
+    FullSlowState.check_supported(config.features())
+    return FullSlowState(comm, config, timer)
