@@ -14,6 +14,7 @@ from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.config import SlowMoConfig
+from hvd_slowmo.eager import LocalEstimate, NoEager, SharesEstimate
 from hvd_slowmo.exchange import CompressedExchange, ShardedExchange
 from hvd_slowmo.fragments import boundaries, fragment_of
 from hvd_slowmo.slow_state import ShardedSlowState
@@ -161,6 +162,26 @@ def test_unsupported_combinations_are_refused(case):
     kwargs, match = REFUSED[case]
     with pytest.raises((ValueError, TypeError), match=match):
         SlowMoConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "eager,estimate,strategy",
+    [(False, None, NoEager), (True, "shares", SharesEstimate), ("local", "local", LocalEstimate)],
+    ids=["off", "shares", "local"],
+)
+def test_eager_is_normalised_once_and_picks_its_strategy(eager, estimate, strategy):
+    assert SlowMoConfig(overlap=1, eager=eager).estimate == estimate
+    model = make_model()
+    opt = DistributedOptimizer(
+        SGD(model.parameters()),
+        named_parameters=model.named_parameters(),
+        communicator=ThreadWorld(1).communicator(0),
+        tau=4,
+        overlap=1,
+        fragments=2,
+        eager=eager,
+    )
+    assert [type(f.eager) for f in opt.outer.fragments] == [strategy, strategy]
 
 
 SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the settings that ask
