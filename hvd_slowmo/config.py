@@ -80,7 +80,8 @@ class SlowMoConfig:
             style, :mod:`hvd_slowmo.slow_state.sharded`): the exact average becomes a
             reduce-scatter, the slow update runs on the shard and an all-gather returns the new
             anchor (same bytes on the wire). Each rank saves and loads its own shard, in a job of
-            the same size.
+            the same size. Works with ``fragments`` (buckets cut by fragment); not with eager
+            updates nor a codec (declared in ``ShardedSlowState.unsupported``, with the reasons).
         overlap: ``d``, the base steps the exact average stays in flight (``0 <= d < tau``): at
             each outer-step boundary the average of a snapshot starts in the background, the
             workers take ``d`` more base steps, then the slow step is applied and each worker
@@ -254,12 +255,6 @@ class SlowMoConfig:
             raise ValueError(
                 "error_feedback=True needs a compressed average; pass e.g. compression='int8'"
             )
-        if self.codec is not None and self.shard_slow_state:
-            raise ValueError(
-                f"compression={self.codec!r} with shard_slow_state=True is not supported: the "
-                "compressed average sends pseudo-gradients, which need the whole anchor on "
-                "every worker; use shard_slow_state=False, or compression=None"
-            )
         if self.codec is not None and not (self.average and base.needs_exact_average):
             warnings.warn(
                 f"compression={self.codec!r} has nothing to compress: base="
@@ -269,7 +264,11 @@ class SlowMoConfig:
             )
 
     def _check_streaming(self, base: Any) -> None:
-        """Refuse the combinations of ``fragments > 1`` or ``eager`` that are not supported."""
+        """Refuse the combinations of ``fragments > 1`` or ``eager`` that no layout or exchange
+        can run: they depend on the base algorithm (one push-sum weight per worker), the outer
+        optimizer (a torch optimizer steps all its tensors at once, and cannot step
+        provisionally) and the skip policy (a skip restarts the whole model). What a layout or
+        an exchange cannot run is declared there (``unsupported``) and checked when it is built."""
         what = " and ".join(
             w
             for w, on in (
@@ -286,11 +285,6 @@ class SlowMoConfig:
                 "per worker and returns to 1 only when the whole model is averaged at once; use "
                 "base='localsgd' or 'allreduce', or fragments=1 and eager=False"
             )
-        if self.shard_slow_state:
-            raise ValueError(
-                f"{what} with shard_slow_state=True is not supported (the shards span every "
-                "fragment); use shard_slow_state=False"
-            )
         if callable(self.outer_optimizer):
             raise ValueError(
                 f"{what} with a custom outer_optimizer is not supported (its step cannot be "
@@ -304,6 +298,26 @@ class SlowMoConfig:
             )
 
     # --- what the settings imply -------------------------------------------------------------
+    @property
+    def estimate(self) -> str | None:
+        """The eager estimate, normalised: None (off), ``"shares"`` (the paper's: own fresh
+        share plus the others' previous shares) or ``"local"`` (own outer gradient alone)."""
+        if self.eager is True or self.eager == "shares":
+            return "shares"
+        if self.eager is False or self.eager is None:
+            return None
+        return str(self.eager)
+
+    def features(self) -> dict[str, str]:
+        """The features a layout or an exchange may not support, that these settings use, each
+        with the setting that asks for it (for the refusal's message)."""
+        asked = {
+            "fragments": f"fragments={self.fragments}" if self.fragments > 1 else "",
+            "eager": f"eager={self.eager!r}" if self.estimate else "",
+            "codec": f"compression={self.codec!r}" if self.codec is not None else "",
+        }
+        return {feature: setting for feature, setting in asked.items() if setting}
+
     @property
     def base_name(self) -> str:
         """The base algorithm's name (its registry name, or its class name)."""

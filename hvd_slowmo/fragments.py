@@ -2,7 +2,7 @@
 
 Pure functions of the parameters' names and the settings: no tensors, no communication, the
 same answer on every rank (the names are compared across ranks at construction). The outer
-step that uses them lives with the overlapped outer step.
+step that uses them is :class:`hvd_slowmo.fragment.Fragment` (one object per fragment).
 
 **Split** (Douillard et al. 2025, "Streaming DiLoCo", arXiv 2501.18512, strided pattern): the
 parameters are grouped into *layers* (a parameter's name up to its last ``.``: ``"3.weight"``
@@ -27,10 +27,11 @@ name are ever in flight). The recurrences would allow more (fragments are disjoi
 copies in flight. At a step where one fragment lands and the next starts, the landing comes
 first. Model buffers (BatchNorm statistics) travel with the last fragment, at the period's end.
 
-**Compressed exchange** (``compression=<codec>``, :mod:`hvd_slowmo.compression`): a fragment's
-``avg`` below is ``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors, ``mean_c``
-the compressed mean; the error-feedback residual is per element, so each fragment's average
-adds and updates only its own parameters' residual.
+**Compressed exchange** (``compression=<codec>``,
+:class:`hvd_slowmo.exchange.CompressedExchange`): a fragment's ``avg`` below is
+``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors, ``mean_c`` the compressed
+mean; the error-feedback residual is per element, so each fragment's average adds and updates
+only its own parameters' residual.
 
 **Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
 ``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);
@@ -40,7 +41,7 @@ adds and updates only its own parameters' residual.
     g_i   = (x0 - s_i) / gamma               this worker's outer gradient (pseudo-gradient)
     G     = (x0 - avg) / gamma = mean_i g_i  the exact one, known at the landing
 
-Overlapped, not eager (``overlap=d``, as :mod:`hvd_slowmo.overlap`): worker ``i`` goes on
+Overlapped, not eager (``overlap=d``, as :mod:`hvd_slowmo.fragment`): worker ``i`` goes on
 from ``s_i``; at ``n + d``::
 
     u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (Nesterov: x0 - alpha gamma (G + beta u))

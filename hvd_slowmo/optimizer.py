@@ -21,6 +21,8 @@ from .comm.factory import default_communicator, worker_hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
+from .exchange import make_exchange
+from .fragment import OuterParts
 from .fragments import fragment_of
 from .hierarchy import Hierarchy
 from .outer_step import OuterLoop
@@ -152,11 +154,6 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         # A codec is the optimizer's; a hvd.Compression belongs to the Horovod communicator.
         codec = self.config.codec
         self.comm = default_communicator(communicator, None if codec else compression, engine)
-        if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
-            raise ValueError(
-                f"compression={codec!r} needs a communicator with alltoall_flat and "
-                f"allgather_flat; {type(self.comm).__name__} has none: use compression=None"
-            )
         hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None
@@ -171,7 +168,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         #: the time spent at the boundary and waiting for it to land).
         self.timer = PhaseTimer(("base_comm", "average", "slow_update"))
         self.timings = self.timer.totals
-        self.slow_state = make_slow_state(self.comm, self.config, self.timer)
+        self.slow_state = make_slow_state(self.comm, self.config, self.timer, split)
+        #: How the outer step averages a fragment's parameters (:mod:`hvd_slowmo.exchange`).
+        self.exchange = make_exchange(self.comm, self.config, self.slow_state)
         if is_elastic_launch():
             # A worker that joins an elastic job later builds its optimizer alone while the others
             # wait in hvd.elastic's state sync: a collective here would deadlock. The same check
@@ -182,15 +181,19 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         # The base algorithm runs between workers: between nodes in hierarchical mode.
         base_comm = hierarchy.cross if hierarchy else self.comm
         #: The outer loop: step counters, and each outer step's start, landing, skip, restart.
+        parts = OuterParts(
+            config=self.config,
+            comm=self.comm,
+            optimizer=optimizer,
+            params=params,
+            model_buffers=self.model_buffers,
+            slow_state=self.slow_state,
+            exchange=self.exchange,
+            timer=self.timer,
+        )
         self.outer = OuterLoop(
-            self.config,
-            self.comm,
-            optimizer,
-            params,
-            self.model_buffers,
-            self.slow_state,
+            parts,
             lambda: self.config.base(base_comm, **self.config.base_options),
-            self.timer,
             [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
         )
         self._watch_gradients(params)
@@ -236,15 +239,12 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
                     "parameters can be averaged"
                 )
         self.params.extend(new)
-        self.outer.fragments = [list(range(len(self.params)))]
-        if self.outer.eager_shares is not None:
-            self.outer.eager_shares.extend(torch.zeros_like(p) for p in new)
         self._watch_gradients(new)
         self.param_names.extend(
             f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new))
         )
         self.slow_state.add_group_(self.param_groups)
-        self.base.attach(self.params)
+        self.outer.add_params(new)
 
     @property
     def bytes_sent(self) -> int:

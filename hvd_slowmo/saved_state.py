@@ -35,9 +35,9 @@ class SavedState:
     def _state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly, keyed by parameter index (not tensor identity):
         the base optimizer's ``state_dict``, the position (step counters), the slow state, an
-        outer step in flight, the base algorithm's own state and the configuration (layout:
-        :mod:`hvd_slowmo.state_format`). Tensors are references, as in torch's own
-        ``state_dict``; ``torch.save`` copies them."""
+        outer step in flight, the exchange's own state (a codec's residual), the base
+        algorithm's own state and the configuration (layout: :mod:`hvd_slowmo.state_format`).
+        Tensors are references, as in torch's own ``state_dict``; ``torch.save`` copies them."""
         return {
             "format": STATE_FORMAT,
             "base_optimizer": self.optimizer.state_dict(),
@@ -74,7 +74,7 @@ class SavedState:
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.slow_state.commit_load(loaded)
-        self.outer.commit_load(position, in_flight, shares)
+        self.outer.commit_load(position, in_flight, shares, s.get("exchange"))
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
             warnings.warn(

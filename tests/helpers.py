@@ -100,6 +100,29 @@ Build = Callable[[Communicator, nn.Module], Any]
 Train = Callable[[Any, nn.Module, int, int, int], None]
 
 
+def save_states(m: int, build: Build, train: Train, stop: int) -> list[bytes]:
+    """Train ``m`` thread workers ``stop`` steps; each rank's model and optimizer state, as
+    ``torch.save`` wrote them.
+
+    Args:
+        m: the number of workers.
+        build: ``(comm, model) -> optimizer``.
+        train: ``(optimizer, model, rank, start, stop)`` runs steps ``start .. stop - 1``.
+        stop: the step to save at.
+    """
+    models = [make_model() for _ in range(m)]  # built here: torch's global RNG is not thread-safe
+
+    def first_half(comm: Communicator) -> bytes:
+        model = models[comm.rank]
+        opt = build(comm, model)
+        train(opt, model, comm.rank, 0, stop)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        return buf.getvalue()
+
+    return run_threads(m, first_half)
+
+
 def resume_in_fresh_workers(
     m: int,
     build: Build,
@@ -107,6 +130,7 @@ def resume_in_fresh_workers(
     stop: int,
     steps: int,
     check: Callable[[Any], None] | None = None,
+    saved: list[bytes] | None = None,
 ) -> list[nn.Module]:
     """Train ``m`` thread workers ``stop`` steps, save each rank's model and optimizer through
     ``torch.save``, load them into fresh workers whose models start elsewhere (everything must
@@ -119,21 +143,14 @@ def resume_in_fresh_workers(
         stop: the step to save at (inside an inner loop, to test the hard case).
         steps: the total number of steps.
         check: called with each resumed optimizer right after it loaded its state.
+        saved: each rank's saved state (:func:`save_states`, e.g. by an earlier version) to
+            resume from instead of training the first half here.
 
     Returns:
         Each rank's model after ``steps`` steps.
     """
-    models = [make_model() for _ in range(m)]  # built here: torch's global RNG is not thread-safe
-
-    def first_half(comm: Communicator) -> bytes:
-        model = models[comm.rank]
-        opt = build(comm, model)
-        train(opt, model, comm.rank, 0, stop)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-        return buf.getvalue()
-
-    saved = run_threads(m, first_half)
+    if saved is None:
+        saved = save_states(m, build, train, stop)
     fresh = [make_model(seed=123) for _ in range(m)]
 
     def second_half(comm: Communicator) -> nn.Module:

@@ -40,7 +40,7 @@ def test_slowmo_with_compression_matches_replay(case):
         assert_close_models(model, want, atol=1e-6)
         # A test of the test: the codes really are lossy, the replay sees it too.
         assert not torch.equal(model[0].weight, exact[0].weight)
-        residual = opt.state_dict()["slowmo"]["slow_state"]["compression"]["residual"]
+        residual = opt.state_dict()["slowmo"]["exchange"]["residual"]
         assert (residual is not None) == feedback
 
 
@@ -68,7 +68,7 @@ def test_resume_is_bit_for_bit(overlap):
         )
 
     def check(opt):
-        assert opt.slow_state.compressed.residual is not None  # the saved one, taken back
+        assert opt.exchange.residual is not None  # the saved one, taken back
 
     m, stop, steps = 3, 9, 15  # stop inside an inner loop (overlap 2: with an average in flight)
     models = [make_model() for _ in range(m)]
@@ -167,9 +167,9 @@ def test_restart_from_the_anchor_forgets_the_residual():
             error_feedback=True,
         )
         _train(opt, model, comm.rank, 0, 4)  # one outer step, then one step into the next
-        before = opt.slow_state.compressed.residual is not None
+        before = opt.exchange.residual is not None
         opt.adopt_world("a test")  # what a change of workers does
-        return before, opt.slow_state.compressed.residual
+        return before, opt.exchange.residual
 
     for before, after in run_threads(2, worker):
         assert before and after is None

@@ -2,6 +2,7 @@
 the hand-written reference (tests/reference_streaming.py) checked against the other references,
 and the configuration's refusals."""
 
+import os
 import warnings
 
 import pytest
@@ -11,12 +12,20 @@ from reference_streaming import reference_streaming, strided_fragments
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
-from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.config import SlowMoConfig
+from hvd_slowmo.eager import LocalEstimate, NoEager, SharesEstimate
+from hvd_slowmo.exchange import CompressedExchange, ShardedExchange
 from hvd_slowmo.fragments import boundaries, fragment_of
+from hvd_slowmo.slow_state import ShardedSlowState
 from hvd_slowmo.slowmo import eager_anchor_, eager_landed_, local_anchor_, local_gradient
 
-from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import (
+    ForwardingCommunicator,
+    assert_same_models,
+    resume_in_fresh_workers,
+    save_states,
+)
 from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
@@ -140,7 +149,6 @@ REFUSED = {  # settings -> what the message names
     "eager-local-without-overlap": (dict(eager="local"), "overlap"),
     "fragments-sgp": (dict(fragments=2, base="sgp"), "push-sum"),
     "eager-osgp": (dict(overlap=1, eager=True, base="osgp"), "push-sum"),
-    "fragments-sharded": (dict(fragments=2, shard_slow_state=True), "shard_slow_state"),
     "eager-custom-outer": (
         dict(overlap=1, eager=True, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
         "outer_optimizer",
@@ -154,6 +162,50 @@ def test_unsupported_combinations_are_refused(case):
     kwargs, match = REFUSED[case]
     with pytest.raises((ValueError, TypeError), match=match):
         SlowMoConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "eager,estimate,strategy",
+    [(False, None, NoEager), (True, "shares", SharesEstimate), ("local", "local", LocalEstimate)],
+    ids=["off", "shares", "local"],
+)
+def test_eager_is_normalised_once_and_picks_its_strategy(eager, estimate, strategy):
+    assert SlowMoConfig(overlap=1, eager=eager).estimate == estimate
+    model = make_model()
+    opt = DistributedOptimizer(
+        SGD(model.parameters()),
+        named_parameters=model.named_parameters(),
+        communicator=ThreadWorld(1).communicator(0),
+        tau=4,
+        overlap=1,
+        fragments=2,
+        eager=eager,
+    )
+    assert [type(f.eager) for f in opt.outer.fragments] == [strategy, strategy]
+
+
+SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the settings that ask
+    "eager": dict(overlap=1, eager=True),
+    "codec": dict(compression="int8"),
+}
+
+
+@pytest.mark.parametrize("feature", list(SHARDED_REFUSES))
+def test_the_sharded_layout_refuses_what_it_declares(feature):
+    """A refusal is the layout's declared capability, with its reason, at construction."""
+    assert set(ShardedSlowState.unsupported) == set(SHARDED_REFUSES)  # fragments: supported
+    assert ShardedSlowState.unsupported[feature] in str(ShardedExchange.unsupported[feature])
+    model = make_model()
+    with pytest.raises(ValueError, match="shard_slow_state=True is not supported") as e:
+        DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+            shard_slow_state=True,
+            tau=4,
+            **SHARDED_REFUSES[feature],
+        )
+    assert ShardedSlowState.unsupported[feature] in str(e.value)
 
 
 # --- the library on thread workers against the reference -------------------------------------
@@ -284,7 +336,7 @@ def test_fragments_with_a_codec_equal_the_reference_bitwise(case, one_intra_op_t
             for r in range(1, m):
                 assert all(torch.equal(got[r][3][k][j], got[0][3][k][j]) for j in landed), (k, r)
     if feedback:  # each fragment's average wrote its own parameters' residual
-        residual = got[0][2].slow_state.compressed.residual
+        residual = got[0][2].exchange.residual
         sizes = [t.numel() for t in got[0][3][0]]
         assert all(part.abs().sum() > 0 for part in residual.split(sizes))
     # A test of the test: the codes are lossy, and the reference sees it.
@@ -327,13 +379,65 @@ def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
         assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
-        assert opt.slow_state.compressed is None or opt.slow_state.compressed.residual is not None
+        assert not isinstance(opt.exchange, CompressedExchange) or opt.exchange.residual is not None
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resumed = resume_in_fresh_workers(3, build(**kwargs), train, stop, 17, check=check)
         whole = resume_in_fresh_workers(3, build(**kwargs), train, 17, 17)
     assert_same_models(resumed, whole)
+
+
+#: States saved in format 2 (hvd_slowmo at aa14d4f, before the landing step was renamed and the
+#: codec's residual moved to the exchange), by ``write_format_2_states`` run on that version.
+FORMAT_2 = ("eager-p2-d3", "int8-feedback-p2-d3", "eager-p1-d2")
+FORMAT_2_ATOL = 1e-5
+
+
+def _format_2_path(case, rank):
+    return os.path.join(os.path.dirname(__file__), "data", "state_v2", f"{case}-rank{rank}.pt")
+
+
+def write_format_2_states():  # pragma: no cover - run once, on the version that wrote format 2
+    for case in FORMAT_2:
+        kwargs, stop, _ = RESUMES[case]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            states = save_states(3, build(**kwargs), train, stop)
+        for rank, state in enumerate(states):
+            os.makedirs(os.path.dirname(_format_2_path(case, rank)), exist_ok=True)
+            with open(_format_2_path(case, rank), "wb") as f:
+                f.write(state)
+
+
+@pytest.mark.parametrize("case", FORMAT_2)
+def test_a_format_2_state_with_a_fragment_in_flight_continues_bitwise(case, one_intra_op_thread):
+    """The upgrade of format 2 (``apply_at``, the residual in the slow state, the eager shares)
+    resumes on the trajectory of an uninterrupted run."""
+    kwargs, stop, fragment = RESUMES[case]
+    saved = []
+    for rank in range(3):
+        with open(_format_2_path(case, rank), "rb") as f:
+            saved.append(f.read())
+    assert torch.load(_format_2_path(case, 0), weights_only=False)["opt"]["format"] == 2
+
+    def check(opt):
+        assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
+        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
+        if kwargs.get("error_feedback"):
+            assert opt.exchange.residual is not None  # taken from the slow state's old key
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = resume_in_fresh_workers(
+            3, build(**kwargs), train, stop, 17, check=check, saved=saved
+        )
+        whole = resume_in_fresh_workers(3, build(**kwargs), train, 17, 17)
+    # The states were written on another machine (the first half's last bits may differ from
+    # this machine's): a tolerance, far below what a lost residual or lost shares change (~1e-3).
+    for a, b in zip(resumed, whole):
+        for key, x in a.state_dict().items():
+            torch.testing.assert_close(x, b.state_dict()[key], rtol=0, atol=FORMAT_2_ATOL)
 
 
 def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():

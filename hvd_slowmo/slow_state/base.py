@@ -11,32 +11,48 @@ it, the layouts only say which tensors hold the anchor and how the exact average
 The optimizer drives a slow state in this order, and never asks which layout it has::
 
     capture_(param_groups)            at every step (does nothing once captured)
-    every tau steps:  average_(params, extra, exact)   the exact average (or average_start_)
+    every tau steps:  (the exchange averages params: :mod:`hvd_slowmo.exchange`)
                       update_(params, param_groups)    the slow update; params <- new anchor
+    view(indices)                     one fragment's anchor and slow buffer (eager, codecs)
     restore_(params)                  a skipped outer step (non-finite) or a change of workers
     add_group_(param_groups)          after add_param_group
     state_dict() / prepare_load(...) / commit_load(...)
 
-Each layout owns the keys of its saved state (``state_dict()["layout"]`` names it).
+Each layout owns the keys of its saved state (``state_dict()["layout"]`` names it), and
+declares the features it cannot run with (:attr:`SlowState.unsupported`, with the reason).
 """
 
 import abc
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..comm.base import Communicator, PendingAverage
+from ..comm.base import Communicator
 from ..config import SlowMoConfig
 from ..slowmo import slow_momentum_step_
 from ..timing import PhaseTimer
 
-__all__ = ["LoadedSlowState", "SlowState"]
+__all__ = ["LoadedSlowState", "SlowState", "SlowView"]
 
 ParamGroups = Sequence[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SlowView:
+    """One fragment's share of the slow state (:meth:`SlowState.view`): the tensors themselves.
+
+    Attributes:
+        anchor: ``x0`` of each parameter of the fragment.
+        slow_buffer: ``u`` of each, or None (no slow buffer: a custom outer optimizer or no
+            slow update).
+    """
+
+    anchor: list[Tensor]
+    slow_buffer: list[Tensor] | None
 
 
 @dataclass
@@ -49,7 +65,6 @@ class LoadedSlowState:
         outer_optimizer: the custom outer optimizer, with its state loaded.
         groups: the param group of each anchor tensor.
         layout: what else the layout needs (the sharded buckets).
-        compression: the compressed average's saved state (its error-feedback residual).
     """
 
     anchor: list[Tensor] | None
@@ -57,7 +72,6 @@ class LoadedSlowState:
     outer_optimizer: torch.optim.Optimizer | None = None
     groups: list[int] | None = None
     layout: Any = None
-    compression: Any = None
 
 
 class SlowState(abc.ABC):
@@ -81,6 +95,11 @@ class SlowState(abc.ABC):
     per_rank = False
     #: The name of this layout in its saved state.
     layout = ""
+    #: The setting that selects this layout, and what to use instead (for refusals).
+    setting, alternative = "", ""
+    #: The features this layout cannot run with (``fragments``, ``eager``, ``codec``), each
+    #: with the reason; checked at construction (:meth:`check_supported`).
+    unsupported: ClassVar[dict[str, str]] = {}
 
     def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
         self.comm = comm
@@ -116,41 +135,51 @@ class SlowState(abc.ABC):
         """
 
     @abc.abstractmethod
-    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
-        """The outer step's exact average. Collective.
+    def update_(
+        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> None:
+        """The slow update after the exact average; ``params`` hold the new anchor on return.
 
         Args:
-            params: the parameters (detached), in the optimizer's order.
-            extra: other tensors averaged with them (floating-point model buffers).
-            exact: whether the parameters need averaging (False for a noaverage run, or when a
-                base keeps them identical on every worker, like AR-SGD).
-        """
-
-    def average_start_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
-    ) -> PendingAverage:
-        """:meth:`average_` without waiting (``overlap >= 1``); the average is complete once the
-        handle's ``wait()`` returns. By default nothing starts here: ``wait()`` runs the blocking
-        :meth:`average_` (correct, but nothing is hidden behind compute). Collective in ``wait()``.
-
-        Args:
-            params: the tensors to average in place (a snapshot of the parameters).
-            extra: other tensors averaged with them (a snapshot of the model buffers).
-            exact: whether the parameters need averaging.
-            indices: which parameters ``params`` are (one fragment, :mod:`hvd_slowmo.fragments`;
-                only the full layout takes fragments: config), empty for all.
-        """
-        assert not indices, f"the {self.layout} layout averages the whole model (config)"
-        return PendingAverage(lambda: self.average_(params, extra, exact), started=False)
-
-    @abc.abstractmethod
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
-        """The slow update after :meth:`average_`; ``params`` hold the new anchor on return.
-
-        Args:
-            params: the averaged parameters (detached), in the optimizer's order.
+            params: the averaged parameters (detached): all of them in the optimizer's order,
+                or those of ``indices``.
             param_groups: the optimizer's param groups (their ``lr`` at the outer step).
+            indices: which parameters ``params`` are (one fragment of several,
+                :mod:`hvd_slowmo.fragments`); empty for all. Only a layout that supports
+                fragments (:attr:`unsupported`) is given indices.
         """
+
+    def view(self, indices: Sequence[int]) -> SlowView:
+        """The anchor and slow buffer of the parameters ``indices`` (one fragment), as the
+        tensors themselves (an in-place change is a change of the state). Only a layout whose
+        anchor is kept per parameter has views (:attr:`unsupported` declares ``"eager"`` and
+        ``"codec"`` otherwise).
+
+        Args:
+            indices: parameter indices in the optimizer's order.
+
+        Raises:
+            RuntimeError: the layout keeps no per-parameter anchor, or none is captured.
+        """
+        raise RuntimeError(f"the {self.layout} layout has no per-parameter view of its anchor")
+
+    @classmethod
+    def check_supported(cls, features: dict[str, str]) -> None:
+        """Refuse, before any state exists, the features this layout declares unsupported.
+
+        Args:
+            features: the features a configuration asks for, each with the setting that asks
+                (:meth:`hvd_slowmo.config.SlowMoConfig.features`).
+
+        Raises:
+            ValueError: the layout does not support one of them (the message says why).
+        """
+        for feature, asked in features.items():
+            if feature in cls.unsupported:
+                raise ValueError(
+                    f"{asked} with {cls.setting} is not supported: {cls.unsupported[feature]}; "
+                    f"use {cls.alternative}"
+                )
 
     @abc.abstractmethod
     def restore_(self, params: list[Tensor]) -> None:

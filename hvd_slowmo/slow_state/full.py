@@ -1,8 +1,7 @@
 """The full slow state: every worker keeps the whole anchor ``x_{t,0}`` and slow buffer ``u_t``,
-one tensor per parameter (arXiv 1910.00643, Algorithm 1). The exact average is one allreduce of
-the parameters (and model buffers) in place, or, with a codec, a compressed average of the
-pseudo-gradients ``anchor - parameters`` (:mod:`hvd_slowmo.compression`; the model buffers then
-go through a plain allreduce); the slow update then runs on every worker alike.
+one tensor per parameter (arXiv 1910.00643, Algorithm 1). Any exchange averages the parameters
+(:mod:`hvd_slowmo.exchange`: plain or compressed); the slow update then runs on every worker
+alike, over the whole model or one fragment's parameters (:meth:`FullSlowState.view`).
 """
 
 from collections.abc import Sequence
@@ -11,11 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.base import Communicator, PendingAverage
-from ..compression.averager import PseudoGradientAverage
-from ..config import SlowMoConfig
-from ..timing import PhaseTimer
-from .base import LoadedSlowState, ParamGroups, SlowState
+from .base import LoadedSlowState, ParamGroups, SlowState, SlowView
 
 __all__ = ["FullSlowState"]
 
@@ -39,20 +34,10 @@ class FullSlowState(SlowState):
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
         timer: the optimizer's phase timer.
-
-    Attributes:
-        compressed: the compressed average (``config.codec``), or None.
     """
 
     layout = "full"
-
-    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
-        super().__init__(comm, config, timer)
-        self.compressed = (
-            None
-            if config.codec is None
-            else PseudoGradientAverage(comm, config.codec, config.error_feedback)
-        )
+    setting, alternative = "shard_slow_state=False", "shard_slow_state=True"
 
     @torch.no_grad()
     def capture_(self, param_groups: ParamGroups) -> None:
@@ -68,35 +53,9 @@ class FullSlowState(SlowState):
                 [p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1
             )
 
-    def average_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
-    ) -> None:
-        self.average_start_(params, extra, exact, indices).wait()
-
-    def average_start_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
-    ) -> PendingAverage:
-        if self.compressed is None or not exact or not params:
-            # One collective for the parameters and the model buffers together.
-            tensors = (params if exact else []) + extra
-            return self.comm.average_start(tensors, name="hvd_slowmo.exact_average")
-        assert self.anchor is not None, "a compressed average keeps an anchor (config)"
-        pending = [
-            self.compressed.start(params, self.anchor, "hvd_slowmo.compressed_average", indices),
-            self.comm.average_start(extra, name="hvd_slowmo.exact_average"),
-        ]
-
-        def finish() -> None:
-            for p in pending:
-                p.wait()
-
-        return PendingAverage(finish, progress=pending[0].poll)
-
     def update_(
         self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
     ) -> None:
-        """:meth:`SlowState.update_`; ``indices``: which parameters ``params`` are (one fragment,
-        :mod:`hvd_slowmo.fragments`), empty for all."""
         if self.captured:  # params are the averages: updated in place
             self._slow_update_(params, param_groups, indices)
 
@@ -104,10 +63,15 @@ class FullSlowState(SlowState):
     def restore_(self, params: list[Tensor]) -> None:
         assert self.anchor is not None, "restore_ needs a captured anchor"
         torch._foreach_copy_(params, self.anchor)
-        if self.compressed is not None:
-            # The residual was lost with the steps since the anchor (and may hold the NaN of a
-            # skipped outer step).
-            self.compressed.reset()
+
+    def view(self, indices: Sequence[int]) -> SlowView:
+        if self.anchor is None:
+            raise RuntimeError("the slow state's anchor is not captured yet")
+        slow = self.slow_buffer
+        return SlowView(
+            anchor=[self.anchor[j] for j in indices],
+            slow_buffer=None if slow is None else [slow[j] for j in indices],
+        )
 
     def check_world(self, old_world: tuple[int, int], why: str) -> None:
         pass  # the whole state is the same on every worker: any of them can go on with it
@@ -119,7 +83,6 @@ class FullSlowState(SlowState):
             "anchor": None if self.anchor is None else dict(enumerate(self.anchor)),
             "slow_buffer": None if self.slow_buffer is None else dict(enumerate(self.slow_buffer)),
             "outer_optimizer": outer,
-            "compression": None if self.compressed is None else self.compressed.state_dict(),
         }
 
     def prepare_load(
@@ -152,22 +115,15 @@ class FullSlowState(SlowState):
                 "load_state_dict: the state has no anchor but was saved inside an outer "
                 "step; it was saved with the slow update disabled (slow_lr=1, slow_momentum=0)"
             )
-        compression = saved.get("compression")
         if anchor is None or not self.config.keeps_anchor:
-            return LoadedSlowState(anchor=None, compression=compression)
+            return LoadedSlowState(anchor=None)
         slow, outer = self._load_slow(buffer, saved.get("outer_optimizer"), anchor)
         return LoadedSlowState(
             anchor=anchor,
             slow_buffer=slow,
             outer_optimizer=outer,
             groups=groups,
-            compression=compression,
         )
-
-    def commit_load(self, loaded: LoadedSlowState) -> None:
-        super().commit_load(loaded)
-        if self.compressed is not None:
-            self.compressed.load_state_dict(loaded.compression)
 
     @staticmethod
     def _load_tensors(

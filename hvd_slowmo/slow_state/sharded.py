@@ -18,13 +18,16 @@ transport's buffers (Horovod's alltoall receive buffer, or its reducescatter fus
 the parameters' size) and the gathered anchor (the parameters' size), so the peak is about 2x the
 parameters above the persistent state for a moment; the persistent state is ``2/m`` x.
 
+With streaming (``fragments=P``) the buckets are cut by fragment as well, so a fragment's outer
+step reduce-scatters, updates and all-gathers its own buckets only.
+
 Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.shard_range`):
 ``n // m`` elements each, and one more for ranks ``0 .. n % m - 1``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -56,22 +59,30 @@ class Bucket:
     end: int
 
 
-def make_buckets(groups: Sequence[Sequence[Tensor]], rank: int, size: int) -> list[Bucket]:
-    """Partition parameters into buckets (per group, then per dtype and device, in order of first
-    appearance) and give each this rank's shard range. Pure: reads only shapes, dtypes, devices.
+def make_buckets(
+    groups: Sequence[Sequence[Tensor]],
+    rank: int,
+    size: int,
+    fragment_of: Sequence[int] | None = None,
+) -> list[Bucket]:
+    """Partition parameters into buckets (per group, then per fragment, dtype and device, in
+    order of first appearance) and give each this rank's shard range. Pure: reads only shapes,
+    dtypes, devices.
 
     Args:
         groups: the parameters of each param group, in the optimizer's order.
         rank: this rank.
         size: the number of ranks.
+        fragment_of: each parameter's fragment (:func:`hvd_slowmo.fragments.fragment_of`), so
+            a bucket never spans two fragments; None: one fragment.
     """
     buckets: list[Bucket] = []
     index = 0
     for g, params in enumerate(groups):
-        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        numel: dict[tuple[torch.dtype, torch.device], int] = {}
+        by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        numel: dict[tuple[int, torch.dtype, torch.device], int] = {}
         for p in params:
-            key = (p.dtype, p.device)
+            key = (0 if fragment_of is None else fragment_of[index], p.dtype, p.device)
             by_kind.setdefault(key, []).append(index)
             numel[key] = numel.get(key, 0) + p.numel()
             index += 1
@@ -81,11 +92,15 @@ def make_buckets(groups: Sequence[Sequence[Tensor]], rank: int, size: int) -> li
     return buckets
 
 
-def _flatten(params: Sequence[Tensor], bucket: Bucket) -> Tensor:
+#: Parameters by index: all of them (a list) or one fragment's (a dict).
+Indexed = Sequence[Tensor] | Mapping[int, Tensor]
+
+
+def _flatten(params: Indexed, bucket: Bucket) -> Tensor:
     return torch.cat([params[i].reshape(-1) for i in bucket.indices])
 
 
-def _unflatten_into_(params: Sequence[Tensor], bucket: Bucket, flat: Tensor) -> None:
+def _unflatten_into_(params: Indexed, bucket: Bucket, flat: Tensor) -> None:
     targets = [params[i] for i in bucket.indices]
     pieces = torch.split(flat, [t.numel() for t in targets])
     torch._foreach_copy_(targets, [piece.view(t.shape) for piece, t in zip(pieces, targets)])
@@ -108,6 +123,9 @@ class ShardedSlowState(SlowState):
             (``reduce_scatter_mean`` and ``allgather_flat``).
         config: the optimizer's configuration.
         timer: the optimizer's phase timer (the all-gather of the new anchor is averaging time).
+        split: each parameter's fragment (``fragments > 1``: the buckets are cut by fragment,
+            so a fragment's outer step reduce-scatters, updates and gathers its own buckets);
+            None: one fragment.
 
     Raises:
         TypeError: ``comm`` does not support sharding.
@@ -115,8 +133,21 @@ class ShardedSlowState(SlowState):
 
     per_rank = True
     layout = "sharded"
+    setting, alternative = "shard_slow_state=True", "shard_slow_state=False"
+    unsupported: ClassVar[dict[str, str]] = {
+        "eager": "the provisional slow step reads each parameter's anchor and slow buffer, and "
+        "each rank holds only its shard of them",
+        "codec": "the compressed average sends pseudo-gradients, which need the whole anchor on "
+        "every worker",
+    }
 
-    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        config: SlowMoConfig,
+        timer: PhaseTimer,
+        split: Sequence[int] | None = None,
+    ) -> None:
         if not comm.supports_sharding:
             raise TypeError(
                 "shard_slow_state=True needs a communicator with reduce_scatter_mean() "
@@ -126,9 +157,19 @@ class ShardedSlowState(SlowState):
         super().__init__(comm, config, timer)
         self.buckets: list[Bucket] | None = None  # set at capture (the first step)
         self._averages: list[Tensor] | None = None  # this rank's shards of the exact average
+        self._split = None if split is None or len(set(split)) <= 1 else list(split)
 
     def _layout(self, param_groups: ParamGroups) -> list[Bucket]:
-        return make_buckets([g["params"] for g in param_groups], self.comm.rank, self.comm.size)
+        groups = [g["params"] for g in param_groups]
+        return make_buckets(groups, self.comm.rank, self.comm.size, self._split)
+
+    def _chosen(self, indices: Sequence[int]) -> list[int]:
+        """The buckets of the parameters ``indices`` (one fragment; empty: every bucket)."""
+        assert self.buckets is not None, "the anchor is captured at the first step"
+        if not indices:
+            return list(range(len(self.buckets)))
+        mine = set(indices)
+        return [i for i, b in enumerate(self.buckets) if b.indices[0] in mine]
 
     @torch.no_grad()
     def capture_(self, param_groups: ParamGroups) -> None:
@@ -156,35 +197,56 @@ class ShardedSlowState(SlowState):
         )
 
     @torch.no_grad()
-    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
+    def average_(
+        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
+    ) -> None:
+        """The exact average as this layout needs it (:class:`hvd_slowmo.exchange.ShardedExchange`
+        calls it): a reduce-scatter of each bucket, this rank's shard of the average kept for
+        :meth:`update_`, and an allreduce of the model buffers. Collective.
+
+        Args:
+            params: the parameters (detached): all of them in the optimizer's order, or those
+                of ``indices``.
+            extra: other tensors averaged in place (floating-point model buffers).
+            exact: whether the parameters need averaging (False: they are identical on every
+                rank, like AR-SGD's: each rank slices its shard).
+            indices: which parameters ``params`` are (one fragment); empty for all.
+        """
         assert self.buckets is not None, "the anchor is captured at the first step"
+        chosen = [self.buckets[i] for i in self._chosen(indices)]
         if extra:
             self.comm.average_(extra, name="hvd_slowmo.exact_average")
-        flats = [_flatten(params, b) for b in self.buckets]
+        by_index = dict(zip(indices, params)) if indices else params
+        flats = [_flatten(by_index, b) for b in chosen]
         if exact:
             self._averages = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
         else:  # the parameters are identical on every rank (AR-SGD): slice, no reduce-scatter
-            self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, self.buckets)]
+            self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, chosen)]
 
     @torch.no_grad()
-    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
+    def update_(
+        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
+    ) -> None:
         assert self._averages is not None, "average_ comes first"
         averages, self._averages = self._averages, None
-        self._slow_update_(averages, param_groups)
+        chosen = self._chosen(indices)
+        self._slow_update_(averages, param_groups, chosen if indices else ())
         del averages
         with self.timer("average"):  # communication, though inside the slow update
-            self._gather_anchor_into_(params)
+            self._gather_anchor_into_(dict(zip(indices, params)) if indices else params, chosen)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
-        self._gather_anchor_into_(params)  # all-gathers the full anchor
+        self._gather_anchor_into_(params, self._chosen(()))  # all-gathers the full anchor
 
-    def _gather_anchor_into_(self, params: list[Tensor]) -> None:
+    def _gather_anchor_into_(self, params: Indexed, chosen: list[int]) -> None:
         assert self.buckets is not None and self.anchor is not None, (
             "the anchor is captured at the first step"
         )
-        full = self.comm.allgather_flat(self.anchor, name="hvd_slowmo.sharded_anchor")
-        for b, flat in zip(self.buckets, full):
+        shards = [self.anchor[i] for i in chosen]
+        full = self.comm.allgather_flat(shards, name="hvd_slowmo.sharded_anchor")
+        for i, flat in zip(chosen, full):
+            b = self.buckets[i]
             if flat.numel() != b.numel:
                 raise RuntimeError(
                     f"sharded anchor: gathered {flat.numel()} elements for a bucket of {b.numel}"

@@ -1,0 +1,81 @@
+"""The compressed exchange: each worker sends its pseudo-gradient ``anchor - parameters`` in a
+codec's format and every worker ends with ``anchor - mean`` (SlowMo's outer step, arXiv
+1910.00643; the reduction: :mod:`hvd_slowmo.compression.exchange`). It owns the error-feedback
+residual (:class:`~hvd_slowmo.compression.averager.PseudoGradientAverage`), saves it and forgets
+it on a restart. The model buffers go through a plain average beside it."""
+
+from typing import Any
+
+from torch import Tensor
+
+from ..comm.base import Communicator, PendingAverage
+from ..compression.averager import PseudoGradientAverage
+from ..slow_state import SlowState
+from .base import EXACT_AVERAGE, Payload
+from .plain import PlainExchange
+
+__all__ = ["CompressedExchange"]
+
+
+class CompressedExchange(PlainExchange):
+    """Pseudo-gradients through a codec, from the slow state's anchor.
+
+    Args:
+        comm: the communicator over all workers (with ``alltoall_flat``/``allgather_flat``
+            for more than one worker).
+        slow_state: the slow state whose anchor the pseudo-gradients are measured from (a
+            layout with per-parameter views: the sharded one declares ``"codec"`` unsupported).
+        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`.
+        error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
+
+    Raises:
+        ValueError: ``comm`` has no all-to-all.
+    """
+
+    name = "compressed"
+
+    def __init__(
+        self, comm: Communicator, slow_state: SlowState, codec: str, error_feedback: bool
+    ) -> None:
+        if comm.size > 1 and not comm.supports_alltoall:
+            raise ValueError(
+                f"compression={codec!r} needs a communicator with alltoall_flat and "
+                f"allgather_flat; {type(comm).__name__} has none: use compression=None"
+            )
+        super().__init__(comm)
+        self.slow_state = slow_state
+        self.average = PseudoGradientAverage(comm, codec, error_feedback)
+
+    @property
+    def residual(self) -> Tensor | None:
+        """This worker's error-feedback residual (flat float32 over every parameter), or None."""
+        return self.average.residual
+
+    def start(self, payload: Payload, exact: bool) -> PendingAverage:
+        if not exact or not payload.params:
+            return super().start(payload, exact)
+        # The whole anchor: the residual is laid out over every parameter.
+        anchor = self.slow_state.view(range(len(self.slow_state.anchor or []))).anchor
+        pending = [
+            self.average.start(
+                payload.params, anchor, "hvd_slowmo.compressed_average", payload.indices
+            ),
+            self.comm.average_start(payload.extra, name=EXACT_AVERAGE),
+        ]
+
+        def finish() -> None:
+            for p in pending:
+                p.wait()
+
+        return PendingAverage(finish, progress=pending[0].poll)
+
+    def reset(self) -> None:
+        # The residual was lost with the steps since the anchor (and may hold the NaN of a
+        # skipped outer step).
+        self.average.reset()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.average.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        self.average.load_state_dict(saved)
