@@ -218,6 +218,7 @@ class GradientSync:
         It touches gradients only, so a step skipped after it changes nothing; it runs once per
         backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
         """
+        self._wait_deferred = False  # the wait below is the one the backward pass left
         if not self._synchronized:
             with self.timer("base_comm"):
                 buckets = self._average_gradients()

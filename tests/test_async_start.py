@@ -91,8 +91,9 @@ def test_every_collective_kind_of_one_worker_can_be_in_flight_at_once():
     assert torch.equal(got[1][2], torch.tensor([1.0, 11.0]))
 
 
-def _train(comm, model, steps, backward):
-    """AR-SGD + SlowMo on one thread worker; ``backward(rank, loss)`` runs its backward pass."""
+def _train(comm, model, steps, backward, synchronize=False):
+    """AR-SGD + SlowMo on one thread worker; ``backward(rank, loss)`` runs its backward pass;
+    ``synchronize``: call ``opt.synchronize()`` before ``step()`` (Horovod's AMP recipe)."""
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(),
@@ -104,8 +105,13 @@ def _train(comm, model, steps, backward):
     for k in range(steps):
         opt.zero_grad()
         backward(comm.rank, loss_at(model, comm.rank, k))
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+        if synchronize:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], comm.bytes_sent
 
 
 class SharedBackwardThread:
@@ -139,27 +145,33 @@ class SharedBackwardThread:
         self.finished[rank].clear()
 
 
-def test_ar_sgd_hooks_of_every_worker_on_one_shared_thread_complete():
+@pytest.mark.parametrize("synchronize", [False, True], ids=["step", "synchronize-step"])
+def test_ar_sgd_hooks_of_every_worker_on_one_shared_thread_complete(synchronize):
     """The structure of the CUDA hang, on the CPU: both workers' backward passes (and so their
     gradient hooks, which start the averages, and the end of each backward pass) run on one
     shared thread, rank 0's then rank 1's, as autograd's CUDA device thread runs them. A start,
     or an end of backward, that waited there for rank 1 would never let rank 1's backward run.
-    The result equals a run where every worker runs its own backward pass, bit for bit."""
-    m, steps = 2, 5
+    The result equals a run where every worker runs its own backward pass, bit for bit (three
+    workers: averaging the gradients twice would change their bits)."""
+    m, steps = 3, 5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         models = [make_model() for _ in range(m)]
         device = SharedBackwardThread(m, steps)
-        shared = run_threads(m, lambda c: _train(c, models[c.rank], steps, device.backward), 30)
+        shared = run_threads(
+            m, lambda c: _train(c, models[c.rank], steps, device.backward, synchronize), 30
+        )
         assert not device.errors, device.errors
         models = [make_model() for _ in range(m)]
         own = run_threads(
             m, lambda c: _train(c, models[c.rank], steps, lambda r, loss: loss.backward()), 30
         )
     for rank in range(m):
-        for a, b in zip(shared[rank], own[rank]):
+        for a, b in zip(shared[rank][0], own[rank][0]):
             assert torch.equal(a, b)
-    for a, b in zip(shared[0], shared[1]):
+        # The same averages, each once (a gradient averaged twice keeps its bits, mostly).
+        assert shared[rank][1] == own[rank][1]
+    for a, b in zip(shared[0][0], shared[1][0]):
         assert torch.equal(a, b)
 
 
