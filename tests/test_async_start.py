@@ -237,3 +237,30 @@ def test_a_start_is_cheap_next_to_a_sleeping_peer():
 
     took = run_threads(2, worker, timeout=10)
     assert took[0] < 0.5, took
+
+
+@pytest.mark.timeout(400)
+def test_mpi_training_equals_thread_workers_bitwise():
+    """``mpirun -np 2``: AR-SGD (averages started by the gradient hooks) and SlowMo with int8,
+    error feedback, two fragments and overlap (an all-gather started by a poll, at a moment that
+    differs between the ranks) over MPICommunicator end with the parameters of the same training
+    on two thread workers, bit for bit (two terms per sum: every transport rounds alike)."""
+    import json
+
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(
+            [*_mpirun(), "-np", "2", sys.executable, WORKER, "train", out],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=360,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(os.path.join(out, "rank0.json")) as f:
+            report = json.load(f)
+    assert report == {
+        "allreduce-ranks-equal": True,
+        "allreduce-equals-threads": True,
+        "int8-fragments-equals-threads": True,
+    }

@@ -3,6 +3,8 @@ tests/test_deadline.py). Modes:
 
 * ``check OUT``: every collective against its blocking MPI form computed here in the same run
   (bitwise), and a start that returns while rank 1 has not arrived; rank r writes OUT/rank{r}.json.
+* ``train OUT``: AR-SGD and a compressed, overlapped, per-fragment SlowMo over MPI: the ranks
+  end with bitwise equal parameters, and at -np 2 equal to two thread workers in rank 0's process.
 * ``deadline OUT KIND``: rank 1 sleeps past rank 0's deadline before the collective KIND
   (``average``, ``alltoall``, ``allgather_object``); rank 0 must raise ``CollectiveTimeout``,
   write its message to OUT/rank0.txt and abort the job.
@@ -66,6 +68,75 @@ def check(out):
         json.dump(report, f)
 
 
+CONFIGS = {
+    # AR-SGD: the gradient hooks start the averages during backward.
+    "allreduce": {"base": "allreduce", "tau": 2},
+    # Compressed, overlapped, per-fragment averages: an all-to-all, then an all-gather that a
+    # poll starts when it sees the all-to-all done (at different moments on different ranks).
+    "int8-fragments": {
+        "base": "localsgd",
+        "tau": 4,
+        "fragments": 2,
+        "overlap": 1,
+        "compression": "int8",
+        "error_feedback": True,
+    },
+}
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reference import loss_at, make_model  # noqa: E402  (tests/ on the path first)
+
+
+def _train(comm, config, model, steps=9):
+    import warnings
+
+    from hvd_slowmo import DistributedOptimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            communicator=comm,
+            **CONFIGS[config],
+        )
+        for k in range(steps):
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+        if hasattr(opt, "flush"):
+            opt.flush()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(out):
+    """Each configuration over MPI, against the same training on two thread workers run in
+    rank 0's process (at -np 2 every sum has two terms, so the bits must agree)."""
+    from hvd_slowmo.comm.local import run_threads
+
+    world = MPI.COMM_WORLD
+    comm = MPICommunicator(timeout=120)
+    report = {}
+    for config in CONFIGS:
+        mine = _train(comm, config, make_model())
+        everyone = comm.allgather_object(mine)
+        if config == "allreduce":  # AR-SGD keeps the parameters equal after every step
+            report[f"{config}-ranks-equal"] = all(
+                all(torch.equal(a, b) for a, b in zip(theirs, everyone[0])) for theirs in everyone
+            )
+        if world.Get_rank() == 0 and world.Get_size() == 2:
+            models = [make_model() for _ in range(2)]  # torch.manual_seed: not in the threads
+            threads = run_threads(
+                2, lambda c, config=config, models=models: _train(c, config, models[c.rank])
+            )
+            report[f"{config}-equals-threads"] = all(
+                torch.equal(a, b) for a, b in zip(mine, threads[0])
+            )
+    with open(os.path.join(out, f"rank{world.Get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
 def deadline(out, kind):
     """Rank 1 freezes (sleeps 60 s) before the collective ``kind``; the deadline comes from
     HVD_SLOWMO_COLLECTIVE_TIMEOUT, set by the test."""
@@ -92,5 +163,7 @@ def deadline(out, kind):
 if __name__ == "__main__":
     if sys.argv[1] == "check":
         check(sys.argv[2])
+    elif sys.argv[1] == "train":
+        train(sys.argv[2])
     else:
         deadline(sys.argv[2], sys.argv[3])
