@@ -179,3 +179,27 @@ def test_torch_distributed_peer_frozen_past_the_deadline_is_an_error_naming_it()
             took, message = f.read().split("\n", 1)
     assert 2.0 <= float(took) < 2.0 + SLACK, took
     assert "rank 0: average 'frozen' failed" in message, message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovod_peer_frozen_past_the_deadline_is_a_timeout_naming_it(controller):
+    """``horovodrun -np 2``: rank 1 sleeps 60 s before an average; with
+    HVD_SLOWMO_COLLECTIVE_TIMEOUT=2 rank 0 (polling ``hvd.poll``) raises within 2 s + slack,
+    naming itself and the average, then ends the job."""
+    from horovod_launch import horovodrun_command, launch_env
+
+    pytest.importorskip("horovod.torch")
+    worker = os.path.join(ROOT, "tests", "workers", "horovod_deadline_worker.py")
+    with tempfile.TemporaryDirectory() as out:
+        cmd = horovodrun_command(2, controller, [worker, out])
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=launch_env({ENV: "2"}), capture_output=True, text=True, timeout=240
+        )
+        report = os.path.join(out, "rank0.txt")
+        assert os.path.exists(report), proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(report) as f:
+            took, message = f.read().split("\n", 1)
+    assert proc.returncode != 0
+    assert 2.0 <= float(took) < 2.0 + SLACK, took
+    assert "rank 0 waited 2 s for average 'frozen'" in message, message
