@@ -10,6 +10,7 @@ ranks one step apart (see :meth:`hvd_slowmo.DistributedOptimizer.step`).
 """
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,8 +112,10 @@ class GradientSync:
     (:mod:`hvd_slowmo.grad_buckets`), and the backward pass that completes the gradients waits
     for it at its end, as DDP's does: ``backward()`` returns averaged gradients, so clipping,
     ``GradScaler``'s inf/NaN check and ``unscale_`` see the average, and the loss scales stay
-    the same on every worker. The node-level average of the other bases runs at
-    :meth:`synchronize`.
+    the same on every worker. Except for thread workers on CUDA (a communicator with
+    ``workers_share_process``): autograd's device thread, which ends their backward passes,
+    serves all of them, so there ``step()``/``synchronize()`` wait instead. The node-level
+    average of the other bases runs at :meth:`synchronize`.
 
     A mixin: the optimizer provides ``params``, ``param_names``, ``node_comm``, ``base``,
     ``comm`` and ``timer`` (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls
@@ -127,6 +130,8 @@ class GradientSync:
     _buckets: BucketedAverage | None = None
     _buckets_for: tuple[Any, int] | None = None  # (base, number of parameters) they were built for
     _wait_queued = False  # the end of this backward pass waits for the buckets
+    _wait_deferred = False  # ... or left the wait to step()/synchronize() (see _end_of_backward)
+    _owner_thread: int | None = None  # the thread that built the optimizer (a worker's)
     #: Steps skipped on every worker because a GradScaler found inf/NaN gradients on any worker.
     skipped_steps = 0
 
@@ -136,6 +141,7 @@ class GradientSync:
         not make the next step reuse that synchronization) and, for a base that averages
         gradients, may start a bucket's average."""
         hooks = on_backward(params, self, _gradient_accumulated)
+        self._owner_thread = threading.get_ident()
         self._grad_hooks: list[Any] = getattr(self, "_grad_hooks", []) + hooks
 
     def _gradient_stages(self) -> list[Stage]:
@@ -200,7 +206,7 @@ class GradientSync:
         """
         if self._buckets is not None:
             self._buckets.discard()
-        self._wait_queued = False  # a backward pass that failed never ran its callback
+        self._wait_queued = self._wait_deferred = False  # a failed backward ran no callback
         super().zero_grad(set_to_none)  # type: ignore[misc]
         self._synchronized = False
 
@@ -212,6 +218,7 @@ class GradientSync:
         It touches gradients only, so a step skipped after it changes nothing; it runs once per
         backward pass (a new backward, or ``zero_grad``, makes the next call communicate again).
         """
+        self._wait_deferred = False  # the wait below is the one the backward pass left
         if not self._synchronized:
             with self.timer("base_comm"):
                 buckets = self._average_gradients()
@@ -238,6 +245,9 @@ class GradientSync:
         """
         # Set by GradScaler.step around the step() call (see _step_supports_amp_scaling).
         found_inf: Tensor | None = getattr(self, "found_inf", None)
+        if self._wait_deferred:  # the averages land before anything here reads the gradients
+            self._wait_deferred = False
+            self._average_gradients()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         overflow = found_inf is not None and bool(found_inf.sum().item())
         if grad_scale is not None and not self._synchronized:
@@ -266,6 +276,16 @@ def _gradient_accumulated(opt: GradientSync, param: Tensor) -> None:
 
 def _end_of_backward(ref: "weakref.ref[GradientSync]") -> None:
     opt = ref()
-    if opt is not None:
-        opt._wait_queued = False
-        opt._average_gradients()
+    if opt is None:
+        return
+    opt._wait_queued = False
+    if threading.get_ident() != opt._owner_thread and any(
+        comm.workers_share_process for comm, _ in opt._gradient_stages()
+    ):
+        # Autograd's device thread (CUDA) runs this, and it serves every thread worker of the
+        # process: waiting here for the other workers would wait for their backward passes,
+        # queued behind this one on the same thread (a deadlock). step() and synchronize()
+        # wait instead; read gradients before step() only after synchronize().
+        opt._wait_deferred = True
+        return
+    opt._average_gradients()

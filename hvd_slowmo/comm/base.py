@@ -170,6 +170,10 @@ class Communicator(abc.ABC):
             collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
             gradient average starts each parameter's average as soon as its gradient is ready
             instead of waiting for a bucket of them (:mod:`hvd_slowmo.grad_buckets`).
+        workers_share_process: the workers are threads of one process (thread workers,
+            :mod:`hvd_slowmo.comm.local`), so they share autograd's device threads: the end of
+            a backward pass, run there, must not wait for the other workers
+            (:mod:`hvd_slowmo.amp`).
     """
 
     rank: int
@@ -179,6 +183,7 @@ class Communicator(abc.ABC):
     supports_alltoall: bool = False
     supports_exchange: bool = False
     fuses_averages: bool = False
+    workers_share_process: bool = False
 
     # --- the operations every communicator has -------------------------------------------
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:
@@ -208,8 +213,10 @@ class Communicator(abc.ABC):
         """Start :meth:`average_` without waiting for it: the tensors hold their averages once
         the returned handle's ``wait()`` returns, and must not be touched until then.
 
-        A transport without background progress (threads, MPI) averages here and returns a
-        finished handle; Horovod's runs in its background thread, so compute overlaps it.
+        Never waits for the other workers: every built-in transport hands the average to a
+        background thread (Horovod's, torch.distributed's, the thread world's progress thread,
+        the MPI communicator's averaging thread), so compute overlaps it and a gradient hook
+        that starts it returns at once.
 
         Args:
             tensors: the tensors, in the same order and shapes on every worker.

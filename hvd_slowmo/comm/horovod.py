@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..validation import check_choice
 from .base import Communicator, PendingAverage, PendingExchange, PendingTensors, shard_range
+from .deadline import collective_timeout, timeout_message, wait_until
 
 __all__ = ["HorovodCommunicator", "check_compression"]
 
@@ -90,6 +91,11 @@ class HorovodCommunicator(Communicator):
             then sums what it received in rank order: the same volume), or ``"auto"``: alltoall for
             CPU tensors, where Horovod 0.28.1's Gloo reducescatter measured 3-4x slower than its
             allreduce (benchmarks/sharded_overhead.py), reducescatter for GPU tensors (NCCL).
+        timeout: seconds a wait for an average, all-gather or all-to-all lasts (polling
+            ``hvd.poll``) before it raises :class:`~hvd_slowmo.comm.deadline.CollectiveTimeout`;
+            None: Horovod's own ``hvd.synchronize``, no deadline; ``"env"`` (default): from
+            ``HVD_SLOWMO_COLLECTIVE_TIMEOUT`` (unset: none). docs/timeouts.md lists Horovod's
+            own timeouts, which end the job where this one cannot.
     """
 
     supports_sharding = True
@@ -98,9 +104,14 @@ class HorovodCommunicator(Communicator):
     fuses_averages = True
 
     def __init__(
-        self, compression: Any = None, process_set: Any = None, reduce_scatter: str = "auto"
+        self,
+        compression: Any = None,
+        process_set: Any = None,
+        reduce_scatter: str = "auto",
+        timeout: float | str | None = "env",
     ) -> None:
         self.reduce_scatter = check_choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_MODES)
+        self.timeout = collective_timeout(timeout)
         hvd = _hvd()
         self.compression = check_compression(compression) or hvd.Compression.none
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -132,6 +143,20 @@ class HorovodCommunicator(Communicator):
         """Whether Horovod runs over MPI (``horovodrun --mpi`` or ``mpirun``)."""
         return bool(_hvd().mpi_enabled())
 
+    def _synchronize(self, handle: Any, what: str) -> Any:
+        """``hvd.synchronize(handle)`` within the deadline: poll first, so a peer frozen inside
+        the collective (which Horovod over MPI never notices) ends in an error naming it."""
+        hvd = _hvd()
+        if self.timeout is not None:
+            wait_until(
+                lambda: hvd.poll(handle),
+                self.timeout,
+                lambda: timeout_message(
+                    self.rank, what, self.timeout or 0.0, "Horovod still runs it"
+                ),
+            )
+        return hvd.synchronize(handle)
+
     def _average_(self, tensors: list[Tensor], name: str) -> int:
         pending, wire = self._average_start(tensors, name)
         pending.wait()
@@ -146,7 +171,8 @@ class HorovodCommunicator(Communicator):
                 tensors, op=hvd.Average, name=name, process_set=self.process_set
             )
             wire = sum(t.numel() * t.element_size() for t in tensors)
-            return PendingAverage(lambda: hvd.synchronize(handle)), wire
+            what = f"average {name!r}"
+            return PendingAverage(lambda: self._synchronize(handle, what)), wire
         # float64 payloads (the optimizer's step-count probe) must stay exact: never compressed.
         packed = [
             (t, None) if t.dtype == torch.float64 else self.compression.compress(t) for t in tensors
@@ -156,7 +182,7 @@ class HorovodCommunicator(Communicator):
         )
 
         def finish() -> None:
-            outs = hvd.synchronize(handle)
+            outs = self._synchronize(handle, f"average {name!r}")
             for t, out, (_, ctx) in zip(tensors, outs, packed):
                 t.copy_(out if t.dtype == torch.float64 else self.compression.decompress(out, ctx))
 
@@ -235,7 +261,7 @@ class HorovodCommunicator(Communicator):
             wire += packed.numel() * packed.element_size()
         out: list[Tensor | None] = [None] * len(flats)
         for idx, handle, _, ctx in pending:
-            received, _ = hvd.synchronize(handle)
+            received, _ = self._synchronize(handle, f"reduce_scatter {name!r}")
             received = self.compression.decompress(received, ctx)
             mine = [ranges[i][self.rank][1] - ranges[i][self.rank][0] for i in idx]
             per_source = received.reshape(m, sum(mine))  # one row per source rank, rank 0 first
@@ -249,7 +275,10 @@ class HorovodCommunicator(Communicator):
         hvd = _hvd()
         # Horovod keeps the inputs alive until synchronize (its handle map holds them).
         handle = hvd.grouped_allgather_async(shards, name=name, process_set=self.process_set)
-        return PendingTensors(lambda: list(hvd.synchronize(handle)), lambda: hvd.poll(handle))
+        return PendingTensors(
+            lambda: list(self._synchronize(handle, f"allgather {name!r}")),
+            lambda: hvd.poll(handle),
+        )
 
     def _alltoall_flat_start(
         self, sends: list[Tensor], recv_numels: list[int], name: str
@@ -263,7 +292,7 @@ class HorovodCommunicator(Communicator):
         )
 
         def finish() -> list[Tensor]:
-            out, received = hvd.synchronize(handle)
+            out, received = self._synchronize(handle, f"alltoall {name!r}")
             return list(out.split(received.tolist()))
 
         return PendingTensors(finish, lambda: hvd.poll(handle))

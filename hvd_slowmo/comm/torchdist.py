@@ -25,6 +25,7 @@ rank's number and the operation's name.
 """
 
 import contextlib
+import datetime
 import pickle
 import threading
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Communicator, PendingAverage, PendingExchange, shard_range
+from .deadline import collective_timeout
 
 __all__ = ["FP16", "TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
 
@@ -145,6 +147,10 @@ class TorchDistCommunicator(Communicator):
         compression: ``"fp16"`` (or ``hvd.Compression.fp16``) sends the exact average's payload as
             float16 and casts the result back to each tensor's dtype; float64 tensors are never
             compressed (they carry exact counts). None or ``"none"``: no compression.
+        timeout: seconds a wait for an average lasts (``Work.wait(timeout)``) before it raises
+            a ``RuntimeError`` naming this rank and the average; None: the process group's own
+            timeout (``init_process_group(timeout=...)``, which bounds every collective);
+            ``"env"`` (default): from ``HVD_SLOWMO_COLLECTIVE_TIMEOUT`` (unset: None).
 
     Raises:
         RuntimeError: no default process group (call ``torch.distributed.init_process_group``).
@@ -154,13 +160,18 @@ class TorchDistCommunicator(Communicator):
     supports_alltoall = True
     supports_exchange = True
 
-    def __init__(self, group: Any = None, compression: Any = None) -> None:
+    def __init__(
+        self, group: Any = None, compression: Any = None, timeout: float | str | None = "env"
+    ) -> None:
         if not torch_distributed_ready():
             raise RuntimeError(
                 "TorchDistCommunicator needs torch.distributed initialized: launch with torchrun "
                 "and call torch.distributed.init_process_group() first"
             )
         self.compression = _compression(compression)
+        self.timeout = collective_timeout(timeout)
+        # Work.wait's timeout: zero means the process group's own.
+        self._wait_timeout = datetime.timedelta(seconds=self.timeout or 0)
         self.group = group
         #: Global rank of every rank of the group, in group-rank order.
         self.members: list[int] = (
@@ -204,7 +215,7 @@ class TorchDistCommunicator(Communicator):
         def finish() -> None:
             for idx, payload, ctx, squeeze, work in started:
                 with self._named(f"average {name!r}"):
-                    work.wait()
+                    work.wait(self._wait_timeout)
                 total = self.compression.decompress(payload, ctx) if squeeze else payload
                 mean = total.div_(self.size)
                 views = mean.split([tensors[i].numel() for i in idx])
