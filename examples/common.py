@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import Job, init_job
 
 # The machine-readable event lines (--progress-lines) and the log check built on them.
-from run_log import PROGRESS_MARK, event_line
+from run_log import PROGRESS_MARK, event_line, parse_event
 
 import hvd_slowmo
 from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
@@ -38,6 +38,7 @@ from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
 __all__ = [
     "ALGOS",
     "PROGRESS_MARK",
+    "parse_event",
     "add_common_args",
     "describe",
     "setup",
@@ -206,6 +207,12 @@ def add_common_args(
         help=f"rank 0 prints a line starting {PROGRESS_MARK.strip()!r} + JSON at the "
         "start of the run, after each epoch and at the end (for a launcher that "
         "draws its own progress bars)",
+    )
+    o.add_argument(
+        "--progress-file",
+        default=None,
+        help="rank 0 appends the same event lines to this file (a check reads them there, "
+        "whatever a launcher does to the interleaved output)",
     )
 
 
@@ -615,8 +622,16 @@ def log0(rank: int, *message: Any) -> None:
 
 
 def _progress_line(args: argparse.Namespace, rank: int, event: str, **fields: Any) -> None:
-    if args.progress_lines and rank == 0:
-        print(event_line(event, run=run_name(args), **fields), flush=True)
+    if rank != 0 or not (args.progress_lines or args.progress_file):
+        return
+    line = event_line(event, run=run_name(args), **fields)
+    if args.progress_lines:
+        print(line, flush=True)
+    if args.progress_file:
+        # Appended and closed at every event: a run that dies leaves the epochs it finished.
+        os.makedirs(os.path.dirname(os.path.abspath(args.progress_file)), exist_ok=True)
+        with open(args.progress_file, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 def write_summary(path: str | None, summary: dict[str, Any], rank: int) -> None:

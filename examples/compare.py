@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import digits  # noqa: E402
 import mnist1d_cnn  # noqa: E402
-from common import ALGOS, PROGRESS_MARK  # noqa: E402  (also puts the package on the path)
+from common import ALGOS, parse_event  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
 from hvd_slowmo.tools import report  # noqa: E402
@@ -243,8 +243,9 @@ def follow_progress(
     bars = _ProgressBars(args.no_progress, summaries)
     try:
         for line in lines:
-            if PROGRESS_MARK in line:
-                bars.on_event(json.loads(line.split(PROGRESS_MARK, 1)[1]))
+            event = parse_event(line)  # launcher tags and what follows the JSON ignored
+            if event is not None:
+                bars.on_event(event)
                 continue
             tail.append(line.rstrip("\n"))
             if args.verbose:

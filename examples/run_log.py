@@ -1,23 +1,30 @@
-"""The machine-readable lines an example prints with ``--progress-lines``, and the check of a run's
-log that is built on them (standard library only, so a host without torch can run it).
+"""The machine-readable lines an example prints with ``--progress-lines`` (or writes to
+``--progress-file``), and the check of a run built on them (standard library only, so a host
+without torch can run it).
 
-Rank 0 prints one line per event: :data:`PROGRESS_MARK` then a JSON object with ``"event"``
+Rank 0 emits one line per event: :data:`PROGRESS_MARK` then a JSON object with ``"event"``
 (``"start"``, ``"epoch"`` after each epoch, ``"end"`` with the run's summary) and ``"run"``.
 examples/compare.py draws its progress bars from them; scripts/docker_check.sh checks that a
-launch trained to its last epoch with::
+launch trained to its last epoch from the file rank 0 wrote::
 
-    python3 examples/run_log.py LOG --workers 2 --epochs 2
+    python3 examples/run_log.py PROGRESS_FILE --workers 2 --epochs 2
 
-The lines may carry a launcher's prefix (horovodrun writes ``[0]<stdout>:`` before rank 0's).
+The same command reads a launcher's log, where the lines carry its tags: horovodrun writes
+``[0]<stdout>:`` before rank 0's lines, OpenMPI's ``--tag-output`` ``[1,0]<stdout>:``, and
+OpenMPI 4.1 sometimes writes the next line's tag before the newline, after the JSON
+(tests/data/mpi_tagged_output.log, recorded here): :func:`parse_event` ignores the tags and
+whatever follows the JSON object. A file is still the better source: a launcher may change its
+output format; it cannot change a file.
 """
 
 import argparse
 import json
 import math
+import re
 import sys
 from typing import Any
 
-__all__ = ["PROGRESS_MARK", "check_run", "event_line", "read_events"]
+__all__ = ["PROGRESS_MARK", "check_run", "event_line", "parse_event", "read_events"]
 
 #: The start of every machine-readable line (then JSON).
 PROGRESS_MARK = "@hvd_slowmo_progress "
@@ -33,17 +40,47 @@ def event_line(event: str, **fields: Any) -> str:
     return PROGRESS_MARK + json.dumps({"event": event, **fields})
 
 
-def read_events(text: str) -> list[dict[str, Any]]:
-    """Every event in a log, in order; other lines are ignored.
+#: A launcher's tag of a rank's output: horovodrun's ``[0]<stdout>:``, OpenMPI's
+#: ``[1,0]<stdout>:`` (job, rank).
+LAUNCHER_TAG = re.compile(r"\[\d+(?:,\d+)*\]<std(?:out|err)>:")
+
+_DECODER = json.JSONDecoder()
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The event on one line of output, or None if the line holds none.
+
+    Launcher tags anywhere on the line are dropped (OpenMPI writes one at each chunk of output it
+    forwards, which can fall before a newline), and so is anything after the JSON object.
 
     Args:
-        text: the log (stdout of an example or of its launcher).
+        line: one line of a log or of a progress file.
+
+    Raises:
+        ValueError: the line has the mark but no JSON object after it.
     """
-    return [
-        json.loads(line.split(PROGRESS_MARK, 1)[1])
-        for line in text.splitlines()
-        if PROGRESS_MARK in line
-    ]
+    if PROGRESS_MARK not in line:
+        return None
+    text = LAUNCHER_TAG.sub("", line.split(PROGRESS_MARK, 1)[1]).strip()
+    try:
+        event, _ = _DECODER.raw_decode(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"a {PROGRESS_MARK.strip()!r} line without its JSON ({e}): {line!r}"
+        ) from None
+    if not isinstance(event, dict):
+        raise ValueError(f"a {PROGRESS_MARK.strip()!r} line without a JSON object: {line!r}")
+    return event
+
+
+def read_events(text: str) -> list[dict[str, Any]]:
+    """Every event in a log or progress file, in order; other lines are ignored.
+
+    Args:
+        text: the log (stdout of an example or of its launcher) or the ``--progress-file``.
+    """
+    events = (parse_event(line) for line in text.splitlines())
+    return [e for e in events if e is not None]
 
 
 def check_run(text: str, workers: int, epochs: int) -> list[str]:
@@ -51,17 +88,19 @@ def check_run(text: str, workers: int, epochs: int) -> list[str]:
     returns one human-readable line per epoch.
 
     Args:
-        text: the run's log, printed with ``--progress-lines``.
+        text: the run's ``--progress-file``, or its log printed with ``--progress-lines``.
         workers: the number of workers the run must report.
         epochs: the number of epochs it must have finished.
 
     Raises:
         ValueError: what is missing or wrong (no event lines: the run was not launched with
-            ``--progress-lines``, or it died before its first epoch).
+            ``--progress-file``/``--progress-lines``, or it died before its first event).
     """
     events = read_events(text)
     if not events:
-        raise ValueError(f"no '{PROGRESS_MARK.strip()}' lines: launch with --progress-lines")
+        raise ValueError(
+            f"no '{PROGRESS_MARK.strip()}' lines: launch with --progress-file or --progress-lines"
+        )
     done = [e for e in events if e["event"] == "epoch"]
     if [e["epoch"] for e in done] != list(range(1, epochs + 1)):
         raise ValueError(f"epochs finished: {[e['epoch'] for e in done]}, expected 1..{epochs}")
@@ -85,10 +124,12 @@ def _describe(event: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 examples/run_log.py LOG --workers N --epochs E``: exit 0 and print the epochs,
+    """``python3 examples/run_log.py FILE --workers N --epochs E``: exit 0 and print the epochs,
     or exit 1 with what is wrong."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", help="the run's log (printed with --progress-lines)")
+    parser.add_argument(
+        "log", help="the run's --progress-file, or its log (printed with --progress-lines)"
+    )
     parser.add_argument("--workers", type=int, required=True)
     parser.add_argument("--epochs", type=int, required=True)
     args = parser.parse_args(argv)

@@ -290,26 +290,49 @@ build_gpu() {
   build_image gpu
 }
 
-# expect_run LOG WORKERS: the example's log must show training on WORKERS workers to its last epoch.
-# The example's own event lines (--progress-lines) are read by examples/run_log.py, the module
-# that writes them, so this check follows the examples' output (tests/test_examples.py runs it on
-# what an example prints now, in every CI run).
-expect_run() {
-  local file=$LOGS/$1 workers=$2
-  python3 examples/run_log.py "$file" --workers "$workers" --epochs "$EPOCHS" >&2 \
-    || die "$1: the run did not train on $workers workers to epoch $EPOCHS (log: $file)"
-}
-
 # The example every launch runs: two epochs of the digits CNN, SlowMo on local SGD.
 EPOCHS=2
 EXAMPLE_FLAGS=(--slowmo --epochs "$EPOCHS" --no-progress --progress-lines)
 EXAMPLE=(python examples/digits.py --algo localsgd "${EXAMPLE_FLAGS[@]}")
 
+# Rank 0 of every launch also writes its event lines to a file (--progress-file), and the check
+# reads that file, not the launcher's stdout: OpenMPI interleaves the ranks' output and may put
+# the next line's "[1,0]<stdout>:" tag before a newline, so what a check parses there depends on
+# the launcher. The file lies in a host directory mounted into the container that runs rank 0
+# (horovodrun and mpirun place rank 0 on the first host of -H); the stdout logs stay for people.
+RESULTS=/results
+PROGRESS=(--progress-file "$RESULTS/progress.jsonl")
+
+# results_dir NAME: a new, empty host directory for one launch's files, which the image's account
+# (not root) can write; prints its path.
+results_dir() {
+  local dir=$LOGS/results/$1
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  chmod 0777 "$dir"
+  printf '%s\n' "$dir"
+}
+
+# expect_run NAME WORKERS: the progress file of launch NAME (written by its rank 0 into
+# results_dir NAME) must show training on WORKERS workers to the last epoch. The lines are read by
+# examples/run_log.py, the module that writes them (tests/test_docker.py runs this function on
+# what the example writes now, and on a recorded MPI log, in every CI run).
+expect_run() {
+  local name=$1 workers=$2
+  local file=$LOGS/results/$name/progress.jsonl
+  [ -s "$file" ] || die "$name: rank 0 wrote no progress file $file (log: $LOGS/$name.log)"
+  python3 examples/run_log.py "$file" --workers "$workers" --epochs "$EPOCHS" >&2 \
+    || die "$name: the run did not train on $workers workers to epoch $EPOCHS" \
+      "(progress file: $file, log: $LOGS/$name.log)"
+}
+
 cpu_one_container() {
-  local controller=$1
+  local controller=$1 dir
+  dir=$(results_dir "cpu-$controller")
   run_logged "cpu-$controller.log" docker run --rm --name "${PROJECT}_single" --shm-size 1g \
-    hvd_slowmo:cpu horovodrun -np 2 "--$controller" "${EXAMPLE[@]}"
-  expect_run "cpu-$controller.log" 2
+    -v "$dir:$RESULTS" hvd_slowmo:cpu \
+    horovodrun -np 2 "--$controller" "${EXAMPLE[@]}" "${PROGRESS[@]}"
+  expect_run "cpu-$controller" 2
 }
 
 two_nodes() {
@@ -322,15 +345,17 @@ two_nodes() {
   docker network create "${PROJECT}_net" > /dev/null
   run_logged two-nodes-worker.log docker run -d --name "${PROJECT}_node2" --hostname node2 \
     --network "${PROJECT}_net" --shm-size 1g --user root "${mount[@]}" hvd_slowmo:cpu sshd
-  local controller
+  local controller dir
   for controller in gloo mpi; do
     local flag=(--gloo)
     [ "$controller" = gloo ] || flag=()  # a bare horovodrun -H launches with MPI
+    dir=$(results_dir "two-nodes-$controller")
     run_logged "two-nodes-$controller.log" docker run --rm --name "${PROJECT}_node1" \
       --hostname node1 --network "${PROJECT}_net" --shm-size 1g --user root "${mount[@]}" \
-      hvd_slowmo:cpu \
-      horovodrun -np 2 -H node1:1,node2:1 --network-interfaces eth0 "${flag[@]}" "${EXAMPLE[@]}"
-    expect_run "two-nodes-$controller.log" 2
+      -v "$dir:$RESULTS" hvd_slowmo:cpu \
+      horovodrun -np 2 -H node1:1,node2:1 --network-interfaces eth0 "${flag[@]}" \
+      "${EXAMPLE[@]}" "${PROGRESS[@]}"
+    expect_run "two-nodes-$controller" 2
   done
   docker logs "${PROJECT}_node2" > "$LOGS/two-nodes-sshd.log" 2>&1
   grep -q 'Accepted publickey for hvd' "$LOGS/two-nodes-sshd.log" \
@@ -370,13 +395,20 @@ print(s.getsockname()[1])')
   export HVD_SLOWMO_TENSORBOARD_PORT=$port
   run_logged compose-up.log "${COMPOSE[@]}" up -d
   local hosts=node1:1,node2:1,node3:1,node4:1
+  # The nodes share the runs volume, so rank 0 writes its progress file there; `cat` brings it out.
+  local shared=/opt/hvd_slowmo/runs/docker_check
   run_logged compose-gloo.log "${COMPOSE[@]}" exec -T node1 \
-    horovodrun -np 4 -H "$hosts" --network-interfaces eth0 --gloo "${EXAMPLE[@]}"
-  expect_run compose-gloo.log 4
+    horovodrun -np 4 -H "$hosts" --network-interfaces eth0 --gloo "${EXAMPLE[@]}" \
+    --progress-file "$shared/gloo.jsonl"
+  "${COMPOSE[@]}" exec -T node1 cat "$shared/gloo.jsonl" \
+    > "$(results_dir compose-gloo)/progress.jsonl" || true
+  expect_run compose-gloo 4
   run_logged compose-mpi.log "${COMPOSE[@]}" exec -T node1 \
     horovodrun --mpi -np 4 -H "$hosts" --network-interfaces eth0 \
-    python examples/digits.py --algo sgp "${EXAMPLE_FLAGS[@]}"
-  expect_run compose-mpi.log 4
+    python examples/digits.py --algo sgp "${EXAMPLE_FLAGS[@]}" --progress-file "$shared/mpi.jsonl"
+  "${COMPOSE[@]}" exec -T node1 cat "$shared/mpi.jsonl" \
+    > "$(results_dir compose-mpi)/progress.jsonl" || true
+  expect_run compose-mpi 4
   run_logged compose-tensorboard.log "${COMPOSE[@]}" exec -T -d node1 \
     tensorboard --logdir runs --bind_all
   # TensorBoard answers on the host's port and lists the runs the two launches wrote.

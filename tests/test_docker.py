@@ -1109,3 +1109,22 @@ def test_end_to_end_cpu_image_builds_and_runs_the_recipes():
 @pytest.mark.timeout(14400)
 def test_end_to_end_gpu_image_builds_with_nccl():
     run_docker_check("gpu", ["engine", "base", "build-gpu"], timeout=14000)
+
+
+# ----------------------------------------------------------------------------- progress lines
+
+
+def test_run_log_reads_a_recorded_openmpi_log_with_tags_before_newlines():
+    """tests/data/mpi_tagged_output.log: horovodrun --mpi -np 2 of the docker check's example
+    (OpenMPI 4.1.4, as in the image), where OpenMPI wrote the next line's tag after the JSON."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import run_log
+
+    with open(os.path.join(ROOT, "tests", "data", "mpi_tagged_output.log"), encoding="utf-8") as f:
+        text = f.read()
+    # The log really holds the case that broke the old parser (json.loads: "Extra data").
+    assert re.search(r"^\[1,0\]<stdout>:@hvd_slowmo_progress \{.*\}\[1,0\]<stdout>:$", text, re.M)
+    lines = run_log.check_run(text, workers=2, epochs=2)
+    assert len(lines) == 2 and all("val_accuracy" in line for line in lines), lines
+    with pytest.raises(ValueError, match="expected 4"):
+        run_log.check_run(text, workers=4, epochs=2)
