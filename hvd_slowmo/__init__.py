@@ -32,7 +32,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import SlowMoConfig
-from .hierarchy import Hierarchy
+from .comm.hierarchy import Hierarchy
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
 

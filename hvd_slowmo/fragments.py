@@ -40,7 +40,7 @@ adds and updates only its own parameters' residual.
     g_i   = (x0 - s_i) / gamma               this worker's outer gradient (pseudo-gradient)
     G     = (x0 - avg) / gamma = mean_i g_i  the exact one, known at the landing
 
-Overlapped, not eager (``overlap=d``, as :mod:`hvd_slowmo.overlap`): worker ``i`` goes on
+Overlapped, not eager (``overlap=d``, as :mod:`hvd_slowmo.outer_step` runs it): worker ``i`` goes on
 from ``s_i``; at ``n + d``::
 
     u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (Nesterov: x0 - alpha gamma (G + beta u))

@@ -22,7 +22,7 @@ from .config import SlowMoConfig, check_same_everywhere, param_names
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
 from .fragments import fragment_of
-from .hierarchy import Hierarchy
+from .comm.hierarchy import Hierarchy
 from .outer_step import OuterLoop
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
@@ -80,8 +80,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             pseudo-gradient (the residual is in ``state_dict()``).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
             gradients are averaged inside the node at every step, the base algorithm runs between
-            nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
-            a :class:`~hvd_slowmo.hierarchy.Hierarchy` of two communicators for other layouts.
+            nodes, see :mod:`hvd_slowmo.comm.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
+            a :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts.
         communicator: the transport over all ranks; default one over ``engine``.
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where

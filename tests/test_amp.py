@@ -12,7 +12,7 @@ import torch
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.hierarchy import Hierarchy
+from hvd_slowmo.comm.hierarchy import Hierarchy
 
 import amp_run
 

@@ -365,7 +365,7 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
     """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
     estimate differs from the average there, and the landing corrects it); with worker="node"
     the two ranks of a node are identical at every step, also with an int8 exchange."""
-    from hvd_slowmo.hierarchy import Hierarchy
+    from hvd_slowmo.comm.hierarchy import Hierarchy
 
     def worker(comm, models, kwargs):
         r = comm.rank

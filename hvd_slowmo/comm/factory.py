@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from ..hierarchy import Hierarchy, node_groups
+from .hierarchy import Hierarchy, node_groups
 from ..validation import check_choice
 from .base import Communicator
 from .horovod import HorovodCommunicator, check_compression
@@ -128,14 +128,14 @@ def worker_hierarchy(
 
     Args:
         worker: ``"process"``, ``"node"`` (built from the host layout of ``comm``'s engine:
-            collective) or a :class:`~hvd_slowmo.hierarchy.Hierarchy`.
+            collective) or a :class:`~hvd_slowmo.comm.hierarchy.Hierarchy`.
         communicator: the user's communicator, or None.
         comm: the communicator of the exact average (:func:`default_communicator`); None or a
             Horovod one builds Horovod process sets, a torch.distributed one builds sub-groups.
     """
     if isinstance(worker, Hierarchy):
         return worker
-    check_choice("worker", worker, ("process", "node"), "or a hvd_slowmo.hierarchy.Hierarchy")
+    check_choice("worker", worker, ("process", "node"), "or a hvd_slowmo.comm.hierarchy.Hierarchy")
     if worker == "process":
         return None
     if communicator is not None:
