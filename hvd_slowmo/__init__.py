@@ -31,8 +31,8 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import SlowMoConfig
 from .comm.hierarchy import Hierarchy
+from .config import SlowMoConfig
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
 

@@ -23,6 +23,8 @@ from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "EAGER_ESTIMATES",
+    "resolve_codec",
+    "upgrade_saved_config",
     "NONFINITE",
     "OUTER_OPTIMIZERS",
     "SlowMoConfig",
@@ -35,8 +37,11 @@ __all__ = [
 NONFINITE = ("raise", "skip", "ignore")
 #: The built-in slow updates (``outer_optimizer=``); a callable is the third kind.
 OUTER_OPTIMIZERS = ("heavyball", "nesterov")
-#: The named estimates of eager updates (``eager=``) besides True (the paper's) and False.
-EAGER_ESTIMATES = ("local",)
+#: The estimates of eager updates (``eager=``); None turns them off.
+EAGER_ESTIMATES = ("shares", "local")
+#: The old spellings of ``eager`` (before ``"shares"`` was its name), still accepted with a
+#: DeprecationWarning.
+_OLD_EAGER = {True: "shares", False: None}
 #: The paper's defaults (Section 5): alpha = 1, beta = 0.5.
 DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM = 1.0, 0.5
 
@@ -86,7 +91,8 @@ class SlowMoConfig:
             workers take ``d`` more base steps, then the slow step is applied and each worker
             keeps its progress since the snapshot (:mod:`hvd_slowmo.outer_step`). 0 (default) is
             the paper's algorithm, bit for bit.
-        codec: compress the exact average (:mod:`hvd_slowmo.compression`): every worker sends
+        codec: the outer exchange's pseudo-gradient codec: compress the exact average
+            (:mod:`hvd_slowmo.compression`): every worker sends
             its pseudo-gradient ``anchor - parameters`` as ``"fp16"``, ``"bf16"``, ``"int8"`` or
             ``"fp8"`` codes (``"fp32"``: uncompressed, through the same all-to-all), the sums
             are float32, and every worker ends with the same parameters. Keeps an anchor even
@@ -103,10 +109,11 @@ class SlowMoConfig:
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with an
             estimate of the average outer gradient; the exact step replaces it at the landing.
-            ``True``: the paper's estimate, the worker's own fresh share plus the other
+            ``"shares"``: the paper's estimate, the worker's own fresh share plus the other
             workers' shares of the previous outer step (one more copy of the parameters);
-            ``"local"``: the worker's own fresh outer gradient alone (no copy). False: off.
-            Needs ``overlap >= 1``.
+            ``"local"``: the worker's own fresh outer gradient alone (no copy). None: off.
+            Needs ``overlap >= 1``. The old spellings True (``"shares"``) and False (None) are
+            accepted with a ``DeprecationWarning`` and stored as the new ones.
     """
 
     base: Any = "localsgd"
@@ -123,7 +130,7 @@ class SlowMoConfig:
     codec: str | None = None
     error_feedback: bool = False
     fragments: int = 1
-    eager: bool | str = False
+    eager: str | None = None
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -210,10 +217,19 @@ class SlowMoConfig:
                 f"tau // fragments = {self.tau // self.fragments}), so one fragment is in flight "
                 "at a time; lower overlap or fragments"
             )
-        if not (isinstance(self.eager, bool) or self.eager in EAGER_ESTIMATES):
+        if isinstance(self.eager, bool):
+            new = _OLD_EAGER[self.eager]
+            warnings.warn(
+                f"eager={self.eager!r} is deprecated: pass eager={new!r}",
+                DeprecationWarning,
+                stacklevel=5,
+            )
+            self._put("eager", new)
+        if not (self.eager is None or self.eager in EAGER_ESTIMATES):
             raise (ValueError if isinstance(self.eager, str) else TypeError)(
-                f"eager must be False, True (the paper's estimate: own share plus the others' "
-                f"previous shares) or 'local' (own outer gradient), got eager={self.eager!r}"
+                f"eager must be None, 'shares' (the paper's estimate: own share plus the "
+                f"others' previous shares) or 'local' (own outer gradient), got "
+                f"eager={self.eager!r}"
             )
         if self.eager and not self.overlap:
             raise ValueError(
@@ -248,23 +264,23 @@ class SlowMoConfig:
     def _check_codec(self, base: Any) -> None:
         """The compressed average and its error feedback."""
         if self.codec is not None:
-            check_codec(self.codec)
+            check_codec(self.codec, name="codec")
         check_bool("error_feedback", self.error_feedback)
         if self.error_feedback and self.codec is None:
             raise ValueError(
-                "error_feedback=True needs a compressed average; pass e.g. compression='int8'"
+                "error_feedback=True needs a compressed average; pass e.g. codec='int8'"
             )
         if self.codec is not None and self.shard_slow_state:
             raise ValueError(
-                f"compression={self.codec!r} with shard_slow_state=True is not supported: the "
+                f"codec={self.codec!r} with shard_slow_state=True is not supported: the "
                 "compressed average sends pseudo-gradients, which need the whole anchor on "
-                "every worker; use shard_slow_state=False, or compression=None"
+                "every worker; use shard_slow_state=False, or codec=None"
             )
         if self.codec is not None and not (self.average and base.needs_exact_average):
             warnings.warn(
-                f"compression={self.codec!r} has nothing to compress: base="
+                f"codec={self.codec!r} has nothing to compress: base="
                 f"{base.display_name()!r} with average={self.average} runs no exact average; "
-                "drop compression",
+                "drop codec",
                 stacklevel=5,
             )
 
@@ -274,7 +290,7 @@ class SlowMoConfig:
             w
             for w, on in (
                 ("fragments > 1", self.fragments > 1),
-                (f"eager={self.eager!r}", self.eager),
+                (f"eager={self.eager!r}", self.eager is not None),
             )
             if on
         )
@@ -284,7 +300,7 @@ class SlowMoConfig:
             raise ValueError(
                 f"{what} with base={base.display_name()!r}: a gossip base's push-sum weight is one "
                 "per worker and returns to 1 only when the whole model is averaged at once; use "
-                "base='localsgd' or 'allreduce', or fragments=1 and eager=False"
+                "base='localsgd' or 'allreduce', or fragments=1 and eager=None"
             )
         if self.shard_slow_state:
             raise ValueError(
@@ -328,7 +344,12 @@ class SlowMoConfig:
     def keeps_anchor(self) -> bool:
         """An anchor is kept: for the slow update, to restart a skipped outer step, or for the
         pseudo-gradients of a compressed average, or the provisional step of eager updates."""
-        return self.slow_enabled or self.nonfinite == "skip" or self.codec is not None or self.eager
+        return (
+            self.slow_enabled
+            or self.nonfinite == "skip"
+            or self.codec is not None
+            or self.eager is not None
+        )
 
     @property
     def exact_average(self) -> bool:
@@ -349,11 +370,56 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
-            "compression": self.codec,
+            "codec": self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
             "eager": self.eager,
         }
+
+
+def resolve_codec(codec: Any, compression: Any) -> tuple[Any, Any]:
+    """``(codec, compression)`` of ``DistributedOptimizer``, the old spelling upgraded: a codec
+    name passed as ``compression`` (``compression="int8"``) is the codec, with a
+    ``DeprecationWarning``; ``compression`` keeps only Horovod's meaning (the payload cast of the
+    parameters' allreduce, ``hvd.Compression.none`` / ``.fp16``).
+
+    Args:
+        codec: the ``codec`` argument (checked later, by :class:`SlowMoConfig`).
+        compression: the ``compression`` argument.
+
+    Raises:
+        ValueError: a codec name in both ``codec`` and ``compression``.
+    """
+    if not isinstance(compression, str):
+        return codec, compression
+    if codec is not None:
+        raise ValueError(
+            f"codec={codec!r} and compression={compression!r} both name the outer exchange's "
+            "codec; pass codec= alone (compression= is Horovod's hvd.Compression of the "
+            "parameters' allreduce)"
+        )
+    warnings.warn(
+        f"compression={compression!r} is deprecated for the outer exchange's codec: pass "
+        f"codec={compression!r} (compression= now means only Horovod's hvd.Compression)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return compression, None
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration in today's words: ``"compression"`` (a codec name) became
+    ``"codec"``, ``eager`` True/False became ``"shares"``/None.
+
+    Args:
+        saved: the ``"config"`` entry of a saved state.
+    """
+    out = dict(saved)
+    if "compression" in out and "codec" not in out:
+        out["codec"] = out.pop("compression")
+    if isinstance(out.get("eager"), bool):
+        out["eager"] = _OLD_EAGER[out["eager"]]
+    return out
 
 
 def check_same_everywhere(comm: Communicator, mine: dict[str, Any]) -> None:
@@ -407,6 +473,7 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
     """
     if not isinstance(saved, dict):
         return []
+    saved = upgrade_saved_config(saved)
 
     def differs(key: str) -> bool:
         return key in saved and saved[key] != running.get(key)

@@ -20,8 +20,8 @@ def consensus_average(
     comm: Communicator, params: list[Tensor], weight: float, buffers: list[Tensor]
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Copies of the consensus parameters and of the averaged model buffers, bitwise identical
-    on every worker. Collective: one allreduce in float64; its bytes are not counted in
-    ``comm.bytes_sent`` (evaluation traffic is not training traffic).
+    on every worker. Collective: one allreduce in float64, ``comm.uncounted()`` (evaluation
+    traffic is not training traffic).
 
     Args:
         comm: the communicator over all workers.
@@ -41,9 +41,8 @@ def consensus_average(
         + [torch.full((1,), weight, dtype=torch.float64, device=device)]
         + [b.detach().reshape(-1).to(torch.float64) for b in buffers]
     )
-    counted = comm.bytes_sent
-    comm.average_([flat], name="hvd_slowmo.consensus")
-    comm.bytes_sent = counted
+    with comm.uncounted():
+        comm.average_([flat], name="hvd_slowmo.consensus")
     n = sum(p.numel() for p in params)
     # mean(x) / mean(w) = sum(x) / sum(w): the push-sum consensus value.
     values = torch.cat([flat[:n] / flat[n], flat[n + 1 :]])

@@ -34,7 +34,7 @@ outer step from its anchor, dropping an average in flight: the steps since that 
 dropped and the counters go back with them.
 
 Streaming (``fragments=P``) gives each fragment of the parameters its own outer step at its own
-inner step of the period, one fragment in flight at a time; eager updates (``eager=True`` or
+inner step of the period, one fragment in flight at a time; eager updates (``eager="shares"`` or
 ``"local"``) let the worker continue from a provisional slow step while the average is in
 flight. The split, the schedule and the recurrences: :mod:`hvd_slowmo.fragments`. ``P = 1``
 without eager is the recurrence above, through the same code.
@@ -154,7 +154,7 @@ class InFlight:
         """Advance the parameters' average if it runs in stages (a compressed average starts its
         all-gather once its all-to-all is done); never blocks."""
         if self._average is not None:
-            self._average.poll()
+            self._average.done()
 
     def finish_averages(self, deferred: bool) -> None:
         """Wait for the averages in flight; ``deferred`` also runs those a layout could not
@@ -232,7 +232,7 @@ class OuterLoop:
         fragments: the parameter indices of each fragment.
         starts: the inner step of each fragment's boundary
             (:func:`~hvd_slowmo.fragments.boundaries`).
-        eager_shares: ``eager=True``: ``c_i``, the other workers' shares of the last outer
+        eager_shares: ``eager="shares"``: ``c_i``, the other workers' shares of the last outer
             gradient, per parameter (None until the first boundary, after a restart or a
             skip, and always with ``eager="local"``).
         replica_spread: this worker's RMS distance ``|s_i - avg|`` from the workers' average at
@@ -676,7 +676,7 @@ class OuterLoop:
         Raises:
             ValueError: they do not match this model.
         """
-        if saved is None or self.config.eager is not True:  # "local" keeps no shares
+        if saved is None or self.config.eager != "shares":  # "local" keeps no shares
             return None
         if (
             not isinstance(saved, dict)

@@ -99,7 +99,7 @@ def eager_anchor_(
     workers: int,
     nesterov: bool = False,
 ) -> None:
-    """The provisional slow step of an eager update (``eager=True``), in place: with
+    """The provisional slow step of an eager update (``eager="shares"``), in place: with
     ``g = (x0 - s) / lr``, ``G^ = c + g / m``, ``u^ = beta u + G^``, ``x^0 = x0 - alpha lr u^``
     (Nesterov: ``x0 - alpha lr (G^ + beta u^)``), then ``c <- -g / m``. The anchor and the slow
     buffer are not changed: the exact step replaces this one when the average lands.

@@ -9,7 +9,7 @@ Format 2 (current)::
                 "position": {"num_steps", "inner_step", "outer_steps", "world_size"},
                 "slow_state": {"layout": "full" | "sharded", ...the layout's own keys},
                 "in_flight": None | <an outer step whose average is in flight>,
-                "eager_shares": None | {param index: tensor}   (eager=True; optional),
+                "eager_shares": None | {param index: tensor}   (eager="shares"; optional),
                 "base_algorithm": {...}}}
 
 Format 1 kept the counters at the top of ``"slowmo"``, wrote both layouts' keys (the other

@@ -11,9 +11,9 @@ import torch
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
+from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import ThreadCommunicator, run_threads
 from hvd_slowmo.grad_buckets import BUCKET_BYTES, choose_bucket_bytes, plan_buckets
-from hvd_slowmo.comm.hierarchy import Hierarchy
 
 from reference import batch
 

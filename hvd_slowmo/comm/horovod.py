@@ -107,7 +107,6 @@ class HorovodCommunicator(Communicator):
         # A set built from a rank list: its members, in Horovod's (sorted) rank order.
         ranks = self.process_set.ranks
         self._members = list(ranks) if self.process_set.process_set_id != 0 and ranks else None
-        self.bytes_sent = 0
 
     # The global set is read from Horovod on every use, not cached: hvd.elastic re-initializes
     # Horovod with other workers, and a stale rank or size would make the optimizer talk to the

@@ -110,7 +110,6 @@ class ThreadCommunicator(Communicator):
         self.world = world
         self.rank = rank
         self.size = world.size
-        self.bytes_sent = 0
 
     def _average_(self, tensors: list[Tensor], name: str) -> int:
         everyone = self.world._gather(self.rank, [t.detach().clone() for t in tensors])

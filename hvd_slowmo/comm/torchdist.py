@@ -46,8 +46,8 @@ def torch_distributed_ready() -> bool:
 
 class FP16:
     """fp16 compression of the parameters' allreduce (as ``hvd.Compression.fp16``): the payload
-    travels as float16, the result is cast back. Pass it as ``compression=FP16``; a codec name
-    (``compression="fp16"``) compresses the pseudo-gradient instead
+    travels as float16, the result is cast back. Pass it as ``compression=FP16``; the codec
+    ``codec="fp16"`` compresses the pseudo-gradient of the outer exchange instead
     (:mod:`hvd_slowmo.compression`)."""
 
     @staticmethod
@@ -171,7 +171,6 @@ class TorchDistCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
-        self.bytes_sent = 0
 
     @contextlib.contextmanager
     def _named(self, what: str) -> Iterator[None]:

@@ -74,7 +74,7 @@ class Encoded(NamedTuple):
     scales: Tensor
 
 
-def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "compression") -> str:
+def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "codec") -> str:
     """``codec`` itself, checked to be a codec name that works on ``device``.
 
     Args:

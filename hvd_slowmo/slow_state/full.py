@@ -90,7 +90,7 @@ class FullSlowState(SlowState):
             for p in pending:
                 p.wait()
 
-        return PendingAverage(finish, progress=pending[0].poll)
+        return PendingAverage(finish, progress=pending[0].done)
 
     def update_(
         self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
