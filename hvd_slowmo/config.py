@@ -64,8 +64,9 @@ class SlowMoConfig:
             bases' ``topology``, ``peers_per_step``, ``gossip_transport``, ``gossip_timeout``,
             and OSGP's ``staleness``).
         tau: base steps per outer step (>= 1).
-        slow_lr: ``alpha`` (> 0); None: 1.0, the paper's default.
-        slow_momentum: ``beta`` in ``[0, 1)``; None: 0.5, the paper's default.
+        slow_lr: ``alpha`` (> 0); 1.0, the paper's default (None is taken for it too).
+        slow_momentum: ``beta`` in ``[0, 1)``; 0.5, the paper's default (None is taken for it
+            too).
         buffers: the base optimizer's state at each outer step: ``"reset"``, ``"maintain"``
             or ``"average"``.
         average: False skips the exact average (SGP-SlowMo-noaverage): the slow update then
@@ -119,8 +120,8 @@ class SlowMoConfig:
     base: Any = "localsgd"
     base_options: Mapping[str, Any] = field(default_factory=dict)
     tau: int = 12
-    slow_lr: float | None = None
-    slow_momentum: float | None = None
+    slow_lr: float = DEFAULT_SLOW_LR
+    slow_momentum: float = DEFAULT_SLOW_MOMENTUM
     buffers: str = "reset"
     average: bool = True
     nonfinite: str = "raise"
@@ -160,6 +161,11 @@ class SlowMoConfig:
     def _check_slow(self) -> None:
         """tau, the outer optimizer, slow_lr and slow_momentum (normalized)."""
         check_int("tau", self.tau, 1, "the base steps per outer step, e.g. tau=12")
+        given: tuple[Any, Any] = (self.slow_lr, self.slow_momentum)  # None: the default
+        if given[0] is None:
+            self._put("slow_lr", DEFAULT_SLOW_LR)
+        if given[1] is None:
+            self._put("slow_momentum", DEFAULT_SLOW_MOMENTUM)
         custom = callable(self.outer_optimizer)
         if not custom:
             check_choice(
@@ -168,7 +174,8 @@ class SlowMoConfig:
                 OUTER_OPTIMIZERS,
                 "or a callable building a torch optimizer from a list of tensors",
             )
-        elif self.slow_lr is not None or self.slow_momentum is not None:
+        elif (self.slow_lr, self.slow_momentum) != (DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM):
+            # Set on purpose (a custom outer optimizer has its own lr and momentum).
             warnings.warn(
                 "slow_lr and slow_momentum are not used with a custom outer_optimizer: set "
                 "the outer optimizer's own lr and momentum instead",
@@ -178,7 +185,7 @@ class SlowMoConfig:
             "slow_lr",
             check_number(
                 "slow_lr",
-                DEFAULT_SLOW_LR if self.slow_lr is None else self.slow_lr,
+                self.slow_lr,
                 low=0.0,
                 low_open=True,
                 fix=f"slow_lr={DEFAULT_SLOW_LR} is the paper's default",
@@ -188,7 +195,7 @@ class SlowMoConfig:
             "slow_momentum",
             check_number(
                 "slow_momentum",
-                DEFAULT_SLOW_MOMENTUM if self.slow_momentum is None else self.slow_momentum,
+                self.slow_momentum,
                 low=0.0,
                 high=1.0,
                 high_open=True,

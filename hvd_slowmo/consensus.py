@@ -4,6 +4,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -84,8 +85,12 @@ class ConsensusView:
     params: list[Tensor]
     model_buffers: list[Tensor]
     outer: OuterLoop
-    base: BaseAlgorithm
     average: bool
+
+    if TYPE_CHECKING:  # provided by the optimizer (read-only: rebuilt with the workers)
+
+        @property
+        def base(self) -> BaseAlgorithm: ...
 
     def at_consensus(self) -> bool:
         """Whether every worker holds the same model now (no communication): always with

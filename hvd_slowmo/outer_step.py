@@ -341,6 +341,7 @@ class OuterLoop:
                 f.start_averages(self.comm, self.slow_state, cfg.exact_average, self._indices(f))
                 if cfg.eager:
                     self._provisional_step(f, members)
+                    assert f.snapshot is not None  # not in place: a snapshot was taken
                     torch._foreach_copy_(params, f.snapshot)
             self.in_flight = f
 
@@ -455,8 +456,12 @@ class OuterLoop:
         last = f.fragment == len(self.fragments) - 1
         with self.timer("average"):
             everyone = f.read_progress(self.comm)
-            if everyone is not None and not finite_verdict(
-                everyone, cfg.nonfinite, f.mine["num_steps"], f.mine["outer_steps"]
+            if (
+                everyone is not None
+                and f.mine is not None
+                and not finite_verdict(
+                    everyone, cfg.nonfinite, f.mine["num_steps"], f.mine["outer_steps"]
+                )
             ):
                 self._skip(f)
                 return

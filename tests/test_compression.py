@@ -121,7 +121,7 @@ def test_codec_edge_cases():
         assert torch.equal(out[256:512], torch.zeros(256)), codec
     with pytest.raises(ValueError, match="bytes"):
         from_bytes(packet[:-1], 700, "fp8")
-    with pytest.raises(ValueError, match="compression must be one of"):
+    with pytest.raises(ValueError, match="codec must be one of"):
         check_codec("int4")
 
 

@@ -329,7 +329,7 @@ def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
 
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
-        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
+        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") == "shares")
         assert opt.slow_state.compressed is None or opt.slow_state.compressed.residual is not None
 
     with warnings.catch_warnings():

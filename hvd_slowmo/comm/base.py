@@ -26,6 +26,7 @@ __all__ = [
     "PendingAverage",
     "PendingExchange",
     "PendingTensors",
+    "filled",
     "shard_range",
     "shard_sizes",
 ]
@@ -63,6 +64,18 @@ def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     base, extra = divmod(numel, size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+def filled(slots: Sequence[Tensor | None]) -> list[Tensor]:
+    """``slots``, a collective's results filled in one by one, checked to be all set.
+
+    Args:
+        slots: one result per slot, None where none arrived.
+    """
+    out = [t for t in slots if t is not None]
+    if len(out) != len(slots):
+        raise RuntimeError(f"a collective left {len(slots) - len(out)} of its results unset")
+    return out
 
 
 def _nbytes(tensors: Sequence[Tensor]) -> int:
@@ -229,7 +242,7 @@ class Communicator(abc.ABC):
         fuses_averages: the transport itself fuses averages started close together into one
             collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
             gradient average starts each parameter's average as soon as its gradient is ready
-            instead of waiting for a bucket of them (:mod:`hvd_slowmo.grad_buckets`).
+            instead of waiting for a bucket of them (:mod:`hvd_slowmo.bases.gradient_buckets`).
     """
 
     rank: int

@@ -282,7 +282,7 @@ def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) ->
             )
         return comm
     is_hvd = isinstance(comm, HorovodCommunicator)
-    mpi_launch = is_hvd and comm.mpi_launch
+    mpi_launch = isinstance(comm, HorovodCommunicator) and comm.mpi_launch
     if choice == "horovod" and not is_hvd:
         raise ValueError(
             f"gossip_transport='horovod' needs the Horovod communicator, got "

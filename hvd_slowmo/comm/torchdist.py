@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Communicator, PendingAverage, PendingExchange, shard_range
+from .base import Communicator, PendingAverage, PendingExchange, filled, shard_range
 
 __all__ = ["FP16", "TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
 
@@ -276,12 +276,13 @@ class TorchDistCommunicator(Communicator):
                     group=self.group,
                 )
             wire += send.numel() * send.element_size()
-            for src, chunk in enumerate(recv.view(m, sum(mine))):
+            for chunk in recv.view(m, sum(mine)):  # rank order
                 for i, part in zip(idx, chunk.split(mine)):
                     # Summed in rank order and divided: the same on every rank, as Horovod's
                     # alltoall reduce-scatter and the thread communicator.
-                    out[i] = part.clone() if src == 0 else out[i].add_(part)
-        return [t.div_(m) for t in out], wire
+                    acc = out[i]  # None before the first source's chunk
+                    out[i] = part.clone() if acc is None else acc.add_(part)
+        return [t.div_(m) for t in filled(out)], wire
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         m = self.size
@@ -309,7 +310,7 @@ class TorchDistCommunicator(Communicator):
                     pieces[j].append(part)
             for j, i in enumerate(idx):
                 out[i] = torch.cat(pieces[j])
-        return out
+        return filled(out)
 
     # --- all-to-all (a compressed average) -------------------------------------------------
     def _alltoall_flat(
