@@ -123,9 +123,9 @@ def main() -> None:
         # Rotate: load hits all alike
         order = list(opts)[i % len(opts) :] + list(opts)[: i % len(opts)]
         for name in order:
-            b0 = opts[name].comm.bytes_sent
+            b0 = opts[name].bytes_sent
             times[name].append(outer_step_s(opts[name]))
-            sent[name] = opts[name].comm.bytes_sent - b0
+            sent[name] = opts[name].bytes_sent - b0
     micro = (
         collectives_ms(sum(p.numel() for p in opts["unsharded"].params), args.repeats)
         if args.micro

@@ -135,8 +135,8 @@ def add_common_args(
         default=None,
         choices=("shares", "local"),
         help="eager updates while the average is in flight (needs --overlap >= 1): 'shares' "
-        "(the default with no value; the paper's estimate, eager=True) or 'local' (the own "
-        "outer gradient, eager='local')",
+        "(the default with no value; the paper's estimate) or 'local' (the own outer gradient); "
+        "passed as the optimizer's eager=",
     )
     g.add_argument(
         "--no-average",
@@ -144,15 +144,18 @@ def add_common_args(
         help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
     )
     g.add_argument(
-        "--compression",
+        "--codec",
+        "--compression",  # its old name
+        dest="codec",
         default="none",
         choices=("none", "fp16", "bf16", "int8", "fp8"),
-        help="codes of the exact average's pseudo-gradients (none: the fp32 allreduce)",
+        help="the optimizer's codec=: codes of the exact average's pseudo-gradients (none: the "
+        "fp32 allreduce)",
     )
     g.add_argument(
         "--error-feedback",
         action="store_true",
-        help="with --compression: each worker sends what its codes lost at the next average",
+        help="with --codec: each worker sends what its codes lost at the next average",
     )
     t = parser.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=epochs)
@@ -275,10 +278,10 @@ def build_optimizer(
         slow_momentum=args.slow_momentum,
         overlap=args.overlap,
         fragments=args.fragments,
-        eager=eager_option(args.eager),
+        eager=args.eager,
     )
-    if args.compression != "none":
-        kwargs.update(compression=args.compression, error_feedback=args.error_feedback)
+    if args.codec != "none":
+        kwargs.update(codec=args.codec, error_feedback=args.error_feedback)
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":
@@ -292,18 +295,6 @@ def build_optimizer(
         model_buffers=model.buffers(),
         **kwargs,
     )
-
-
-def eager_option(flag: str | None) -> bool | str:
-    """The optimizer's ``eager`` for ``--eager``: absent False, ``shares`` True (the paper's
-    estimate), ``local`` itself.
-
-    Args:
-        flag: the parsed ``--eager`` value (None when not given).
-    """
-    if flag is None:
-        return False
-    return True if flag == "shares" else flag
 
 
 def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
@@ -330,7 +321,7 @@ def run_name(args: argparse.Namespace) -> str:
         f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
         f"_{args.buffers}"
         + (f"_overlap{args.overlap}" if args.overlap else "")
-        + ("" if args.compression == "none" else f"_{args.compression}")
+        + ("" if args.codec == "none" else f"_{args.codec}")
         + ("_ef" if args.error_feedback else "")
         + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
         + ({None: "", "shares": "_eager", "local": "_eager-local"}[args.eager])
@@ -358,7 +349,7 @@ def run_config(
         "slow_momentum": args.slow_momentum if args.slowmo else 0.0,
         "buffers": args.buffers,
         "average": not args.no_average,
-        "compression": args.compression,
+        "codec": args.codec,
         "error_feedback": args.error_feedback,
         "optimizer": optimizer_name,
         "workers": world_size,
@@ -959,7 +950,7 @@ def train(
             if timed
             else monitor.mean_iteration_ms()
         ),
-        "bytes_sent": opt.comm.bytes_sent - monitor.measurement_bytes,
+        "bytes_sent": opt.bytes_sent - monitor.measurement_bytes,
         "timings_s": dict(opt.timings),
         "outer_steps": opt.outer_steps,
         "diverged": diverged,

@@ -31,8 +31,8 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .comm.hierarchy import Hierarchy
 from .config import SlowMoConfig
-from .hierarchy import Hierarchy
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
 

@@ -13,14 +13,16 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from .bases.base import BaseAlgorithm
+from .bases.gradient_buckets import BucketedAverage
 from .comm.base import Communicator
 from .finite import all_finite, by_device_and_dtype
-from .grad_buckets import BucketedAverage, Stage, choose_bucket_bytes
+from .timing import PhaseTimer
 
 __all__ = ["GradientSync", "any_nonfinite", "on_backward", "overflow_anywhere", "unscale_grads_"]
 
@@ -103,32 +105,42 @@ def on_backward(
 
 
 class GradientSync:
-    """The gradient side of :class:`hvd_slowmo.DistributedOptimizer`: average each step's
-    gradients once (inside the node with ``worker="node"``, then over the workers for bases that
-    average gradients: AR-SGD), and decide under a ``GradScaler`` whether this step happens, the
-    same way on every worker.
+    """The gradient side of :class:`hvd_slowmo.DistributedOptimizer`: run the base algorithm's
+    gradient average once per step (:meth:`~hvd_slowmo.bases.base.BaseAlgorithm.gradient_average`:
+    AR-SGD's allreduce, the node level of ``worker="node"``), and decide under a ``GradScaler``
+    whether this step happens, the same way on every worker.
 
-    For a base that averages gradients the average starts during backward, bucket by bucket
-    (:mod:`hvd_slowmo.grad_buckets`), and the backward pass that completes the gradients waits
-    for it at its end, as DDP's does: ``backward()`` returns averaged gradients, so clipping,
-    ``GradScaler``'s inf/NaN check and ``unscale_`` see the average, and the loss scales stay
-    the same on every worker. Except for thread workers on CUDA (a communicator with
+    An average that starts during backward (AR-SGD's, bucket by bucket:
+    :mod:`hvd_slowmo.bases.gradient_buckets`) is waited for at the end of the backward pass
+    that completes the gradients, as DDP's is: ``backward()`` returns averaged gradients, so
+    clipping, ``GradScaler``'s inf/NaN check and ``unscale_`` see the average, and the loss
+    scales stay the same on every worker. Except for thread workers on CUDA (a communicator with
     ``workers_share_process``): autograd's device thread, which ends their backward passes,
     serves all of them, so there ``step()``/``synchronize()`` wait instead. The node-level
     average of the other bases runs at :meth:`synchronize`.
 
-    A mixin: the optimizer provides ``params``, ``param_names``, ``node_comm``, ``base``,
-    ``comm`` and ``timer`` (a :class:`~hvd_slowmo.timing.PhaseTimer`), and calls
+    A mixin: the optimizer provides the attributes annotated here and calls
     :meth:`_watch_gradients` for its parameters.
     """
+
+    params: list[Tensor]
+    param_names: list[str]
+    node_comm: Communicator | None
+    comm: Communicator
+    timer: PhaseTimer
+
+    if TYPE_CHECKING:  # provided by the optimizer (read-only: rebuilt with the workers)
+
+        @property
+        def base(self) -> BaseAlgorithm: ...
 
     #: ``torch.amp.GradScaler.step`` always calls ``step()`` and passes its verdict, so the
     #: decision to skip an overflowed step is made the same on every worker.
     _step_supports_amp_scaling = True
     _synchronized = False  # this backward's gradients are communicated
     _skip_synchronize = False
-    _buckets: BucketedAverage | None = None
-    _buckets_for: tuple[Any, int] | None = None  # (base, number of parameters) they were built for
+    _grad_average: BucketedAverage | None = None  # the base's; None: no gradient is averaged
+    _grad_average_for: tuple[Any, int] | None = None  # (base, number of parameters) it is for
     _wait_queued = False  # the end of this backward pass waits for the buckets
     _wait_deferred = False  # ... or left the wait to step()/synchronize() (see _end_of_backward)
     _owner_thread: int | None = None  # the thread that built the optimizer (a worker's)
@@ -144,38 +156,25 @@ class GradientSync:
         self._owner_thread = threading.get_ident()
         self._grad_hooks: list[Any] = getattr(self, "_grad_hooks", []) + hooks
 
-    def _gradient_stages(self) -> list[Stage]:
-        """The communicators each step's gradients are averaged over, in turn."""
-        stages: list[Stage] = []
-        if self.node_comm is not None and self.node_comm.size > 1:
-            stages.append((self.node_comm, "hvd_slowmo.node_grad_average"))
-        if self.base.averages_gradients and self.base.comm.size > 1:
-            stages.append((self.base.comm, "hvd_slowmo.grad_average"))
-        return stages
-
-    def _bucketed(self) -> BucketedAverage:
-        """The bucketed average of the current parameters, rebuilt after ``add_param_group`` and
-        for a new base (elastic)."""
-        if self._buckets is None or self._buckets_for != (self.base, len(self.params)):
-            if self._buckets is not None:
-                self._buckets.discard()
-            bucket_bytes = choose_bucket_bytes(self.base.bucket_bytes, self._gradient_stages())
-            self._buckets = BucketedAverage(
-                self.params, self.base.backward_passes_per_step, bucket_bytes
+    def _gradient_average(self) -> BucketedAverage | None:
+        """The base's gradient average of the current parameters, asked for again after
+        ``add_param_group`` and of a new base (elastic)."""
+        if self._grad_average_for != (self.base, len(self.params)):
+            if self._grad_average is not None:
+                self._grad_average.discard()
+            self._grad_average = self.base.gradient_average(
+                self.params, self.param_names, self.node_comm
             )
-            self._buckets_for = (self.base, len(self.params))
-            self._param_index = {id(p): i for i, p in enumerate(self.params)}
-        return self._buckets
+            self._grad_average_for = (self.base, len(self.params))
+        return self._grad_average
 
     def _on_gradient(self, param: Tensor) -> None:
         self._synchronized = False
-        stages = self._gradient_stages()
-        if not stages or not self.base.averages_gradients:
+        average = self._gradient_average()
+        if average is None or not average.in_backward:
             return  # nothing to average, or the node-level average alone: at synchronize()
-        buckets = self._bucketed()
-        i = self._param_index[id(param)]
-        buckets.gradient_ready(i, stages, self.param_names[i])
-        if buckets.last_pass and not self._wait_queued:
+        average.gradient_ready(param)
+        if average.last_pass and not self._wait_queued:
             # The end of this backward pass waits for the buckets (DDP's finalize), so whatever
             # reads the gradients next (clipping, a scaler) reads the average.
             self._wait_queued = True
@@ -186,16 +185,14 @@ class GradientSync:
         """Start whatever gradient average has not started, and wait for all of it.
 
         Returns:
-            The bucketed average, or None where no gradient is averaged (one worker, or a base
-            that does not average gradients without ``worker="node"``).
+            The base's gradient average, or None where no gradient is averaged (one worker, or
+            a base that does not average gradients without ``worker="node"``).
         """
-        stages = self._gradient_stages()
-        if not stages:
-            return None
-        buckets = self._bucketed()
-        with self.timer("base_comm"):
-            buckets.finish(stages)
-        return buckets
+        average = self._gradient_average()
+        if average is not None:
+            with self.timer("base_comm"):
+                average.finish()
+        return average
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the gradients, as ``torch.optim.Optimizer.zero_grad``; an average in
@@ -204,8 +201,8 @@ class GradientSync:
         Args:
             set_to_none: drop the gradient tensors instead of zeroing them.
         """
-        if self._buckets is not None:
-            self._buckets.discard()
+        if self._grad_average is not None:
+            self._grad_average.discard()
         self._wait_queued = self._wait_deferred = False  # a failed backward ran no callback
         super().zero_grad(set_to_none)  # type: ignore[misc]
         self._synchronized = False
@@ -280,7 +277,7 @@ def _end_of_backward(ref: "weakref.ref[GradientSync]") -> None:
         return
     opt._wait_queued = False
     if threading.get_ident() != opt._owner_thread and any(
-        comm.workers_share_process for comm, _ in opt._gradient_stages()
+        comm is not None and comm.workers_share_process for comm in (opt.node_comm, opt.base.comm)
     ):
         # Autograd's device thread (CUDA) runs this, and it serves every thread worker of the
         # process: waiting here for the other workers would wait for their backward passes,

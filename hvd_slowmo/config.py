@@ -23,6 +23,8 @@ from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "EAGER_ESTIMATES",
+    "resolve_codec",
+    "upgrade_saved_config",
     "NONFINITE",
     "OUTER_OPTIMIZERS",
     "SlowMoConfig",
@@ -35,8 +37,11 @@ __all__ = [
 NONFINITE = ("raise", "skip", "ignore")
 #: The built-in slow updates (``outer_optimizer=``); a callable is the third kind.
 OUTER_OPTIMIZERS = ("heavyball", "nesterov")
-#: The named estimates of eager updates (``eager=``) besides True (the paper's) and False.
-EAGER_ESTIMATES = ("local",)
+#: The estimates of eager updates (``eager=``); None turns them off.
+EAGER_ESTIMATES = ("shares", "local")
+#: The old spellings of ``eager`` (before ``"shares"`` was its name), still accepted with a
+#: DeprecationWarning.
+_OLD_EAGER = {True: "shares", False: None}
 #: The paper's defaults (Section 5): alpha = 1, beta = 0.5.
 DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM = 1.0, 0.5
 
@@ -59,8 +64,9 @@ class SlowMoConfig:
             bases' ``topology``, ``peers_per_step``, ``gossip_transport``, ``gossip_timeout``,
             and OSGP's ``staleness``).
         tau: base steps per outer step (>= 1).
-        slow_lr: ``alpha`` (> 0); None: 1.0, the paper's default.
-        slow_momentum: ``beta`` in ``[0, 1)``; None: 0.5, the paper's default.
+        slow_lr: ``alpha`` (> 0); 1.0, the paper's default (None is taken for it too).
+        slow_momentum: ``beta`` in ``[0, 1)``; 0.5, the paper's default (None is taken for it
+            too).
         buffers: the base optimizer's state at each outer step: ``"reset"``, ``"maintain"``
             or ``"average"``.
         average: False skips the exact average (SGP-SlowMo-noaverage): the slow update then
@@ -87,7 +93,8 @@ class SlowMoConfig:
             workers take ``d`` more base steps, then the slow step is applied and each worker
             keeps its progress since the snapshot (:mod:`hvd_slowmo.outer_step`). 0 (default) is
             the paper's algorithm, bit for bit.
-        codec: compress the exact average (:mod:`hvd_slowmo.compression`): every worker sends
+        codec: the outer exchange's pseudo-gradient codec: compress the exact average
+            (:mod:`hvd_slowmo.compression`): every worker sends
             its pseudo-gradient ``anchor - parameters`` as ``"fp16"``, ``"bf16"``, ``"int8"`` or
             ``"fp8"`` codes (``"fp32"``: uncompressed, through the same all-to-all), the sums
             are float32, and every worker ends with the same parameters. Keeps an anchor even
@@ -104,17 +111,18 @@ class SlowMoConfig:
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with an
             estimate of the average outer gradient; the exact step replaces it at the landing.
-            ``True``: the paper's estimate, the worker's own fresh share plus the other
+            ``"shares"``: the paper's estimate, the worker's own fresh share plus the other
             workers' shares of the previous outer step (one more copy of the parameters);
-            ``"local"``: the worker's own fresh outer gradient alone (no copy). False: off.
-            Needs ``overlap >= 1``.
+            ``"local"``: the worker's own fresh outer gradient alone (no copy). None: off.
+            Needs ``overlap >= 1``. The old spellings True (``"shares"``) and False (None) are
+            accepted with a ``DeprecationWarning`` and stored as the new ones.
     """
 
     base: Any = "localsgd"
     base_options: Mapping[str, Any] = field(default_factory=dict)
     tau: int = 12
-    slow_lr: float | None = None
-    slow_momentum: float | None = None
+    slow_lr: float = DEFAULT_SLOW_LR
+    slow_momentum: float = DEFAULT_SLOW_MOMENTUM
     buffers: str = "reset"
     average: bool = True
     nonfinite: str = "raise"
@@ -124,7 +132,7 @@ class SlowMoConfig:
     codec: str | None = None
     error_feedback: bool = False
     fragments: int = 1
-    eager: bool | str = False
+    eager: str | None = None
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -154,6 +162,11 @@ class SlowMoConfig:
     def _check_slow(self) -> None:
         """tau, the outer optimizer, slow_lr and slow_momentum (normalized)."""
         check_int("tau", self.tau, 1, "the base steps per outer step, e.g. tau=12")
+        given: tuple[Any, Any] = (self.slow_lr, self.slow_momentum)  # None: the default
+        if given[0] is None:
+            self._put("slow_lr", DEFAULT_SLOW_LR)
+        if given[1] is None:
+            self._put("slow_momentum", DEFAULT_SLOW_MOMENTUM)
         custom = callable(self.outer_optimizer)
         if not custom:
             check_choice(
@@ -162,7 +175,8 @@ class SlowMoConfig:
                 OUTER_OPTIMIZERS,
                 "or a callable building a torch optimizer from a list of tensors",
             )
-        elif self.slow_lr is not None or self.slow_momentum is not None:
+        elif (self.slow_lr, self.slow_momentum) != (DEFAULT_SLOW_LR, DEFAULT_SLOW_MOMENTUM):
+            # Set on purpose (a custom outer optimizer has its own lr and momentum).
             warnings.warn(
                 "slow_lr and slow_momentum are not used with a custom outer_optimizer: set "
                 "the outer optimizer's own lr and momentum instead",
@@ -172,7 +186,7 @@ class SlowMoConfig:
             "slow_lr",
             check_number(
                 "slow_lr",
-                DEFAULT_SLOW_LR if self.slow_lr is None else self.slow_lr,
+                self.slow_lr,
                 low=0.0,
                 low_open=True,
                 fix=f"slow_lr={DEFAULT_SLOW_LR} is the paper's default",
@@ -182,7 +196,7 @@ class SlowMoConfig:
             "slow_momentum",
             check_number(
                 "slow_momentum",
-                DEFAULT_SLOW_MOMENTUM if self.slow_momentum is None else self.slow_momentum,
+                self.slow_momentum,
                 low=0.0,
                 high=1.0,
                 high_open=True,
@@ -211,10 +225,19 @@ class SlowMoConfig:
                 f"tau // fragments = {self.tau // self.fragments}), so one fragment is in flight "
                 "at a time; lower overlap or fragments"
             )
-        if not (isinstance(self.eager, bool) or self.eager in EAGER_ESTIMATES):
+        if isinstance(self.eager, bool):
+            new = _OLD_EAGER[self.eager]
+            warnings.warn(
+                f"eager={self.eager!r} is deprecated: pass eager={new!r}",
+                DeprecationWarning,
+                stacklevel=5,
+            )
+            self._put("eager", new)
+        if not (self.eager is None or self.eager in EAGER_ESTIMATES):
             raise (ValueError if isinstance(self.eager, str) else TypeError)(
-                f"eager must be False, True (the paper's estimate: own share plus the others' "
-                f"previous shares) or 'local' (own outer gradient), got eager={self.eager!r}"
+                f"eager must be None, 'shares' (the paper's estimate: own share plus the "
+                f"others' previous shares) or 'local' (own outer gradient), got "
+                f"eager={self.eager!r}"
             )
         if self.eager and not self.overlap:
             raise ValueError(
@@ -249,17 +272,17 @@ class SlowMoConfig:
     def _check_codec(self, base: Any) -> None:
         """The compressed average and its error feedback."""
         if self.codec is not None:
-            check_codec(self.codec)
+            check_codec(self.codec, name="codec")
         check_bool("error_feedback", self.error_feedback)
         if self.error_feedback and self.codec is None:
             raise ValueError(
-                "error_feedback=True needs a compressed average; pass e.g. compression='int8'"
+                "error_feedback=True needs a compressed average; pass e.g. codec='int8'"
             )
         if self.codec is not None and not (self.average and base.needs_exact_average):
             warnings.warn(
-                f"compression={self.codec!r} has nothing to compress: base="
+                f"codec={self.codec!r} has nothing to compress: base="
                 f"{base.display_name()!r} with average={self.average} runs no exact average; "
-                "drop compression",
+                "drop codec",
                 stacklevel=5,
             )
 
@@ -273,7 +296,7 @@ class SlowMoConfig:
             w
             for w, on in (
                 ("fragments > 1", self.fragments > 1),
-                (f"eager={self.eager!r}", self.eager),
+                (f"eager={self.eager!r}", self.eager is not None),
             )
             if on
         )
@@ -283,7 +306,7 @@ class SlowMoConfig:
             raise ValueError(
                 f"{what} with base={base.display_name()!r}: a gossip base's push-sum weight is one "
                 "per worker and returns to 1 only when the whole model is averaged at once; use "
-                "base='localsgd' or 'allreduce', or fragments=1 and eager=False"
+                "base='localsgd' or 'allreduce', or fragments=1 and eager=None"
             )
         if callable(self.outer_optimizer):
             raise ValueError(
@@ -302,11 +325,7 @@ class SlowMoConfig:
     def estimate(self) -> str | None:
         """The eager estimate, normalised: None (off), ``"shares"`` (the paper's: own fresh
         share plus the others' previous shares) or ``"local"`` (own outer gradient alone)."""
-        if self.eager is True or self.eager == "shares":
-            return "shares"
-        if self.eager is False or self.eager is None:
-            return None
-        return str(self.eager)
+        return self.eager  # the old spellings True/False were normalised at construction
 
     def features(self) -> dict[str, str]:
         """The features a layout or an exchange may not support, that these settings use, each
@@ -342,7 +361,12 @@ class SlowMoConfig:
     def keeps_anchor(self) -> bool:
         """An anchor is kept: for the slow update, to restart a skipped outer step, or for the
         pseudo-gradients of a compressed average, or the provisional step of eager updates."""
-        return self.slow_enabled or self.nonfinite == "skip" or self.codec is not None or self.eager
+        return (
+            self.slow_enabled
+            or self.nonfinite == "skip"
+            or self.codec is not None
+            or self.eager is not None
+        )
 
     @property
     def exact_average(self) -> bool:
@@ -363,11 +387,56 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
-            "compression": self.codec,
+            "codec": self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
             "eager": self.eager,
         }
+
+
+def resolve_codec(codec: Any, compression: Any) -> tuple[Any, Any]:
+    """``(codec, compression)`` of ``DistributedOptimizer``, the old spelling upgraded: a codec
+    name passed as ``compression`` (``compression="int8"``) is the codec, with a
+    ``DeprecationWarning``; ``compression`` keeps only Horovod's meaning (the payload cast of the
+    parameters' allreduce, ``hvd.Compression.none`` / ``.fp16``).
+
+    Args:
+        codec: the ``codec`` argument (checked later, by :class:`SlowMoConfig`).
+        compression: the ``compression`` argument.
+
+    Raises:
+        ValueError: a codec name in both ``codec`` and ``compression``.
+    """
+    if not isinstance(compression, str):
+        return codec, compression
+    if codec is not None:
+        raise ValueError(
+            f"codec={codec!r} and compression={compression!r} both name the outer exchange's "
+            "codec; pass codec= alone (compression= is Horovod's hvd.Compression of the "
+            "parameters' allreduce)"
+        )
+    warnings.warn(
+        f"compression={compression!r} is deprecated for the outer exchange's codec: pass "
+        f"codec={compression!r} (compression= now means only Horovod's hvd.Compression)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return compression, None
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration in today's words: ``"compression"`` (a codec name) became
+    ``"codec"``, ``eager`` True/False became ``"shares"``/None.
+
+    Args:
+        saved: the ``"config"`` entry of a saved state.
+    """
+    out = dict(saved)
+    if "compression" in out and "codec" not in out:
+        out["codec"] = out.pop("compression")
+    if isinstance(out.get("eager"), bool):
+        out["eager"] = _OLD_EAGER[out["eager"]]
+    return out
 
 
 def check_same_everywhere(comm: Communicator, mine: dict[str, Any]) -> None:
@@ -421,6 +490,7 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
     """
     if not isinstance(saved, dict):
         return []
+    saved = upgrade_saved_config(saved)
 
     def differs(key: str) -> bool:
         return key in saved and saved[key] != running.get(key)

@@ -4,6 +4,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,8 +21,8 @@ def consensus_average(
     comm: Communicator, params: list[Tensor], weight: float, buffers: list[Tensor]
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Copies of the consensus parameters and of the averaged model buffers, bitwise identical
-    on every worker. Collective: one allreduce in float64; its bytes are not counted in
-    ``comm.bytes_sent`` (evaluation traffic is not training traffic).
+    on every worker. Collective: one allreduce in float64, ``comm.uncounted()`` (evaluation
+    traffic is not training traffic).
 
     Args:
         comm: the communicator over all workers.
@@ -41,9 +42,8 @@ def consensus_average(
         + [torch.full((1,), weight, dtype=torch.float64, device=device)]
         + [b.detach().reshape(-1).to(torch.float64) for b in buffers]
     )
-    counted = comm.bytes_sent
-    comm.average_([flat], name="hvd_slowmo.consensus")
-    comm.bytes_sent = counted
+    with comm.uncounted():
+        comm.average_([flat], name="hvd_slowmo.consensus")
     n = sum(p.numel() for p in params)
     # mean(x) / mean(w) = sum(x) / sum(w): the push-sum consensus value.
     values = torch.cat([flat[:n] / flat[n], flat[n + 1 :]])
@@ -85,8 +85,12 @@ class ConsensusView:
     params: list[Tensor]
     model_buffers: list[Tensor]
     outer: OuterLoop
-    base: BaseAlgorithm
     average: bool
+
+    if TYPE_CHECKING:  # provided by the optimizer (read-only: rebuilt with the workers)
+
+        @property
+        def base(self) -> BaseAlgorithm: ...
 
     def at_consensus(self) -> bool:
         """Whether every worker holds the same model now (no communication): always with

@@ -159,7 +159,7 @@ class InFlight:
     def poll(self) -> None:
         """Advance the parameters' average if it runs in stages; never blocks."""
         if self._average is not None:
-            self._average.poll()
+            self._average.done()
 
     def finish_averages(self, deferred: bool) -> None:
         """Wait for the averages in flight; ``deferred`` also runs those an exchange could not

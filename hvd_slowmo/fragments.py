@@ -27,11 +27,10 @@ name are ever in flight). The recurrences would allow more (fragments are disjoi
 copies in flight. At a step where one fragment lands and the next starts, the landing comes
 first. Model buffers (BatchNorm statistics) travel with the last fragment, at the period's end.
 
-**Compressed exchange** (``compression=<codec>``,
-:class:`hvd_slowmo.exchange.CompressedExchange`): a fragment's ``avg`` below is
-``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors, ``mean_c`` the compressed
-mean; the error-feedback residual is per element, so each fragment's average adds and updates
-only its own parameters' residual.
+**Compressed exchange** (``codec=<name>``, :class:`hvd_slowmo.exchange.CompressedExchange`): a
+fragment's ``avg`` below is ``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors,
+``mean_c`` the compressed mean; the error-feedback residual is per element, so each fragment's
+average adds and updates only its own parameters' residual.
 
 **Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
 ``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);
@@ -47,7 +46,7 @@ from ``s_i``; at ``n + d``::
     u   <- beta u + G ;   x0 <- x0 - alpha gamma u        (Nesterov: x0 - alpha gamma (G + beta u))
     x_i <- x0 + (x_i - s_i)                              keeps its progress since the boundary
 
-Eager (``eager=True``; Kale et al. 2025, "Eager updates for overlapped communication and
+Eager (``eager="shares"``; Kale et al. 2025, "Eager updates for overlapped communication and
 computation in DiLoCo", arXiv 2502.12996): at the boundary the worker estimates ``G`` with its
 own fresh share and the other workers' shares of the previous outer step (``c_i``, zero
 before the first landing), and takes a provisional slow step from it::

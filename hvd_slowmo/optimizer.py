@@ -18,13 +18,13 @@ from .amp import GradientSync
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import default_communicator, worker_hierarchy
-from .config import SlowMoConfig, check_same_everywhere, param_names
+from .comm.hierarchy import Hierarchy
+from .config import SlowMoConfig, check_same_everywhere, param_names, resolve_codec
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
 from .exchange import make_exchange
 from .fragment import OuterParts
 from .fragments import fragment_of
-from .hierarchy import Hierarchy
 from .outer_step import OuterLoop
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
@@ -71,19 +71,24 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
-        compression: how the exact average is sent. A codec name, ``"fp16"``, ``"bf16"``,
-            ``"int8"`` or ``"fp8"`` (``"fp32"``: uncompressed, by the same route): every worker
-            sends its pseudo-gradient ``anchor - parameters`` in that format (int8/fp8 with one
-            float32 scale per 256 values), the sums are float32, and the parameters end bitwise
-            identical on every worker (:mod:`hvd_slowmo.compression`; any communicator). Or
-            ``hvd.Compression.none`` / ``hvd.Compression.fp16``: Horovod's compression of the
-            parameters' allreduce (Horovod communicator only). None: an fp32 allreduce.
+        codec: the outer exchange's pseudo-gradient codec: ``"fp16"``, ``"bf16"``, ``"int8"``
+            or ``"fp8"`` (``"fp32"``: uncompressed, by the same route): every worker sends its
+            pseudo-gradient ``anchor - parameters`` in that format (int8/fp8 with one float32
+            scale per 256 values), the sums are float32, and the parameters end bitwise
+            identical on every worker (:mod:`hvd_slowmo.compression`; a communicator with
+            ``supports_alltoall``). None: the exact average is an allreduce of the parameters.
+        compression: Horovod's meaning only: ``hvd.Compression.none`` / ``hvd.Compression.fp16``
+            casts the payload of the default communicator's allreduces (the parameters' exact
+            average without a codec, AR-SGD's gradients). None: no cast. A codec name here
+            (``compression="int8"``, the old spelling of ``codec``) still works, with a
+            ``DeprecationWarning``; together with ``codec`` it raises ``ValueError``.
         error_feedback: with a codec, each worker adds what its codes lost to its next
             pseudo-gradient (the residual is in ``state_dict()``).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
             gradients are averaged inside the node at every step, the base algorithm runs between
-            nodes, see :mod:`hvd_slowmo.hierarchy`; needs ``hvd.init(process_sets="dynamic")``), or
-            a :class:`~hvd_slowmo.hierarchy.Hierarchy` of two communicators for other layouts.
+            nodes, see :mod:`hvd_slowmo.comm.hierarchy`; needs
+            ``hvd.init(process_sets="dynamic")``), or a
+            :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts.
         communicator: the transport over all ranks; default one over ``engine``.
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
@@ -111,19 +116,20 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         named_parameters: Iterable[tuple[str, Tensor]] | None = None,
         base: Any = "localsgd",
         tau: int = 12,
-        slow_lr: float | None = None,
-        slow_momentum: float | None = None,
+        slow_lr: float = 1.0,
+        slow_momentum: float = 0.5,
         buffers: str = "reset",
         average: bool = True,
         model_buffers: Iterable[Tensor] | None = None,
         compression: Any = None,
+        codec: str | None = None,
         error_feedback: bool = False,
         nonfinite: str = "raise",
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
         overlap: int = 0,
         fragments: int = 1,
-        eager: bool | str = False,
+        eager: str | None = None,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
@@ -131,6 +137,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
     ) -> None:
         # Everything is validated before any state is created, so a bad argument leaves nothing.
         check_base_optimizer(optimizer, DistributedOptimizer)
+        codec, compression = resolve_codec(codec, compression)
         self.config = SlowMoConfig(
             base=base,
             base_options=base_options,
@@ -143,7 +150,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             outer_optimizer=outer_optimizer,
             shard_slow_state=shard_slow_state,
             overlap=overlap,
-            codec=compression if isinstance(compression, str) else None,
+            codec=codec,
             error_feedback=error_feedback,
             fragments=fragments,
             eager=eager,
@@ -151,9 +158,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         split = fragment_of(self.param_names, self.config.fragments)
-        # A codec is the optimizer's; a hvd.Compression belongs to the Horovod communicator.
-        codec = self.config.codec
-        self.comm = default_communicator(communicator, None if codec else compression, engine)
+        # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
+        self.comm = default_communicator(communicator, compression, engine)
+        if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
+            raise ValueError(
+                f"codec={codec!r} needs a communicator with alltoall_flat and "
+                f"allgather_flat; {type(self.comm).__name__} has none: use codec=None"
+            )
         hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None
@@ -248,9 +259,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
 
     @property
     def bytes_sent(self) -> int:
-        """Payload bytes this rank handed to every transport it uses (exact average, base, node)."""
-        comms = {id(c): c for c in (self.comm, self.base.comm, self.node_comm) if c is not None}
-        return sum(c.bytes_sent for c in comms.values())
+        """Payload bytes this rank has put on the wire for training: the exact average, the
+        base algorithm's traffic and the node level share one counter, ``comm.bytes_sent``
+        (the convention per collective: :class:`~hvd_slowmo.comm.base.Communicator`);
+        :meth:`use_consensus` traffic is not counted."""
+        return self.comm.bytes_sent
 
     # --- the algorithm --------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

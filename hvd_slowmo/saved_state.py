@@ -3,7 +3,7 @@ envelope of :mod:`hvd_slowmo.state_format`), an atomic ``load_state_dict`` of th
 format, and the broadcast of one rank's state to all (SlowMo, arXiv 1910.00643)."""
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,12 +25,24 @@ class SavedState:
     optimizer: torch.optim.Optimizer
     outer: OuterLoop
     slow_state: SlowState
-    base: BaseAlgorithm
     comm: Communicator
     params: list[torch.Tensor]
     param_names: list[str]
     param_groups: list[dict[str, Any]]
     tau: int
+
+    if TYPE_CHECKING:  # provided by the optimizer and by WrappedOptimizer
+
+        @property
+        def base(self) -> BaseAlgorithm: ...
+
+        def _settings(self) -> dict[str, Any]: ...
+
+        def adopt_world(self, why: str) -> None: ...
+
+        def state_dict(self) -> dict[str, Any]: ...
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
     def _state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly, keyed by parameter index (not tensor identity):

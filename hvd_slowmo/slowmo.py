@@ -79,7 +79,7 @@ def _provisional_anchor_(
     if slow_buffer is None:  # no slow update (alpha = 1, beta = 0): x^0 = x0 - lr G^
         step = estimate
     else:
-        step = torch._foreach_mul(slow_buffer, slow_momentum)
+        step = list(torch._foreach_mul(slow_buffer, slow_momentum))
         torch._foreach_add_(step, estimate)  # u^
     if nesterov:
         torch._foreach_add_(estimate, step, alpha=slow_momentum)
@@ -99,7 +99,7 @@ def eager_anchor_(
     workers: int,
     nesterov: bool = False,
 ) -> None:
-    """The provisional slow step of an eager update (``eager=True``), in place: with
+    """The provisional slow step of an eager update (``eager="shares"``), in place: with
     ``g = (x0 - s) / lr``, ``G^ = c + g / m``, ``u^ = beta u + G^``, ``x^0 = x0 - alpha lr u^``
     (Nesterov: ``x0 - alpha lr (G^ + beta u^)``), then ``c <- -g / m``. The anchor and the slow
     buffer are not changed: the exact step replaces this one when the average lands.
@@ -157,7 +157,7 @@ def local_anchor_(
         return
     if not lr > 0:
         raise ValueError(f"local_anchor_: lr must be > 0 to scale the outer gradient, got {lr}")
-    own = torch._foreach_sub(anchor, snapshot)
+    own = list(torch._foreach_sub(anchor, snapshot))
     torch._foreach_mul_(own, 1.0 / lr)  # g
     _provisional_anchor_(snapshot, anchor, slow_buffer, own, lr, slow_lr, slow_momentum, nesterov)
 

@@ -10,7 +10,7 @@ Format 3 (current)::
                 "slow_state": {"layout": "full" | "sharded", ...the layout's own keys},
                 "in_flight": None | {"land_at": int, "fragment": int, ...}
                              (an outer step whose average is in flight),
-                "eager_shares": None | {param index: tensor}   (eager=True; optional),
+                "eager_shares": None | {param index: tensor}   (eager="shares"; optional),
                 "exchange": None | <the exchange's own state: a codec's residual>,
                 "base_algorithm": {...}}}
 
@@ -44,6 +44,7 @@ def upgrade(state_dict: dict[str, Any]) -> dict[str, Any]:
             f"load_state_dict: state format {version!r} is not supported (this version reads "
             f"formats 1 to {STATE_FORMAT}); it was written by a newer hvd_slowmo"
         )
+    assert isinstance(version, int)  # a known format (checked above), for the type checker
     while version != STATE_FORMAT:
         state_dict = {
             **state_dict,

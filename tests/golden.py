@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
+from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.hierarchy import Hierarchy
 
 from helpers import ForwardingCommunicator
 from reference import batch, lr_at, make_model

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange, PendingTensors
+from hvd_slowmo.comm.base import (
+    ByteCounter,
+    Communicator,
+    PendingAverage,
+    PendingExchange,
+    PendingTensors,
+)
 from hvd_slowmo.comm.local import run_threads
 
 from reference import loss_at, lr_at, make_model
@@ -26,7 +32,7 @@ class ForwardingCommunicator(Communicator):
     is when hvd.elastic re-initializes); subclasses override the one operation they change.
 
     Args:
-        inner: the communicator that does the work (its ``bytes_sent`` is this one's).
+        inner: the communicator that does the work (its byte counter is this one's).
     """
 
     def __init__(self, inner: Communicator) -> None:
@@ -38,13 +44,9 @@ class ForwardingCommunicator(Communicator):
     supports_exchange = property(lambda self: self.inner.supports_exchange)  # type: ignore[assignment]
     supports_alltoall = property(lambda self: self.inner.supports_alltoall)  # type: ignore[assignment]
 
-    @property  # type: ignore[override]
-    def bytes_sent(self) -> int:
-        return self.inner.bytes_sent
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: int) -> None:
-        self.inner.bytes_sent = value
+    @property
+    def counter(self) -> ByteCounter:
+        return self.inner.counter
 
     @property
     def world(self) -> Any:

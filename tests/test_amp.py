@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.hierarchy import Hierarchy
 
 import amp_run
 

@@ -121,7 +121,7 @@ def test_codec_edge_cases():
         assert torch.equal(out[256:512], torch.zeros(256)), codec
     with pytest.raises(ValueError, match="bytes"):
         from_bytes(packet[:-1], 700, "fp8")
-    with pytest.raises(ValueError, match="compression must be one of"):
+    with pytest.raises(ValueError, match="codec must be one of"):
         check_codec("int4")
 
 
@@ -154,7 +154,7 @@ def test_a_communicator_without_the_collectives_says_what_to_implement():
     with pytest.raises(NotImplementedError, match="implements _allgather_flat"):
         comm.allgather_flat([torch.zeros(1)], "t")
     # The compressed average refuses such a transport up front, naming the fix.
-    with pytest.raises(ValueError, match="use compression=None"):
+    with pytest.raises(ValueError, match="use codec=None"):
         compressed_mean(comm, torch.zeros(4), "int8", "t")
 
 

@@ -1,4 +1,4 @@
-"""DistributedOptimizer(compression=<codec>) on thread workers: equal to a hand-written replay,
+"""DistributedOptimizer(codec=<name>) on thread workers: equal to a hand-written replay,
 bitwise identical on every worker after each average, resumed bit for bit, with overlap, with
 node workers, and its argument checks."""
 
@@ -32,7 +32,7 @@ def test_slowmo_with_compression_matches_replay(case):
     codec, feedback = CASES[case]
     m, steps, tau = 3, 13, 3
     kwargs = dict(tau=tau, slow_lr=0.7, slow_momentum=0.6, buffers="reset")
-    results = run_slowmo(m, steps, PLAIN_SGD, compression=codec, error_feedback=feedback, **kwargs)
+    results = run_slowmo(m, steps, PLAIN_SGD, codec=codec, error_feedback=feedback, **kwargs)
     assert_bitwise_equal_across_ranks(results)  # after every outer step
     ref = reference_slowmo_compressed(m, steps, tau, 0.7, 0.6, PLAIN_SGD, codec, feedback)
     plain = reference_slowmo(m, steps, tau, 0.7, 0.6, PLAIN_SGD, buffers="reset")
@@ -63,7 +63,7 @@ def test_resume_is_bit_for_bit(overlap):
             communicator=comm,
             tau=4,
             overlap=overlap,
-            compression="int8",
+            codec="int8",
             error_feedback=True,
         )
 
@@ -85,7 +85,7 @@ def test_resume_is_bit_for_bit(overlap):
 
 
 def test_overlap_anchors_stay_identical():
-    results = run_slowmo(3, 14, PLAIN_SGD, tau=4, overlap=2, compression="int8", slow_momentum=0.5)
+    results = run_slowmo(3, 14, PLAIN_SGD, tau=4, overlap=2, codec="int8", slow_momentum=0.5)
     anchors = [opt.slow_state.anchor for _, _, opt in results]
     for rank in range(1, 3):
         assert all(torch.equal(a, b) for a, b in zip(anchors[0], anchors[rank])), rank
@@ -111,7 +111,7 @@ def test_node_workers_stay_identical():
             communicator=comm,
             worker=h,
             tau=3,
-            compression="int8",
+            codec="int8",
             error_feedback=True,
         )
         snaps = []
@@ -130,15 +130,15 @@ def test_node_workers_stay_identical():
 
 
 BAD = {
-    "unknown-codec": (dict(compression="int4"), ValueError, "compression must be one of"),
+    "unknown-codec": (dict(codec="int4"), ValueError, "codec must be one of"),
     "feedback-without-codec": (dict(error_feedback=True), ValueError, "error_feedback=True"),
     "feedback-not-bool": (
-        dict(compression="int8", error_feedback="yes"),
+        dict(codec="int8", error_feedback="yes"),
         TypeError,
         "error_feedback",
     ),
     "sharded": (
-        dict(compression="int8", shard_slow_state=True),
+        dict(codec="int8", shard_slow_state=True),
         ValueError,
         "shard_slow_state=True is not supported",
     ),
@@ -163,7 +163,7 @@ def test_restart_from_the_anchor_forgets_the_residual():
             named_parameters=model.named_parameters(),
             communicator=comm,
             tau=3,
-            compression="int8",
+            codec="int8",
             error_feedback=True,
         )
         _train(opt, model, comm.rank, 0, 4)  # one outer step, then one step into the next

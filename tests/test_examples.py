@@ -80,7 +80,7 @@ def test_run_names_encode_settings():
     def ns(**kw):
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
-                        overlap=0, compression="none", error_feedback=False, fragments=1,
+                        overlap=0, codec="none", error_feedback=False, fragments=1,
                         eager=None)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
@@ -91,14 +91,13 @@ def test_run_names_encode_settings():
     assert common.run_name(ns(run_name="mine")) == "mine"
     assert common.run_name(ns(overlap=2)) == "sgp-slowmo_tau48_a1_b0.6_reset_overlap2"
     assert (
-        common.run_name(ns(compression="int8", error_feedback=True))
+        common.run_name(ns(codec="int8", error_feedback=True))
         == "sgp-slowmo_tau48_a1_b0.6_reset_int8_ef"
     )
     assert common.run_name(ns(overlap=2, fragments=4, eager="shares")).endswith(
         "_overlap2_fragments4_eager"
     )
     assert common.run_name(ns(overlap=1, eager="local")).endswith("_overlap1_eager-local")
-    assert [common.eager_option(f) for f in (None, "shares", "local")] == [False, True, "local"]
 
 
 def test_translation_tokenizer_vocab_and_batches():

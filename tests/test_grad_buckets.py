@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.bases.gradient_buckets import BUCKET_BYTES, choose_bucket_bytes, plan_buckets
 from hvd_slowmo.comm.base import PendingAverage
+from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import ThreadCommunicator, run_threads
-from hvd_slowmo.grad_buckets import BUCKET_BYTES, choose_bucket_bytes, plan_buckets
-from hvd_slowmo.hierarchy import Hierarchy
 
 from reference import batch
 
@@ -92,7 +92,7 @@ def test_equals_the_hand_written_average(case, transport):
             comm = Fusing(comm, [])
             opts = []
             out = run.train(models[comm.rank], case, comm.rank, comm, bucket_mb=None, opts=opts)
-            buckets.append(opts[0]._buckets.buckets)
+            buckets.append(opts[0]._grad_average.buckets)
             return out
         if transport == "deferred":
             comm = Deferred(comm, [])
@@ -145,7 +145,7 @@ def test_buckets_start_during_backward_in_order_and_backward_waits():
         x, y = batch(comm.rank, 0)
         ((model(x, True) - y) ** 2).mean().backward()
         opt.step()
-        return log, len(opt._buckets.buckets)
+        return log, len(opt._grad_average.buckets)
 
     for log, n in threads(2, worker):
         starts = [name for what, name in log if what == "start"]

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from hvd_slowmo import DistributedOptimizer
+from hvd_slowmo.comm.hierarchy import Hierarchy, node_groups
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.hierarchy import Hierarchy, node_groups
 
 from reference import batch
 

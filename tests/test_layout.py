@@ -13,6 +13,7 @@ CONCRETE = {
     "MPICommunicator",
     "ThreadCommunicator",
     "ThreadWorld",
+    "TorchDistCommunicator",
     "run_threads",
 }
 

@@ -221,7 +221,7 @@ def test_allreduce_base_keeps_workers_identical():
 
 
 def test_node_workers():
-    from hvd_slowmo.hierarchy import Hierarchy
+    from hvd_slowmo.comm.hierarchy import Hierarchy
 
     models = [make_model() for _ in range(4)]
 

@@ -31,6 +31,8 @@ from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+#: The optimizer's eager= for the reference's flag (True, False or "local").
+EAGER_ARG = {True: "shares", False: None}
 
 
 def test_split_is_strided_by_layer():
@@ -141,16 +143,16 @@ def test_reference_fragments_and_eager_change_the_trajectory():
 
 
 REFUSED = {  # settings -> what the message names
-    "eager-without-overlap": (dict(eager=True), "overlap"),
+    "eager-without-overlap": (dict(eager="shares"), "overlap"),
     "fragments-over-tau": (dict(tau=3, fragments=4), "tau=3"),
     "fragments-zero": (dict(fragments=0), "fragments"),
     "eager-not-bool": (dict(overlap=1, eager=1), "eager"),
     "eager-unknown-estimate": (dict(overlap=1, eager="stale"), "'local'"),
     "eager-local-without-overlap": (dict(eager="local"), "overlap"),
     "fragments-sgp": (dict(fragments=2, base="sgp"), "push-sum"),
-    "eager-osgp": (dict(overlap=1, eager=True, base="osgp"), "push-sum"),
+    "eager-osgp": (dict(overlap=1, eager="shares", base="osgp"), "push-sum"),
     "eager-custom-outer": (
-        dict(overlap=1, eager=True, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
+        dict(overlap=1, eager="shares", outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
         "outer_optimizer",
     ),
     "fragments-skip": (dict(fragments=2, nonfinite="skip"), "nonfinite"),
@@ -281,8 +283,8 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     tau, d, p, eager, alpha, beta, buffers, outer = CASES[case]
     m, steps = 3, 15
     got = run(
-        m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=alpha,
-        slow_momentum=beta, buffers=buffers, outer_optimizer=outer,
+        m, steps, tau=tau, overlap=d, fragments=p, eager=EAGER_ARG.get(eager, eager),
+        slow_lr=alpha, slow_momentum=beta, buffers=buffers, outer_optimizer=outer,
     )  # fmt: skip
     want, anchors = reference_streaming(
         m, steps, tau, d, p, eager, alpha, beta, SGD, buffers, lr_at, outer == "nesterov"
@@ -316,8 +318,9 @@ def test_fragments_with_a_codec_equal_the_reference_bitwise(case, one_intra_op_t
     tau, d, p, eager, codec, feedback = CODEC_CASES[case]
     m, steps = 3, 15
     got = run(
-        m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=0.8, slow_momentum=0.6,
-        compression=codec, error_feedback=feedback,
+        m, steps, tau=tau, overlap=d, fragments=p, eager=EAGER_ARG.get(eager, eager),
+        slow_lr=0.8, slow_momentum=0.6,
+        codec=codec, error_feedback=feedback,
     )  # fmt: skip
     average = pseudo_gradient_average(codec, feedback)
     want, anchors = reference_streaming(
@@ -361,10 +364,10 @@ def build(**kwargs):
 
 RESUMES = {  # settings, the step to save at (a fragment in flight there), its fragment
     "p3-d2-average": (dict(overlap=2, fragments=3, buffers="average"), 11, 1),
-    "eager-p2-d3": (dict(overlap=3, fragments=2, eager=True), 10, 0),
-    "eager-p1-d2": (dict(overlap=2, eager=True), 13, 0),
+    "eager-p2-d3": (dict(overlap=3, fragments=2, eager="shares"), 10, 0),
+    "eager-p1-d2": (dict(overlap=2, eager="shares"), 13, 0),
     "int8-feedback-p2-d3": (
-        dict(overlap=3, fragments=2, compression="int8", error_feedback=True),
+        dict(overlap=3, fragments=2, codec="int8", error_feedback=True),
         10,
         0,
     ),
@@ -378,7 +381,7 @@ def test_resume_with_a_fragment_in_flight_is_bitwise(case, one_intra_op_thread):
 
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
-        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
+        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") == "shares")
         assert not isinstance(opt.exchange, CompressedExchange) or opt.exchange.residual is not None
 
     with warnings.catch_warnings():
@@ -423,7 +426,7 @@ def test_a_format_2_state_with_a_fragment_in_flight_continues_bitwise(case, one_
 
     def check(opt):
         assert opt.outer.in_flight is not None and opt.outer.in_flight.fragment == fragment
-        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") is True)
+        assert (opt.outer.eager_shares is not None) == (kwargs.get("eager") == "shares")
         if kwargs.get("error_feedback"):
             assert opt.exchange.residual is not None  # taken from the slow state's old key
 
@@ -469,7 +472,7 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
     """AR-SGD keeps workers identical, so every rank lands on the same parameters (eager's
     estimate differs from the average there, and the landing corrects it); with worker="node"
     the two ranks of a node are identical at every step, also with an int8 exchange."""
-    from hvd_slowmo.hierarchy import Hierarchy
+    from hvd_slowmo.comm.hierarchy import Hierarchy
 
     def worker(comm, models, kwargs):
         r = comm.rank
@@ -502,7 +505,7 @@ def test_allreduce_base_and_node_workers_keep_ranks_identical():
         models = [make_model() for _ in range(4)]
         nodes = run_threads(4, lambda c: worker(c, models, node))
         models = [make_model() for _ in range(4)]
-        int8 = lambda c: dict(node(c), compression="int8", error_feedback=True)  # noqa: E731
+        int8 = lambda c: dict(node(c), codec="int8", error_feedback=True)  # noqa: E731
         coded = run_threads(4, lambda c: worker(c, models, int8))
     for got, pairs in (
         (same, [(0, 1), (0, 2), (0, 3)]),

@@ -5,8 +5,9 @@ The protocol a base algorithm follows is documented in :mod:`hvd_slowmo.bases.ba
 """
 
 from .allreduce import AllReduceSGD
-from .base import BaseAlgorithm, grads_or_zeros
+from .base import BaseAlgorithm
 from .gossip import DPSGD, OSGP, SGP
+from .gradient_buckets import grads_or_zeros
 from .localsgd import LocalSGD
 
 __all__ = [

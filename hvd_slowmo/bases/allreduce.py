@@ -2,13 +2,22 @@
 
 Every worker steps the same averaged gradient, so the parameters stay identical and the outer
 step needs no exact average of them (:attr:`AllReduceSGD.needs_exact_average` is False). The
-optimizer averages the gradients in buckets started during backward
-(:mod:`hvd_slowmo.grad_buckets`), as Horovod's ``DistributedOptimizer`` and DDP do.
+base hands the optimizer its gradient average (:meth:`AllReduceSGD.gradient_average`): buckets
+started during backward (:mod:`hvd_slowmo.bases.gradient_buckets`), as Horovod's
+``DistributedOptimizer`` and DDP do.
 """
+
+from collections.abc import Sequence
+
+from torch import Tensor
 
 from ..comm.base import Communicator
 from ..validation import check_int, check_number
 from .base import BaseAlgorithm
+from .gradient_buckets import BucketedAverage
+
+#: The label of the gradient average over the workers (Horovod matches collectives by label).
+LABEL = "hvd_slowmo.grad_average"
 
 __all__ = ["AllReduceSGD"]
 
@@ -22,7 +31,7 @@ class AllReduceSGD(BaseAlgorithm):
             once all its gradients are ready. Smaller buckets start earlier, larger ones make
             fewer collectives. None (default): each parameter on its own where the transport
             fuses what is ready itself (Horovod, as ``hvd.DistributedOptimizer``), else DDP's
-            25 MB (:func:`hvd_slowmo.grad_buckets.choose_bucket_bytes`).
+            25 MB (:func:`hvd_slowmo.bases.gradient_buckets.choose_bucket_bytes`).
         backward_passes_per_step: backward passes whose gradients accumulate locally before
             each average (Horovod's argument): the average starts during the last one, and a
             further pass before ``step()`` raises.
@@ -53,3 +62,19 @@ class AllReduceSGD(BaseAlgorithm):
             1,
             "the number of backward passes accumulated into each step's gradients",
         )
+
+    def gradient_average(
+        self, params: Sequence[Tensor], names: Sequence[str], node: Communicator | None
+    ) -> BucketedAverage | None:
+        """The gradients averaged inside the node (``worker="node"``), then over the workers,
+        bucket by bucket as backward produces them; None with one worker and no node level.
+
+        Args:
+            params: the parameters, in the index order used on every rank.
+            names: their names, for the errors.
+            node: this rank's node, or None.
+        """
+        stages = self._node_stages(node)
+        if self.comm.size > 1:
+            stages.append((self.comm, LABEL))
+        return self._bucketed(params, names, stages, in_backward=True)

@@ -9,8 +9,12 @@ its name). The optimizer drives it in this order::
 
     __init__(comm, **options)       once, and again after a change of workers (elastic)
     attach(params)                  once, then after every add_param_group
-    every step:   communicate_gradients()   gradients are ready (and averaged, for a base
-                                    with averages_gradients); it touches gradients only: the
+    gradient_average(params, names, node)   once per base and set of parameters: the
+                                    bucketed per-step gradient average the optimizer feeds
+                                    during backward and waits for before each step (AR-SGD's
+                                    allreduce; the node level of worker="node"), or None
+    every step:   communicate_gradients()   gradients are ready (and averaged by the
+                                    gradient average); it touches gradients only: the
                                     step may still be skipped (AMP)
                   pre_step()        the step will happen: local work only (re-bias: push-sum)
                   <the wrapped optimizer's step>
@@ -30,23 +34,28 @@ Class attributes tell the optimizer what the base needs, so it never asks which 
   skipping the exact average (``average=False``) still mixes their models.
 * :attr:`~BaseAlgorithm.needs_exact_average`: False when the parameters are already identical
   on every worker after each step (AR-SGD), so the exact average would only repeat them.
-* :attr:`~BaseAlgorithm.averages_gradients`: the optimizer averages the gradients over
-  ``self.comm`` at every step (AR-SGD), in buckets of :attr:`~BaseAlgorithm.bucket_bytes`
-  started during backward (:mod:`hvd_slowmo.grad_buckets`), after
-  :attr:`~BaseAlgorithm.backward_passes_per_step` passes. Every worker then holds the same
-  gradients, so a non-finite check of them agrees everywhere without a collective (AMP's
-  overflow decision).
+* :attr:`~BaseAlgorithm.averages_gradients`: the base's :meth:`~BaseAlgorithm.gradient_average`
+  averages the gradients over ``self.comm`` at every step (AR-SGD, in buckets of
+  :attr:`~BaseAlgorithm.bucket_bytes` started during backward, after
+  :attr:`~BaseAlgorithm.backward_passes_per_step` passes:
+  :mod:`hvd_slowmo.bases.gradient_buckets`). Every worker then holds the same gradients, so a
+  non-finite check of them agrees everywhere without a collective (AMP's overflow decision).
 
 A base talks to its workers through the :class:`~hvd_slowmo.comm.base.Communicator` it is given
 (``self.comm``), and never to Horovod or MPI directly.
 """
 
-import torch
+from collections.abc import Sequence
+
 from torch import Tensor
 
 from ..comm.base import Communicator
+from .gradient_buckets import BucketedAverage, Stage, choose_bucket_bytes
 
-__all__ = ["BaseAlgorithm", "grads_or_zeros"]
+__all__ = ["BaseAlgorithm"]
+
+#: The label of the node-level gradient average of ``worker="node"`` (Horovod matches by label).
+NODE_LABEL = "hvd_slowmo.node_grad_average"
 
 
 class BaseAlgorithm:
@@ -67,12 +76,13 @@ class BaseAlgorithm:
     #: False where the parameters are already identical on every worker after each step, so
     #: the exact average at an outer step would only repeat them.
     needs_exact_average = True
-    #: True where the optimizer averages the gradients over ``self.comm`` at every step (before
-    #: :meth:`communicate_gradients`), so a non-finite check on them agrees everywhere.
+    #: True where :meth:`gradient_average` averages the gradients over ``self.comm`` at every
+    #: step (before :meth:`communicate_gradients`), so a non-finite check on them agrees
+    #: everywhere.
     averages_gradients = False
     #: The most gradient bytes in one bucket of the per-step gradient average (and of the
     #: node-level average of ``worker="node"``); None: the transport's choice
-    #: (:func:`hvd_slowmo.grad_buckets.choose_bucket_bytes`).
+    #: (:func:`hvd_slowmo.bases.gradient_buckets.choose_bucket_bytes`).
     bucket_bytes: int | None = None
     #: Backward passes accumulated into the gradients before each per-step average.
     backward_passes_per_step: int = 1
@@ -93,6 +103,42 @@ class BaseAlgorithm:
             params: the parameters.
         """
         self.params = params
+
+    def gradient_average(
+        self, params: Sequence[Tensor], names: Sequence[str], node: Communicator | None
+    ) -> BucketedAverage | None:
+        """The per-step gradient average this base hands the optimizer: it feeds it each
+        gradient as backward produces it and waits for it before the step (at
+        ``synchronize()``). This base averages no gradients: only the node level of
+        ``worker="node"``, all at ``synchronize()``; None without one.
+
+        Args:
+            params: the parameters, in the index order used on every rank.
+            names: their names, for the errors.
+            node: this rank's node (``worker="node"``: gradients are averaged over it first),
+                or None.
+        """
+        return self._bucketed(params, names, self._node_stages(node), in_backward=False)
+
+    def _node_stages(self, node: Communicator | None) -> list[Stage]:
+        """The node level of ``worker="node"`` (none with one rank per node)."""
+        return [(node, NODE_LABEL)] if node is not None and node.size > 1 else []
+
+    def _bucketed(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        stages: list[Stage],
+        in_backward: bool,
+    ) -> BucketedAverage | None:
+        """The bucketed average over ``stages`` (None for none), with this base's bucket size
+        and backward passes per step."""
+        if not stages:
+            return None
+        bucket_bytes = choose_bucket_bytes(self.bucket_bytes, stages)
+        return BucketedAverage(
+            params, names, stages, self.backward_passes_per_step, bucket_bytes, in_backward
+        )
 
     def communicate_gradients(self) -> None:
         """This step's gradient communication (gradients are ready); run by
@@ -148,18 +194,3 @@ class BaseAlgorithm:
         Args:
             state: what :meth:`state_dict` returned.
         """
-
-
-def grads_or_zeros(params: list[Tensor]) -> list[Tensor]:
-    """The gradients of ``params``, giving zeros to those without one.
-
-    Like Horovod: a parameter without a gradient on this rank joins with zeros, so every rank
-    enters the same collective and unused parameters cannot deadlock the job.
-
-    Args:
-        params: the parameters, in the same order on every rank.
-    """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]

@@ -207,7 +207,6 @@ class GossipBase(BaseAlgorithm):
         key = self.graph.key(step)
         for g, group in enumerate(self.groups):
             buf = group.pack(scale, self.ps_weight)
-            before = self.transport.bytes_sent
             # tag: unique per exchange (Horovod names its collectives by it).
             pending = self.transport.exchange_start(
                 {d: buf for d in sends_to},
@@ -215,9 +214,6 @@ class GossipBase(BaseAlgorithm):
                 tag=step * len(self.groups) + g,
                 graph_key=key,
             )
-            if self.transport is not self.comm:
-                # Keep opt.comm.bytes_sent the one counter of everything this worker sent.
-                self.comm.bytes_sent += self.transport.bytes_sent - before
             self._inflight.append(_InFlight(step, g, pending, buf, recv_from))
 
     def _wait(self, item: _InFlight) -> dict[int, Tensor]:

@@ -7,22 +7,26 @@ neighbour collectives (:mod:`~hvd_slowmo.comm.mpi`) or in-process threads
 (:mod:`~hvd_slowmo.comm.local`, for tests).
 
 The public methods here hold what every transport shares: the one-worker shortcuts, the checks
-on their arguments and the byte counting. A transport implements the ``_``-prefixed hooks and
+on their arguments and the byte counting (:class:`ByteCounter`, one convention for every
+transport). A transport implements the ``_``-prefixed hooks and
 declares which optional operations it has (:attr:`Communicator.supports_sharding`,
 :attr:`Communicator.supports_alltoall`, :attr:`Communicator.supports_exchange`).
 """
 
 import abc
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
 __all__ = [
+    "ByteCounter",
     "Communicator",
     "PendingAverage",
     "PendingExchange",
     "PendingTensors",
+    "filled",
     "shard_range",
     "shard_sizes",
 ]
@@ -62,12 +66,71 @@ def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def filled(slots: Sequence[Tensor | None]) -> list[Tensor]:
+    """``slots``, a collective's results filled in one by one, checked to be all set.
+
+    Args:
+        slots: one result per slot, None where none arrived.
+    """
+    out = [t for t in slots if t is not None]
+    if len(out) != len(slots):
+        raise RuntimeError(f"a collective left {len(slots) - len(out)} of its results unset")
+    return out
+
+
 def _nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class ByteCounter:
+    """Payload bytes one rank has put on the wire: the one counter behind
+    :attr:`Communicator.bytes_sent` (the convention per collective is documented there).
+
+    Communicators that carry one optimizer's traffic share one counter (the node and
+    cross-node levels of ``worker="node"``, a gossip base's MPI transport: see
+    :func:`hvd_slowmo.comm.factory.worker_hierarchy` and
+    :func:`~hvd_slowmo.comm.factory.gossip_transport`), so ``opt.bytes_sent`` reads one number.
+
+    Attributes:
+        total: the bytes counted so far.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._paused = 0
+
+    @property
+    def counting(self) -> bool:
+        """False inside :meth:`paused`."""
+        return self._paused == 0
+
+    def add(self, nbytes: float) -> None:
+        """Count ``nbytes`` (rounded down) unless paused.
+
+        Args:
+            nbytes: the bytes an operation puts on the wire.
+        """
+        if self._paused == 0:
+            self.total += int(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block nothing is counted (nests)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+
 class PendingExchange(abc.ABC):
-    """A neighbour exchange in flight (see :meth:`Communicator.exchange_start`)."""
+    """A neighbour exchange in flight (see :meth:`Communicator.exchange_start`).
+
+    Every handle of an operation in flight in this package has the same two verbs:
+    ``done() -> bool`` (never blocks; may advance the operation; True once ``wait()`` would
+    return at once) and ``wait()`` (blocks until complete, at most once; later calls return the
+    same result).
+    """
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -85,8 +148,8 @@ class PendingAverage:
         finish: completes the average in place (waits for it); None when it is already done.
         started: False when ``finish`` runs the whole collective (nothing is in flight yet).
         progress: advances the average without blocking and says whether ``finish`` would
-            return at once (an average made of several collectives starts the next one there);
-            None: nothing to advance.
+            return at once (an average made of several collectives starts the next one there):
+            what :meth:`done` asks; None: the transport cannot tell before waiting.
 
     Attributes:
         started: whether the collective is running (or done): False for a deferred average.
@@ -102,17 +165,13 @@ class PendingAverage:
         self._progress = progress
         self.started = started or finish is None
 
-    def poll(self) -> bool:
-        """Advance the average if it has more than one stage (never blocks); True once
-        :meth:`wait` would not block for long. Call it between base steps."""
+    def done(self) -> bool:
+        """Never blocks: advance the average if it runs in stages (a compressed average starts
+        its all-gather once its all-to-all is done), then say whether :meth:`wait` would return
+        at once. False where the transport cannot tell before waiting. Call it between steps."""
         if self._finish is None:
             return True
         return self._progress is not None and self.started and self._progress()
-
-    @property
-    def done(self) -> bool:
-        """True once :meth:`wait` has completed (or there was nothing to wait for)."""
-        return self._finish is None
 
     def wait(self) -> None:
         """Block until the tensors hold their averages (at most once; later calls return)."""
@@ -158,9 +217,23 @@ class Communicator(abc.ABC):
     Attributes:
         rank: this worker's index in ``[0, size)``.
         size: the number of workers ``m``.
-        bytes_sent: payload bytes this worker has handed to the transport so far. An allreduce
-            counts at the ring volume ``2 (m-1)/m`` times its payload, a reduce-scatter and an
-            all-gather at ``(m-1)/m`` each, a neighbour exchange at its messages' size.
+        bytes_sent: payload bytes this rank has put on the wire (:attr:`counter`'s total),
+            counted when an operation starts, as a ring or direct algorithm sends them, with
+            ``P`` the payload in bytes after the transport's own compression (a
+            ``hvd.Compression.fp16`` payload counts 2 bytes an element), ``m`` the workers:
+
+            * :meth:`average_` / :meth:`average_start` (allreduce): ``2 (m-1)/m * P``, ``P``
+              the tensors' bytes (a ring's reduce-scatter plus all-gather);
+            * :meth:`reduce_scatter_mean`: ``(m-1)/m * P``, ``P`` the flat tensors' bytes;
+            * :meth:`allgather_flat`: ``(m-1)/m * P``, ``P`` the gathered result's bytes;
+            * :meth:`alltoall_flat`: the bytes of the messages to the other workers;
+            * :meth:`exchange_start`: the bytes of every message (one per destination);
+            * object collectives (:meth:`allgather_object`, :meth:`broadcast_object`): not
+              counted (control traffic); nothing is counted with one worker.
+
+            Evaluation traffic is kept out with ``with comm.uncounted():``.
+        counter: the :class:`ByteCounter` behind :attr:`bytes_sent`, shared with the other
+            communicators of the same optimizer (:meth:`share_counter`).
         supports_sharding: :meth:`reduce_scatter_mean` and :meth:`allgather_flat` work
             (``shard_slow_state=True`` needs them).
         supports_alltoall: :meth:`alltoall_flat` and :meth:`allgather_flat` work (the
@@ -169,7 +242,7 @@ class Communicator(abc.ABC):
         fuses_averages: the transport itself fuses averages started close together into one
             collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
             gradient average starts each parameter's average as soon as its gradient is ready
-            instead of waiting for a bucket of them (:mod:`hvd_slowmo.grad_buckets`).
+            instead of waiting for a bucket of them (:mod:`hvd_slowmo.bases.gradient_buckets`).
         workers_share_process: the workers are threads of one process (thread workers,
             :mod:`hvd_slowmo.comm.local`), so they share autograd's device threads: the end of
             a backward pass, run there, must not wait for the other workers
@@ -178,12 +251,44 @@ class Communicator(abc.ABC):
 
     rank: int
     size: int
-    bytes_sent: int = 0
     supports_sharding: bool = False
     supports_alltoall: bool = False
     supports_exchange: bool = False
     fuses_averages: bool = False
     workers_share_process: bool = False
+    _counter: ByteCounter | None = None
+
+    # --- bytes on the wire ------------------------------------------------------------------
+    @property
+    def counter(self) -> ByteCounter:
+        """The byte counter of this communicator (created on first use)."""
+        if self._counter is None:
+            self._counter = ByteCounter()
+        return self._counter
+
+    def share_counter(self, other: "Communicator") -> None:
+        """Count this communicator's traffic in ``other``'s counter from now on (what was
+        counted here before is not carried over).
+
+        Args:
+            other: the communicator whose counter to share.
+        """
+        self._counter = other.counter
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has put on the wire (the convention: the class docstring)."""
+        return self.counter.total
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self.counter.total = value
+
+    def uncounted(self) -> contextlib.AbstractContextManager[None]:
+        """``with comm.uncounted():`` the operations started inside are not counted in
+        :attr:`bytes_sent` (nor in any communicator sharing its counter): for evaluation
+        traffic such as :meth:`hvd_slowmo.DistributedOptimizer.use_consensus`."""
+        return self.counter.paused()
 
     # --- the operations every communicator has -------------------------------------------
     def average_(self, tensors: Sequence[Tensor], name: str) -> None:
@@ -199,7 +304,7 @@ class Communicator(abc.ABC):
         if self.size == 1 or not tensors:
             return
         wire = self._average_(tensors, name)
-        self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
+        self.counter.add(2 * (self.size - 1) / self.size * wire)
 
     @abc.abstractmethod
     def _average_(self, tensors: list[Tensor], name: str) -> int:
@@ -226,7 +331,7 @@ class Communicator(abc.ABC):
         if self.size == 1 or not tensors:
             return PendingAverage()
         pending, wire = self._average_start(tensors, name)
-        self.bytes_sent += int(2 * (self.size - 1) / self.size * wire)
+        self.counter.add(2 * (self.size - 1) / self.size * wire)
         return pending
 
     def _average_start(self, tensors: list[Tensor], name: str) -> tuple[PendingAverage, int]:
@@ -275,7 +380,7 @@ class Communicator(abc.ABC):
         if self.size == 1:
             return [f.clone() for f in flats]
         out, wire = self._reduce_scatter_mean(flats, name)
-        self.bytes_sent += int((self.size - 1) / self.size * wire)
+        self.counter.add((self.size - 1) / self.size * wire)
         return out
 
     def _reduce_scatter_mean(self, flats: list[Tensor], name: str) -> tuple[list[Tensor], int]:
@@ -308,11 +413,13 @@ class Communicator(abc.ABC):
         if self.size == 1:
             return PendingTensors([s.clone() for s in shards])
         pending = self._allgather_flat_start(shards, name)
+        counted = self.counter.counting  # the result's size is known at the end: count it then
 
         def finish() -> list[Tensor]:
             out = pending.wait()
-            # Ring all-gather: each worker forwards everyone's shards but its successor's.
-            self.bytes_sent += int((self.size - 1) / self.size * _nbytes(out))
+            if counted:
+                # Ring all-gather: each worker forwards everyone's shards but its successor's.
+                self.counter.total += int((self.size - 1) / self.size * _nbytes(out))
             return out
 
         return PendingTensors(finish, pending.done)
@@ -368,7 +475,7 @@ class Communicator(abc.ABC):
             return PendingTensors([sends[0].clone()])
         pending = self._alltoall_flat_start(sends, recv_numels, name)
         # Direct sends: everything but this worker's message to itself goes on the wire.
-        self.bytes_sent += _nbytes([s for j, s in enumerate(sends) if j != self.rank])
+        self.counter.add(_nbytes([s for j, s in enumerate(sends) if j != self.rank]))
 
         def finish() -> list[Tensor]:
             out = pending.wait()
@@ -434,7 +541,7 @@ class Communicator(abc.ABC):
                 f"got {sorted(lengths)}"
             )
         pending = self._exchange_start(sends, recv_from, tag, graph_key)
-        self.bytes_sent += _nbytes(list(sends.values()))
+        self.counter.add(_nbytes(list(sends.values())))
         return pending
 
     def _exchange_start(

@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any
 
-from ..hierarchy import Hierarchy, node_groups
 from ..validation import check_choice
 from .base import Communicator
+from .hierarchy import Hierarchy, node_groups
 from .horovod import HorovodCommunicator, check_compression
 
 __all__ = [
@@ -124,30 +124,41 @@ def default_communicator(
 def worker_hierarchy(
     worker: Any, communicator: Communicator | None, comm: Communicator | None = None
 ) -> Hierarchy | None:
-    """The two levels of a hierarchical run, or None when every process is a worker.
+    """The two levels of a hierarchical run, or None when every process is a worker. Both
+    levels count their bytes in ``comm``'s counter (:meth:`Communicator.share_counter`), so
+    ``comm.bytes_sent`` is everything this rank sends.
 
     Args:
         worker: ``"process"``, ``"node"`` (built from the host layout of ``comm``'s engine:
-            collective) or a :class:`~hvd_slowmo.hierarchy.Hierarchy`.
+            collective) or a :class:`~hvd_slowmo.comm.hierarchy.Hierarchy`.
         communicator: the user's communicator, or None.
         comm: the communicator of the exact average (:func:`default_communicator`); None or a
             Horovod one builds Horovod process sets, a torch.distributed one builds sub-groups.
     """
     if isinstance(worker, Hierarchy):
-        return worker
-    check_choice("worker", worker, ("process", "node"), "or a hvd_slowmo.hierarchy.Hierarchy")
-    if worker == "process":
-        return None
-    if communicator is not None:
-        raise ValueError(
-            "worker='node' builds Horovod process sets; with your own communicator pass "
-            "worker=Hierarchy(node=..., cross=...) instead"
+        hierarchy = worker
+    else:
+        check_choice(
+            "worker", worker, ("process", "node"), "or a hvd_slowmo.comm.hierarchy.Hierarchy"
         )
-    from .torchdist import TorchDistCommunicator
+        if worker == "process":
+            return None
+        if communicator is not None:
+            raise ValueError(
+                "worker='node' builds Horovod process sets; with your own communicator pass "
+                "worker=Hierarchy(node=..., cross=...) instead"
+            )
+        from .torchdist import TorchDistCommunicator
 
-    if isinstance(comm, TorchDistCommunicator):
-        return torch_node_hierarchy(comm)
-    return horovod_node_hierarchy()
+        if isinstance(comm, TorchDistCommunicator):
+            hierarchy = torch_node_hierarchy(comm)
+        else:
+            hierarchy = horovod_node_hierarchy()
+    if comm is not None:
+        for level in (hierarchy.node, hierarchy.cross):
+            if level is not comm:
+                level.share_counter(comm)
+    return hierarchy
 
 
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}
@@ -246,7 +257,8 @@ def torch_node_hierarchy(comm: Communicator) -> Hierarchy:
 
 
 def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) -> Communicator:
-    """The communicator that carries a gossip base's neighbour exchanges.
+    """The communicator that carries a gossip base's neighbour exchanges (its bytes are counted
+    in ``comm``'s counter).
 
     ``"auto"``: MPI neighbour collectives under an MPI launch with CPU tensors (the same ranks as
     Horovod's, checked), otherwise ``comm``'s own exchange (Horovod ``alltoall``, threads).
@@ -270,7 +282,7 @@ def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) ->
             )
         return comm
     is_hvd = isinstance(comm, HorovodCommunicator)
-    mpi_launch = is_hvd and comm.mpi_launch
+    mpi_launch = isinstance(comm, HorovodCommunicator) and comm.mpi_launch
     if choice == "horovod" and not is_hvd:
         raise ValueError(
             f"gossip_transport='horovod' needs the Horovod communicator, got "
@@ -284,6 +296,8 @@ def gossip_transport(comm: Communicator, choice: str, cuda: bool, label: str) ->
         )
     use_mpi = choice == "mpi" or (choice == "auto" and mpi_launch and not cuda)
     transport = MPICommunicator.for_horovod(comm) if use_mpi else comm
+    if transport is not comm:
+        transport.share_counter(comm)  # the gossip's bytes count in the base's counter
     if not transport.supports_exchange:
         raise ValueError(
             f"base={label!r} exchanges messages with its neighbours, which "

@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from ..validation import check_choice
-from .base import Communicator, PendingAverage, PendingExchange, PendingTensors, shard_range
+from .base import (
+    Communicator,
+    PendingAverage,
+    PendingExchange,
+    PendingTensors,
+    filled,
+    shard_range,
+)
 from .deadline import collective_timeout, timeout_message, wait_until
 
 __all__ = ["HorovodCommunicator", "check_compression"]
@@ -118,7 +125,6 @@ class HorovodCommunicator(Communicator):
         # A set built from a rank list: its members, in Horovod's (sorted) rank order.
         ranks = self.process_set.ranks
         self._members = list(ranks) if self.process_set.process_set_id != 0 and ranks else None
-        self.bytes_sent = 0
 
     # The global set is read from Horovod on every use, not cached: hvd.elastic re-initializes
     # Horovod with other workers, and a stale rank or size would make the optimizer talk to the
@@ -265,11 +271,12 @@ class HorovodCommunicator(Communicator):
             received = self.compression.decompress(received, ctx)
             mine = [ranges[i][self.rank][1] - ranges[i][self.rank][0] for i in idx]
             per_source = received.reshape(m, sum(mine))  # one row per source rank, rank 0 first
-            for src, chunk in enumerate(per_source):
+            for chunk in per_source:  # rank order
                 for i, part in zip(idx, chunk.split(mine)):
                     # Summed in rank order and divided, as the thread communicator: deterministic.
-                    out[i] = part.clone() if src == 0 else out[i].add_(part)
-        return [t.div_(m) for t in out], wire
+                    acc = out[i]  # None before the first source's chunk
+                    out[i] = part.clone() if acc is None else acc.add_(part)
+        return [t.div_(m) for t in filled(out)], wire
 
     def _allgather_flat_start(self, shards: list[Tensor], name: str) -> PendingTensors:
         hvd = _hvd()

@@ -345,7 +345,6 @@ class ThreadCommunicator(Communicator):
         self.world = world
         self.rank = rank
         self.size = world.size
-        self.bytes_sent = 0
 
     def _start(self, kind: str, value: Any, reduce: Reduce, name: str = "") -> _Started:
         what = f"{kind} {name!r}" if name else kind

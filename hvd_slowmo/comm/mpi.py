@@ -199,7 +199,6 @@ class MPICommunicator(Communicator):
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
         self.cuda_aware = cuda_aware
-        self.bytes_sent = 0
         self._graphs: OrderedDict[Hashable, Any] = OrderedDict()
         self._types: dict[int, Any] = {}
 

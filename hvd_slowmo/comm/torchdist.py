@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Communicator, PendingAverage, PendingExchange, shard_range
+from .base import Communicator, PendingAverage, PendingExchange, filled, shard_range
 from .deadline import collective_timeout
 
 __all__ = ["FP16", "TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
@@ -48,8 +48,8 @@ def torch_distributed_ready() -> bool:
 
 class FP16:
     """fp16 compression of the parameters' allreduce (as ``hvd.Compression.fp16``): the payload
-    travels as float16, the result is cast back. Pass it as ``compression=FP16``; a codec name
-    (``compression="fp16"``) compresses the pseudo-gradient instead
+    travels as float16, the result is cast back. Pass it as ``compression=FP16``; the codec
+    ``codec="fp16"`` compresses the pseudo-gradient of the outer exchange instead
     (:mod:`hvd_slowmo.compression`)."""
 
     @staticmethod
@@ -182,7 +182,6 @@ class TorchDistCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
-        self.bytes_sent = 0
 
     @contextlib.contextmanager
     def _named(self, what: str) -> Iterator[None]:
@@ -288,12 +287,13 @@ class TorchDistCommunicator(Communicator):
                     group=self.group,
                 )
             wire += send.numel() * send.element_size()
-            for src, chunk in enumerate(recv.view(m, sum(mine))):
+            for chunk in recv.view(m, sum(mine)):  # rank order
                 for i, part in zip(idx, chunk.split(mine)):
                     # Summed in rank order and divided: the same on every rank, as Horovod's
                     # alltoall reduce-scatter and the thread communicator.
-                    out[i] = part.clone() if src == 0 else out[i].add_(part)
-        return [t.div_(m) for t in out], wire
+                    acc = out[i]  # None before the first source's chunk
+                    out[i] = part.clone() if acc is None else acc.add_(part)
+        return [t.div_(m) for t in filled(out)], wire
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         m = self.size
@@ -321,7 +321,7 @@ class TorchDistCommunicator(Communicator):
                     pieces[j].append(part)
             for j, i in enumerate(idx):
                 out[i] = torch.cat(pieces[j])
-        return out
+        return filled(out)
 
     # --- all-to-all (a compressed average) -------------------------------------------------
     def _alltoall_flat(

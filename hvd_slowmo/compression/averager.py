@@ -95,7 +95,7 @@ class PseudoGradientAverage:
             for p, a, d in zip(params, mine, mean.split([p.numel() for p in params])):
                 p.copy_(a.float() - d.view_as(p))
 
-        return PendingAverage(finish, progress=pending.poll)
+        return PendingAverage(finish, progress=pending.done)
 
     def _residual_of(
         self, which: list[int], anchor: list[Tensor], device: torch.device

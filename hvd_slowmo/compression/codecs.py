@@ -74,7 +74,7 @@ class Encoded(NamedTuple):
     scales: Tensor
 
 
-def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "compression") -> str:
+def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "codec") -> str:
     """``codec`` itself, checked to be a codec name that works on ``device``.
 
     Args:
@@ -209,4 +209,6 @@ def from_bytes(packet: Tensor, numel: int, codec: str, block: int = BLOCK_SIZE) 
         )
     n_scales = 4 * _num_blocks(numel, block) if codec in _CODE_MAX else 0
     scales = _view(packet[:n_scales], torch.float32)
-    return Encoded(_view(packet[n_scales:], _CODE_DTYPE[codec]), scales)
+    code_dtype = _CODE_DTYPE[codec]
+    assert code_dtype is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
+    return Encoded(_view(packet[n_scales:], code_dtype), scales)

@@ -60,7 +60,7 @@ def compressed_mean(
 
 class PendingMean:
     """:func:`compressed_mean` in flight: the all-to-all starts on construction, the all-gather
-    as soon as :meth:`poll` finds the all-to-all done (or at :meth:`wait`). Collective.
+    as soon as :meth:`done` finds the all-to-all done (or at :meth:`wait`). Collective.
 
     On transports without background progress (threads, MPI) each collective finishes when it
     starts. Arguments as for :func:`compressed_mean`; ``residual`` is updated on construction.
@@ -90,7 +90,7 @@ class PendingMean:
         if comm.size > 1 and not comm.supports_alltoall:
             raise ValueError(
                 f"a compressed average needs alltoall_flat and allgather_flat, which "
-                f"{type(comm).__name__} does not have; use compression=None"
+                f"{type(comm).__name__} does not have; use codec=None"
             )
         self._comm, self._codec, self._name, self._block = comm, codec, name, block
         self._sizes = shard_sizes(flat.numel(), comm.size)
@@ -108,9 +108,9 @@ class PendingMean:
             [to_bytes(e) for e in encoded], [packet] * comm.size, f"{name}.a2a"
         )
 
-    def poll(self) -> bool:
-        """Advance without blocking (start the all-gather once the all-to-all is done); True
-        once :meth:`wait` would not block."""
+    def done(self) -> bool:
+        """Never blocks: advance (start the all-gather once the all-to-all is done), then say
+        whether :meth:`wait` would return at once."""
         if self._result is not None:
             return True
         if self._gather is None and self._alltoall.done():

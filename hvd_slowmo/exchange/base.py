@@ -64,7 +64,7 @@ class Exchange(abc.ABC):
     @abc.abstractmethod
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
         """Start the average of ``payload`` (collective); its handle's ``wait()`` completes it
-        (``poll()`` advances one made of several collectives; ``started`` is False for one that
+        (``done()`` advances one made of several collectives; ``started`` is False for one that
         runs entirely in ``wait()``).
 
         Args:

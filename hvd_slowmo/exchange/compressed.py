@@ -67,7 +67,7 @@ class CompressedExchange(PlainExchange):
             for p in pending:
                 p.wait()
 
-        return PendingAverage(finish, progress=pending[0].poll)
+        return PendingAverage(finish, progress=pending[0].done)
 
     def reset(self) -> None:
         # The residual was lost with the steps since the anchor (and may hold the NaN of a

@@ -264,7 +264,9 @@ class SlowState(abc.ABC):
             self.slow_buffer.extend(torch.zeros_like(a) for a in anchor)
 
     def _build_outer(self, anchor: list[Tensor]) -> torch.optim.Optimizer:
-        opt = self.config.outer_optimizer(anchor)
+        build = self.config.outer_optimizer
+        assert callable(build), "built only for a custom outer optimizer (config.custom_outer)"
+        opt = build(anchor)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 f"outer_optimizer must return a torch.optim.Optimizer, got "

@@ -17,7 +17,8 @@ __all__ = ["FullSlowState"]
 
 def _flat_params(param_groups: ParamGroups) -> tuple[list[Tensor], list[int]]:
     """The parameters (detached) in the optimizer's order, and the param group of each."""
-    params, groups = [], []
+    params: list[Tensor] = []
+    groups: list[int] = []
     for g, group in enumerate(param_groups):
         params.extend(p.detach() for p in group["params"])
         groups.extend([g] * len(group["params"]))

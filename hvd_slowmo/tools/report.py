@@ -279,10 +279,10 @@ def seed_failures(
             out.append(f"diverged (final loss {loss}, final metric {final})")
             continue
         assert final is not None
-        if margin is not None and _finite(best) and final < best - margin:
+        if margin is not None and best is not None and _finite(best) and final < best - margin:
             out.append(f"fell back: final {final:.2f} < best {best:.2f} - {margin:g}")
             continue
-        others = [f for j, f in enumerate(finals) if j != i and _finite(f)]
+        others = [f for j, f in enumerate(finals) if j != i and f is not None and _finite(f)]
         if margin is not None and others and final < max(others) - margin:
             out.append(f"trails: final {final:.2f} < best sibling {max(others):.2f} - {margin:g}")
             continue
@@ -657,8 +657,8 @@ def plot(
                 ax_loss.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
                 loss_kinds.update(st.values("train_loss_kind"))
         keys = {_val_key(r) for r in st.runs}
-        if len(keys) == 1 and None not in keys:
-            key = keys.pop()
+        key = next(iter(keys)) if len(keys) == 1 else None
+        if key is not None:
             steps, mean, low, high = _band([r.scalars[TAGS[key]] for r in st.runs])
             if steps:
                 (line,) = ax_val.plot(steps, mean, marker=".", label=st.name + n)

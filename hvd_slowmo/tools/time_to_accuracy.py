@@ -160,8 +160,11 @@ def time_to_accuracy_table(
         speedup_at: the target of the speed-up column (one of ``targets``).
     """
     rows = time_to_accuracy_rows(curves, targets)
-    with_speedup = reference in rows and speedup_at in targets
-    ref = _all_mean(rows[reference].to[speedup_at]) if with_speedup else None
+    speedup: tuple[str, float] | None = None  # (reference, target) of the speed-up column
+    if reference in rows and speedup_at in targets:
+        assert reference is not None and speedup_at is not None
+        speedup = (reference, speedup_at)
+    ref = _all_mean(rows[speedup[0]].to[speedup[1]]) if speedup else None
     table = []
     for method, r in rows.items():
         cells = [
@@ -171,13 +174,13 @@ def time_to_accuracy_table(
             fmt_mean_std(r.seconds, ".1f"),
         ]
         cells += [_reached(r.to[t]) for t in targets]
-        if with_speedup:
-            mine = _all_mean(r.to[speedup_at])
+        if speedup:
+            mine = _all_mean(r.to[speedup[1]])
             cells.append(f"{ref / mine:.2f}x" if ref and mine else "-")
         table.append(cells)
     headers = ["Method", "Seeds", "Final acc %", "Train s (total)"]
     headers += [f"s to {t:g}%" for t in targets]
-    if with_speedup:
+    if speedup:
         headers.append(f"speed-up to {speedup_at:g}% vs {reference}")
     return text_table(headers, table)
 

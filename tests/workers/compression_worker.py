@@ -51,7 +51,7 @@ def train_compressed(model, rank: int, communicator=None):
         tau=4,
         overlap=2,
         slow_momentum=0.5,
-        compression="int8",
+        codec="int8",
         error_feedback=True,
     )
     for k in range(14):
@@ -95,7 +95,7 @@ def main(out: str) -> None:
         before = comm.bytes_sent
         pending = PendingMean(comm, worker_vector(hvd.rank(), n), codec, f"cmp.polled.{codec}")
         deadline = time.monotonic() + 60
-        while not pending.poll():  # both collectives complete without a blocking wait
+        while not pending.done():  # both collectives complete without a blocking wait
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {hvd.rank()}: {codec} never completed by polling")
             time.sleep(0.001)

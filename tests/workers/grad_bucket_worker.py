@@ -35,7 +35,7 @@ def main():
         results[(case, "default")] = run.train(
             run.Net(), case, hvd.rank(), opts=opts, bucket_mb=None
         )
-        results[(case, "default buckets")] = len(opts[0]._buckets.buckets)
+        results[(case, "default buckets")] = len(opts[0]._grad_average.buckets)
     if not node:
         results[("plain", "fp16")] = run.train(
             run.Net(), "plain", hvd.rank(), compression=hvd.Compression.fp16

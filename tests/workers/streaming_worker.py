@@ -29,7 +29,7 @@ CONFIGS = {
         fragments=2,
         slow_lr=0.8,
         slow_momentum=0.6,
-        compression="int8",
+        codec="int8",
         error_feedback=True,
     ),  # fmt: skip
     "p2-d1-local": dict(

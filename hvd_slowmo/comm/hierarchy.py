@@ -15,7 +15,7 @@ communicators from Horovod process sets (arXiv 1910.00643, Section 5 and Appendi
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .comm.base import Communicator
+from .base import Communicator
 
 __all__ = ["Hierarchy", "node_groups"]
 

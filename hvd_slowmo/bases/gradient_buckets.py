@@ -1,5 +1,7 @@
 """The per-step gradient average in buckets, started during backward (SlowMo's AR-SGD base and
-the node-level average of ``worker="node"``; arXiv 1910.00643, Section 3).
+the node-level average of ``worker="node"``; arXiv 1910.00643, Section 3). A base algorithm
+builds it (:meth:`hvd_slowmo.bases.base.BaseAlgorithm.gradient_average`) and hands it to the
+optimizer, which feeds it the backward pass's gradients and waits for it before the step.
 
 As Horovod's optimizer and PyTorch DDP do it: a hook on each parameter counts the backward
 passes that accumulate into its gradient; once every parameter of a bucket holds its final
@@ -19,12 +21,19 @@ at :meth:`~BucketedAverage.finish`.
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
-from .bases.base import grads_or_zeros
-from .comm.base import Communicator, PendingAverage
+from ..comm.base import Communicator, PendingAverage
 
-__all__ = ["BUCKET_BYTES", "Stage", "BucketedAverage", "choose_bucket_bytes", "plan_buckets"]
+__all__ = [
+    "BUCKET_BYTES",
+    "BucketedAverage",
+    "Stage",
+    "choose_bucket_bytes",
+    "grads_or_zeros",
+    "plan_buckets",
+]
 
 #: A communicator to average over and the label of its averages (Horovod matches by label).
 Stage = tuple[Communicator, str]
@@ -85,23 +94,58 @@ def plan_buckets(
     return buckets
 
 
+def grads_or_zeros(params: list[Tensor]) -> list[Tensor]:
+    """The gradients of ``params``, giving zeros to those without one.
+
+    Like Horovod: a parameter without a gradient on this rank joins with zeros, so every rank
+    enters the same collective and unused parameters cannot deadlock the job.
+
+    Args:
+        params: the parameters, in the same order on every rank.
+    """
+    out = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad)
+    return out
+
+
 class BucketedAverage:
-    """One step's gradient average over a chain of communicators, started bucket by bucket.
+    """Each step's gradient average over a chain of communicators, started bucket by bucket.
 
     Args:
         params: the parameters, in the index order used on every rank.
+        names: their names, for the errors.
+        stages: the communicators to average over, in turn, each with the label of its
+            averages.
         passes: backward passes that accumulate into the gradients before each average
             (Horovod's ``backward_passes_per_step``).
         bucket_bytes: the most gradient bytes a bucket of several parameters holds.
+        in_backward: start each bucket's average as soon as its gradients are final, during
+            backward (AR-SGD); False: everything at :meth:`finish` (the node-level average of
+            the other bases, at ``synchronize()``).
     """
 
-    def __init__(self, params: Sequence[Tensor], passes: int, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        names: Sequence[str],
+        stages: Sequence[Stage],
+        passes: int,
+        bucket_bytes: int,
+        in_backward: bool = True,
+    ) -> None:
         self.params = list(params)
+        self.names = list(names)
+        self.stages = list(stages)
         self.passes = passes
+        self.in_backward = in_backward
         self.buckets = plan_buckets(
             [p.numel() * p.element_size() for p in self.params], bucket_bytes
         )
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         #: True once this step's gradients are averaged, until :meth:`take` (the step took
         #: them) or :meth:`discard`: a further backward pass before then is one too many.
         self.averaged = False
@@ -121,25 +165,27 @@ class BucketedAverage:
         """Whether any bucket has started and not been waited for."""
         return bool(self._in_flight)
 
-    def gradient_ready(self, index: int, stages: Sequence[Stage], name: str) -> None:
-        """A backward pass accumulated into parameter ``index``'s gradient; start every bucket
-        that is now complete (in bucket order).
+    def gradient_ready(self, param: Tensor) -> None:
+        """A backward pass accumulated into ``param``'s gradient; start every bucket that is now
+        complete (in bucket order). Does nothing unless :attr:`in_backward`.
 
         Args:
-            index: the parameter's index.
-            stages: the communicators to average over, in turn.
-            name: the parameter's name, for the error.
+            param: one of the parameters.
 
         Raises:
             RuntimeError: more backward passes than ``backward_passes_per_step`` before the
                 average was waited for.
         """
+        if not self.in_backward:
+            return
+        index = self._index[id(param)]
         if self.averaged or self._left[index] == 0:
             raise RuntimeError(
-                f"parameter {name!r} got a gradient from more than backward_passes_per_step="
-                f"{self.passes} backward passes before step() or synchronize(): its average "
-                "has already started. Pass backward_passes_per_step=<passes per step> to "
-                "accumulate gradients locally, or call zero_grad() to start the step over"
+                f"parameter {self.names[index]!r} got a gradient from more than "
+                f"backward_passes_per_step={self.passes} backward passes before step() or "
+                "synchronize(): its average has already started. Pass "
+                "backward_passes_per_step=<passes per step> to accumulate gradients locally, "
+                "or call zero_grad() to start the step over"
             )
         self._left[index] -= 1
         if self._left[index]:
@@ -147,22 +193,18 @@ class BucketedAverage:
         self.last_pass = True
         self._missing[self._bucket_of[index]] -= 1
         while self._started < len(self.buckets) and self._missing[self._started] == 0:
-            self._start(self._started, stages)
+            self._start(self._started)
 
-    def finish(self, stages: Sequence[Stage]) -> None:
+    def finish(self) -> None:
         """Average whatever has not been averaged yet and wait for every bucket: start the
         remaining buckets in order (a parameter without a gradient joins with zeros, one that
-        saw fewer passes with what it has), then wait. Does nothing once :attr:`averaged`.
-
-        Args:
-            stages: the communicators to average over, in turn.
-        """
+        saw fewer passes with what it has), then wait. Does nothing once :attr:`averaged`."""
         if self.averaged:
             return
         try:
             while self._started < len(self.buckets):
-                self._start(self._started, stages)
-            self._advance(stages)
+                self._start(self._started)
+            self._advance()
             for _, _, pending in self._in_flight:
                 pending.wait()
         finally:
@@ -189,18 +231,19 @@ class BucketedAverage:
     def _grads(self, bucket: int) -> list[Tensor]:
         return grads_or_zeros([self.params[i] for i in self.buckets[bucket]])
 
-    def _start(self, bucket: int, stages: Sequence[Stage]) -> None:
+    def _start(self, bucket: int) -> None:
         # Earlier buckets move on to their next stage first, so every communicator sees the
         # buckets in the same order on every rank.
-        self._advance(stages)
-        comm, label = stages[0]
+        self._advance()
+        comm, label = self.stages[0]
         self._in_flight.append(
             (bucket, 0, comm.average_start(self._grads(bucket), f"{label}.{bucket}"))
         )
         self._started = bucket + 1
 
-    def _advance(self, stages: Sequence[Stage]) -> None:
+    def _advance(self) -> None:
         """Move every bucket in flight to its last stage (waiting for the earlier ones)."""
+        stages = self.stages
         for k, (bucket, stage, pending) in enumerate(self._in_flight):
             while stage + 1 < len(stages):
                 pending.wait()
