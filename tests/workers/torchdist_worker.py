@@ -204,7 +204,7 @@ def checkpoint_runs(mode, stop, out, rank, result):
 
 def node_runs(rank, result):
     """worker="node" for every case of tests/test_hierarchy.py."""
-    from test_hierarchy import CASES, loss, mlp
+    from hierarchy_cases import CASES, loss, mlp
 
     for case, kwargs in CASES.items():
         model = mlp()
