@@ -292,7 +292,7 @@ build_gpu() {
 
 # expect_run LOG WORKERS: the example's log must show training on WORKERS workers to its last epoch.
 # The example's own event lines (--progress-lines) are read by examples/run_log.py, the module
-# that writes them, so this check follows the examples' output (tests/test_examples.py runs it on
+# that writes them, so this check follows the examples' output (tests/test_run_log.py runs it on
 # what an example prints now, in every CI run).
 expect_run() {
   local file=$LOGS/$1 workers=$2
