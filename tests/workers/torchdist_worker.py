@@ -128,7 +128,7 @@ def sharded_run(shard):
 def gossip_checks():
     """Matrix-reference errors of SGP/D-PSGD on the test quadratic, OSGP's conserved mass, and
     SlowMo over every gossip base."""
-    from test_gossip import LR, centre, curvature, initial, reference
+    from reference_gossip import LR, centre, curvature, initial, reference
 
     rank, m = dist.get_rank(), dist.get_world_size()
     out = {}
