@@ -64,10 +64,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         optimizer: the base optimizer (any ``torch.optim.Optimizer``), stepping the local copy.
         named_parameters: ``model.named_parameters()``; names appear in error messages and in
             the cross-rank configuration check. Every optimizer parameter must be named.
-        base, tau, slow_lr, slow_momentum, buffers, average, nonfinite, outer_optimizer,
-            shard_slow_state, overlap, fragments, eager, base_options: the algorithm's settings
-            (``base_options``: the base algorithm's own keyword options, e.g. a gossip
-            topology); each is documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
+        base: the base algorithm; it and the other settings of the algorithm (``tau``,
+            ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
+            ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
+            ``base_options``: the base algorithm's own keyword options, e.g. a gossip topology)
+            are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.

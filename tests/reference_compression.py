@@ -184,3 +184,11 @@ def reference_slowmo_compressed(
             for o in opts:
                 o.state.clear()
     return models
+
+
+def worker_vector(rank: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Worker ``rank``'s vector: magnitudes from 1e-3 to 10 across blocks, an all-zero block."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    v = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
+    v[256:512] = 0.0  # a block of zeros on every worker (zero scale)
+    return v + 0.01 * rank

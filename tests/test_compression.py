@@ -6,7 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-from reference_compression import reference_compressed_mean
+from reference_compression import reference_compressed_mean, worker_vector
 
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
@@ -15,14 +15,6 @@ from hvd_slowmo.compression.averager import PseudoGradientAverage
 from hvd_slowmo.compression.codecs import check_codec, from_bytes, to_bytes
 
 SIZES = range(2, 9)
-
-
-def worker_vector(rank: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Worker ``rank``'s vector: magnitudes from 1e-3 to 10 across blocks, an all-zero block."""
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    v = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
-    v[256:512] = 0.0  # a block of zeros on every worker (zero scale)
-    return v + 0.01 * rank
 
 
 def run_mean(m: int, n: int, codec: str, feedback: bool, block: int = 256):

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 import torch
-from reference_compression import reference_compressed_mean
-from test_compression import worker_vector
+from reference_compression import reference_compressed_mean, worker_vector
 
 from horovod_launch import horovodrun
 from reference import make_model

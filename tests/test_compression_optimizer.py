@@ -5,18 +5,19 @@ node workers, and its argument checks."""
 import pytest
 import torch
 from reference_compression import reference_slowmo_compressed
-from test_optimizer import (
-    PLAIN_SGD,
-    SGD_NESTEROV,
-    assert_bitwise_equal_across_ranks,
-    assert_close_models,
-    run_slowmo,
-)
 
 from hvd_slowmo import DistributedOptimizer, Hierarchy
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
-from helpers import assert_same_models, resume_in_fresh_workers
+from helpers import (
+    PLAIN_SGD,
+    SGD_NESTEROV,
+    assert_bitwise_equal_across_ranks,
+    assert_close_models,
+    assert_same_models,
+    resume_in_fresh_workers,
+    run_slowmo,
+)
 from reference import loss_at, lr_at, make_model, reference_slowmo
 
 CASES = {

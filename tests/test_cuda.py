@@ -22,12 +22,12 @@ import warnings
 
 import pytest
 import torch
-from test_gossip import SlowArrivals
 from torch import nn
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
 
+from helpers import SlowArrivals
 from horovod_launch import ROOT, horovodrun, launch_env
 from reference import batch, loss_at, make_model
 from reference_overlap import reference_overlapped
@@ -39,7 +39,7 @@ NO_CUDA = (
 )
 CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(NO_CUDA is not None, reason=str(NO_CUDA))]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA_MARKS)]
-#: Base -> extra options. OSGP runs over SlowArrivals (tests/test_gossip.py): it mixes only what
+#: Base -> extra options. OSGP runs over SlowArrivals (tests/helpers.py): it mixes only what
 #: staleness forces, so its runs are reproducible and comparable across devices.
 BASES = {"localsgd": {}, "allreduce": {}, "sgp": {}, "osgp": {"staleness": 1}, "dpsgd": {}}
 M, STEPS, TAU = 4, 8, 3

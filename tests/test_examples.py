@@ -1,7 +1,8 @@
-"""The examples, compare.py and the sweep runner.
+"""The examples (examples/*.py and their one training loop, examples/common.py).
 
 Pure pieces (schedules, tokenizer, batching, the epochs of whole outer steps, the averaged
-model for evaluation, --plan, the sweep's commands) run in-process. The scripts themselves run
+model for evaluation, --plan) run in-process. compare.py (the main job) is tested in
+test_compare.py, the sweep runner in test_sweep.py. The scripts themselves run
 under ``horovodrun -np 2 --gloo`` in their synthetic/tiny modes (CIFAR-10, ImageNet and WMT
 cannot be downloaded here, so only the synthetic mode is exercised), and the report reads
 their event files back.
@@ -22,30 +23,17 @@ import torch
 import hvd_slowmo
 from hvd_slowmo.tools import report, sweep
 
+from horovod_launch import needs_horovod
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
 import common  # noqa: E402
-import compare  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import translation_transformer as tt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def horovod_available():
-    try:
-        import horovod.torch  # noqa: F401
-    except ImportError as e:
-        return str(e)
-    return None
-
-
-def needs_horovod():
-    why = horovod_available()
-    if why is not None:
-        pytest.skip(f"Horovod is not importable ({why}); build it with scripts/install_horovod.sh")
 
 
 def launch(args, timeout=420):
@@ -112,96 +100,6 @@ def test_translation_tokenizer_vocab_and_batches():
     assert tt.teacher_forcing(tgt).tolist() == [[tt.BOS, 4, 5], [tt.BOS, 5, tt.EOS]]
 
 
-def test_compare_parses_algorithms():
-    assert compare.parse_algo("sgp-slowmo") == ("sgp", True)
-    assert compare.parse_algo("localsgd") == ("localsgd", False)
-    with pytest.raises(ValueError, match="unknown algorithm 'adam'"):
-        compare.parse_algo("adam")
-    with pytest.raises(ValueError, match="allreduce-slowmo"):
-        compare.parse_algo("allreduce-slowmo")
-
-
-def test_compare_runs_each_method_at_its_own_settings():
-    ns = SimpleNamespace(overlap=0, fragments=1, eager=None)
-    settings = {"lr": 0.05, "slow_momentum": 0.6, "buffers": "reset"}
-    flags = compare.run_args("sgp-slowmo", settings, 2, ns)
-    assert flags == [
-        "--algo",
-        "sgp",
-        "--slowmo",
-        "--tau",
-        "12",
-        "--lr",
-        "0.05",
-        "--buffers",
-        "reset",
-        "--seed",
-        "2",
-        "--run-name",
-        "sgp-slowmo/seed2",
-        "--slow-lr",
-        "1",
-        "--slow-momentum",
-        "0.6",
-    ]
-    assert compare.run_args(
-        "sgp-slowmo", settings, 2, SimpleNamespace(overlap=1, fragments=1, eager=None)
-    )[-2:] == [
-        "--overlap",
-        "1",
-    ]
-    flags = compare.run_args("localsgd", {"lr": 0.1, "buffers": "maintain"}, 0, ns)
-    assert flags[:3] == ["--algo", "localsgd", "--no-slowmo"] and "--slow-momentum" not in flags
-    # Every default method has tuned settings; SlowMo keeps its base's lr (the paper's protocol).
-    for method in compare.DEFAULT_ALGOS.split(","):
-        assert method in mnist1d_cnn.TUNED
-        if method.endswith("-slowmo"):
-            base = method[: -len("-slowmo")]
-            assert mnist1d_cnn.TUNED[method]["lr"] == mnist1d_cnn.TUNED[base]["lr"]
-            assert mnist1d_cnn.TUNED[method]["slow_momentum"] in mnist1d_cnn.BETA_GRID
-            assert mnist1d_cnn.TUNED[method]["buffers"] == "reset"
-        else:
-            assert mnist1d_cnn.TUNED[method]["lr"] in mnist1d_cnn.LR_GRID
-
-
-def test_compare_results_table_is_mean_std_over_seeds():
-    summaries = {
-        f"localsgd/seed{k}": {
-            "train_full_loss": loss,
-            "train_loss": 9.0,
-            "val_accuracy": acc,
-            "best_val_accuracy": acc + 1,
-            "ms_per_iter": 2.0,
-            "wall_s": 10.0,
-        }
-        for k, (loss, acc) in enumerate([(0.25, 90.0), (0.5, 92.0), (0.75, 94.0)])
-    }
-    settings = {"localsgd": {"lr": 0.1, "buffers": "maintain"}, "sgp": {"lr": 0.1}}
-    table = compare.results_table(["localsgd", "sgp"], settings, summaries)
-    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
-    assert rows["localsgd"].split() == [
-        "localsgd",
-        "0.1",
-        "-",
-        "maintain",
-        "3",
-        "0.5000",
-        "±",
-        "0.2500",
-        "92.00",
-        "±",
-        "2.00",
-        "93.00",
-        "±",
-        "2.00",
-        "2.0",
-        "±",
-        "0.0",
-        "30",
-    ]
-    assert rows["sgp"].split()[4] == "0"  # no run finished: said, not hidden
-
-
 def test_outer_step_epochs_end_at_outer_step_boundaries():
     # 4000 examples, 4 workers, batch 32: a pass is 31.25 steps; the nearest multiple of 12 is 36.
     shards = [common.OuterStepEpochs(4000, 32, r, 4, seed=3, tau=12) for r in range(4)]
@@ -257,103 +155,6 @@ def test_mnist1d_is_generated_offline_and_leaves_global_generators_alone():
     assert mnist1d_cnn.ConvNet1D()(data["val"].tensors[0][:3]).shape == (3, 10)
 
 
-def test_sweep_dry_run_prints_the_grid(capsys):
-    assert (
-        sweep.main(
-            [
-                "examples/digits.py",
-                "--ablation",
-                "alpha-beta",
-                "--baseline",
-                "--np",
-                "3",
-                "--dry-run",
-                "--",
-                "--epochs",
-                "5",
-            ]
-        )
-        == 0
-    )
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 + 2 * 5  # the baseline, then alpha in {0.5, 1} x beta in {0.4, ..., 0.8}
-    cmds = [shlex.split(line) for line in lines]
-    assert all(
-        c[1:3] == ["-np", "3"] and "--gloo" in c and c[-2:] == ["--epochs", "5"] for c in cmds
-    )
-    assert "--no-slowmo" in cmds[0]
-    grid = {(c[c.index("--slow-lr") + 1], c[c.index("--slow-momentum") + 1]) for c in cmds[1:]}
-    assert grid == {(a, b) for a in ("0.5", "1") for b in ("0.4", "0.5", "0.6", "0.7", "0.8")}
-    assert all(c[c.index("--logdir") + 1] == os.path.join("runs", "sweep-alpha-beta") for c in cmds)
-    names = [c[c.index("--run-name") + 1] for c in cmds]
-    assert names[0] == "localsgd_tau12_maintain/seed0"
-    assert "localsgd-slowmo_tau12_a0.5_b0.4_reset/seed0" in names
-
-
-def test_sweep_tau_ablation_and_overrides(capsys):
-    assert sweep.main(["x.py", "--dry-run", "--algo", "sgp", "--buffers", "reset,maintain"]) == 0
-    cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert sorted((c[c.index("--tau") + 1], c[c.index("--buffers") + 1]) for c in cmds) == sorted(
-        (t, b) for t in ("12", "24", "48", "96") for b in ("reset", "maintain")
-    )
-    assert all(c[c.index("--algo") + 1] == "sgp" for c in cmds)
-
-
-def test_sweep_paper_protocol_lr_then_beta(capsys):
-    """The base lr from the paper's grid (the base alone, buffers kept), each point once per
-    seed, all in one launch; then beta at a fixed lr."""
-    assert (
-        sweep.main(
-            [
-                "examples/mnist1d_cnn.py",
-                "--ablation",
-                "lr",
-                "--algo",
-                "sgp",
-                "--seeds",
-                "100,101",
-                "--one-launch",
-                "--dry-run",
-                "--",
-                "--validation",
-            ]
-        )
-        == 0
-    )
-    command, plan = capsys.readouterr().out.strip().splitlines()
-    assert shlex.split(command)[-2:] == ["--plan", "PLAN.json"]
-    plan = json.loads(plan)
-    assert len(plan) == 5 * 2
-    assert all(p[:5] == ["--no-slowmo", "--tau", "12", "--buffers", "maintain"] for p in plan)
-    assert all(p[-1] == "--validation" for p in plan)
-    assert [(p[p.index("--lr") + 1], p[p.index("--seed") + 1]) for p in plan] == [
-        (lr, seed) for lr in ("0.01", "0.025", "0.05", "0.1", "0.15") for seed in ("100", "101")
-    ]
-    assert plan[0][plan[0].index("--run-name") + 1] == "sgp_tau12_maintain_lr0.01/seed100"
-    assert sweep.main(["x.py", "--ablation", "beta", "--lrs", "0.05", "--dry-run"]) == 0
-    cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert [c[c.index("--slow-momentum") + 1] for c in cmds] == ["0.4", "0.5", "0.6", "0.7", "0.8"]
-    assert all(c[c.index("--lr") + 1] == "0.05" for c in cmds)
-    assert all(c[c.index("--slow-lr") + 1] == "1" for c in cmds)
-
-
-@pytest.mark.parametrize(
-    "argv, match",
-    [
-        (["x.py", "--dry-run", "--buffers", "zero"], "--buffers: unknown strategy"),
-        (["x.py", "--dry-run", "--taus", "12,many"], "--taus: 'many' is not a int"),
-        (["x.py", "--dry-run", "--slow-momentums", ","], "--slow-momentums is empty"),
-        (["x.py", "--dry-run", "--np", "0"], "np must be an integer >= 1"),
-        (["x.py", "--dry-run", "--seeds", "one"], "--seeds: 'one' is not a int"),
-        (["x.py", "--dry-run", "--lrs", ""], "--lrs is empty"),
-    ],
-    ids=["buffers", "taus", "betas-empty", "np", "seeds", "lrs"],
-)
-def test_sweep_rejects_bad_input(argv, match):
-    with pytest.raises(ValueError, match=match):
-        sweep.main(argv)
-
-
 # --- real runs under horovodrun -np 2 --gloo -------------------------------------------------
 EXAMPLE_RUNS = {
     # script: (the algorithm flags, the validation tag, the report's row label)
@@ -373,58 +174,6 @@ EXAMPLE_RUNS = {
         "SGP",
     ),
 }
-
-
-DOCKER_CHECK = os.path.join(ROOT, "scripts", "docker_check.sh")
-
-
-def docker_check_example() -> tuple[list[str], int]:
-    """The example command scripts/docker_check.sh launches in every container, and its epochs,
-    read from the script itself by bash."""
-    script = (
-        f'eval "$(sed -n "/^EPOCHS=/,/^EXAMPLE=/p" {shlex.quote(DOCKER_CHECK)})"; '
-        'printf "%s\\n" "$EPOCHS" "${EXAMPLE[@]}"'
-    )
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    epochs, *command = out.stdout.splitlines()
-    assert command[:2] == ["python", "examples/digits.py"], command
-    return command, int(epochs)
-
-
-def test_docker_check_reads_what_the_example_prints_now(tmp_path):
-    """scripts/docker_check.sh's run check (examples/run_log.py, the module the examples print
-    their event lines with) on what its example prints today, launched with the script's own
-    flags on one worker without horovodrun; the docker check itself is opt-in (test_docker.py).
-    """
-    import run_log
-
-    command, epochs = docker_check_example()
-    # One outer step (tau=12) per epoch keeps it to seconds; the lines printed are the same.
-    proc = subprocess.run(
-        [sys.executable, *command[1:], "--max-steps", "12"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = run_log.check_run(proc.stdout, workers=1, epochs=epochs)
-    assert len(lines) == epochs and all("val_accuracy" in line for line in lines), lines
-    # The command line docker_check.sh runs on the log, as it runs it.
-    log = tmp_path / "run.log"
-    log.write_text("[0]<stdout>:".join(["", *proc.stdout.splitlines(keepends=True)]))
-    check = [
-        sys.executable,
-        os.path.join(EXAMPLES, "run_log.py"),
-        str(log),
-        "--epochs",
-        str(epochs),
-    ]
-    assert subprocess.run([*check, "--workers", "1"], capture_output=True).returncode == 0
-    wrong = subprocess.run([*check, "--workers", "2"], capture_output=True, text=True)
-    assert wrong.returncode == 1 and "expected 2" in wrong.stderr
-    with open(DOCKER_CHECK, encoding="utf-8") as f:
-        assert 'python3 examples/run_log.py "$file" --workers' in f.read()
 
 
 @pytest.mark.horovod
@@ -540,56 +289,3 @@ def test_gossip_checkpoint_resume_through_the_examples(tmp_path):
     (run,) = report.load_runs([str(tmp_path / "runs")])
     assert [s for s, _ in run.scalars["train/full_loss"]] == [8, 16, 24]
     assert [s for s, _ in run.scalars["train/loss"]][-2:] == [21, 24]
-
-
-@pytest.mark.horovod
-def test_compare_tiny_budget(tmp_path):
-    """The main job's path on MNIST-1D, tiny: two methods x two seeds in one launch, the
-    averaged model's metrics as mean ± std, Table 1 with the seeds counted, the PNG."""
-    needs_horovod()
-    pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
-    cmd = [
-        sys.executable,
-        os.path.join(EXAMPLES, "compare.py"),
-        "--np",
-        "2",
-        "--epochs",
-        "2",
-        "--max-steps",
-        "12",
-        "--algos",
-        "sgp,localsgd-slowmo",
-        "--seeds",
-        "0,1",
-        "--logdir",
-        str(tmp_path / "runs"),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    out = proc.stdout
-    assert "4 runs (2 methods x 2 seeds), 2 workers, 2 epochs, one horovodrun launch" in out
-    for name in ("sgp/seed0", "sgp/seed1", "localsgd-slowmo/seed0", "localsgd-slowmo/seed1"):
-        assert f"{name} " in out  # one line per finished run, with its wall time
-    table = out[out.index("Method") : out.index("Table 1")]
-    rows = {
-        line.split()[0]: line.split()
-        for line in table.splitlines()
-        if line.startswith(("sgp ", "localsgd"))
-    }
-    assert set(rows) == {"sgp", "localsgd-slowmo"}
-    for cells in rows.values():
-        assert cells[4] == "2" and cells[6] == "±"  # two seeds, mean ± std
-        assert 0 < float(cells[5]) < 2.5 and 0 <= float(cells[8]) <= 100
-    t1 = out[out.index("Table 1") : out.index("Table 2")]
-    mean_std, pct = r"\d\.\d{4} ± \d\.\d{4}", r"\d+\.\d\d% ± \d+\.\d\d%"
-    assert re.search(rf"mnist1d_cnn +SGP +2 / - +{mean_std} +- +{pct}", t1)
-    assert re.search(r"mnist1d_cnn +Local SGD +- / 2 +- +\d\.\d{4} ± \d\.\d{4}", t1)
-    runs = report.load_runs([str(tmp_path / "runs" / "mnist1d")])
-    expected = [os.path.join(m, f"seed{k}") for m in ("sgp", "localsgd-slowmo") for k in (0, 1)]
-    assert sorted(r.name for r in runs) == sorted(expected)
-    assert all([s for s, _ in r.scalars["train/full_loss"]] == [12, 24] for r in runs)
-    png = out.split("Figure: ")[1].split()[0]
-    assert os.path.getsize(png) > 0
-    assert "Total wall time:" in out

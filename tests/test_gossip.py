@@ -5,7 +5,6 @@ The reference is the paper's matrix form (arXiv 1910.00643, Appendix C):
 replayed by hand in one process with the mixing matrices of :mod:`hvd_slowmo.bases.topology`.
 """
 
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -13,55 +12,10 @@ import torch
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.bases.topology import GossipGraph
-from hvd_slowmo.comm.base import PendingExchange
 from hvd_slowmo.comm.local import run_threads
 
-from helpers import ForwardingCommunicator
-
-DIM = 4
-LR = 0.3
-
-
-def centre(rank: int) -> torch.Tensor:
-    """Worker ``rank``'s quadratic is ``0.5 * c_i * ||z - t_i||^2``: the target ``t_i``."""
-    return torch.arange(DIM, dtype=torch.float64) * (rank + 1) - rank
-
-
-def curvature(rank: int) -> float:
-    return 0.5 + 0.25 * rank
-
-
-def initial(rank: int) -> torch.Tensor:
-    return torch.linspace(-1, 1, DIM, dtype=torch.float64) * (rank + 2)
-
-
-def reference(
-    m: int,
-    steps: int,
-    topology="exponential",
-    peers_per_step: int = 1,
-    undirected: bool = False,
-    zero_grad: bool = False,
-    same_start: bool = False,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per step ``(Z, X, w)``: de-biased parameters and numerators (columns of ``DIM x m``
-    matrices) and the push-sum weights."""
-    graph = GossipGraph(topology, m, peers_per_step, undirected=undirected)
-    x = torch.stack([initial(0 if same_start else i) for i in range(m)], dim=1)
-    w = torch.ones(m, dtype=torch.float64)
-    out = []
-    for k in range(steps):
-        z = x / w
-        g = (
-            torch.zeros_like(x)
-            if zero_grad
-            else torch.stack([curvature(i) * (z[:, i] - centre(i)) for i in range(m)], dim=1)
-        )
-        p = graph.mixing_matrix(k)
-        x = (x - LR * g) @ p.T
-        w = w @ p.T
-        out.append((x / w, x, w))
-    return out
+from helpers import SlowArrivals
+from reference_gossip import DIM, LR, centre, curvature, initial, reference
 
 
 def train(
@@ -454,24 +408,6 @@ def test_state_dict_carries_ps_weight_and_resumes_exactly():
     for rank, p in enumerate(run_threads(m, resumed)):
         assert torch.equal(p, full[rank][0][-1]), f"rank {rank} diverged after resume"
     assert any(s["slowmo"]["base_algorithm"]["ps_weight"] != 1.0 for s, _ in saved.values())
-
-
-class SlowArrivals(ForwardingCommunicator):
-    """A thread communicator whose messages never look arrived to OSGP's opportunistic check
-    (a ``done()`` called from ``_mix``), so OSGP mixes only what staleness forces: deterministic
-    messages in flight. The timed wait (``_wait``) still sees the truth."""
-
-    def exchange_start(self, sends, recv_from, tag, graph_key=None):
-        pending = self.inner.exchange_start(sends, recv_from, tag, graph_key)
-
-        class NotYet(PendingExchange):
-            def done(self):
-                return sys._getframe(1).f_code.co_name != "_mix" and pending.done()
-
-            def wait(self):
-                return pending.wait()
-
-        return NotYet()
 
 
 def test_osgp_state_dict_finishes_messages_in_flight():

@@ -2,22 +2,13 @@
 
 import pytest
 import torch
-from torch import nn
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.hierarchy import Hierarchy, node_groups
 from hvd_slowmo.comm.local import run_threads
 
+from hierarchy_cases import CASES, flat_reference, loss, mlp
 from reference import batch
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)  # no BatchNorm: a node's gradient must equal its concatenated batch's
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-
-
-def loss(model, x, y):
-    return ((model(x) - y) ** 2).mean()
 
 
 def test_node_groups():
@@ -28,13 +19,6 @@ def test_node_groups():
         node_groups([(0, 0), (0, 1), (1, 0)])
     with pytest.raises(ValueError, match="both claim"):
         node_groups([(0, 0), (0, 0)])
-
-
-CASES = {
-    "localsgd-slowmo": dict(base="localsgd", tau=3, slow_lr=1.0, slow_momentum=0.6),
-    "sgp-slowmo": dict(base="sgp", tau=3, slow_lr=1.0, slow_momentum=0.6),
-    "allreduce": dict(base="allreduce", tau=1, slow_lr=1.0, slow_momentum=0.0),
-}
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -66,26 +50,8 @@ def test_node_workers_equal_flat_run_over_nodes(case):
             per_step.append([p.detach().clone() for p in model.parameters()])
         return per_step
 
-    flat_models = [mlp() for _ in range(nodes)]
-
-    def flat(comm):
-        n = comm.rank
-        model = flat_models[n]
-        opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            **kwargs,
-        )
-        for k in range(steps):
-            xs, ys = zip(*[batch(r, k) for r in groups_nodes[n]])
-            opt.zero_grad()
-            loss(model, torch.cat(xs), torch.cat(ys)).backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
-
     got = run_threads(nodes * local, hier)
-    want = run_threads(nodes, flat)
+    want = flat_reference(case, groups_nodes, steps)
     for n, ranks in enumerate(groups_nodes):
         for k in range(steps):  # ranks of one node are bitwise identical at every step
             for r in ranks[1:]:

@@ -10,36 +10,11 @@ import os
 import pytest
 import torch
 
-from hvd_slowmo import DistributedOptimizer
-from hvd_slowmo.comm.local import run_threads
-
+from hierarchy_cases import flat_reference
 from horovod_launch import horovodrun
-from reference import batch
-from test_hierarchy import CASES, loss, mlp
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "hierarchy_worker.py")
 pytestmark = pytest.mark.horovod
-
-
-def flat_reference(case, nodes=((0, 1), (2, 3))):
-    models = [mlp() for _ in nodes]
-
-    def flat(comm):
-        model = models[comm.rank]
-        opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            **CASES[case],
-        )
-        for k in range(7):
-            xs, ys = zip(*[batch(r, k) for r in nodes[comm.rank]])
-            opt.zero_grad()
-            loss(model, torch.cat(xs), torch.cat(ys)).backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
-
-    return run_threads(len(nodes), flat)
 
 
 @pytest.mark.parametrize("case", ["localsgd-slowmo", "sgp-slowmo", "allreduce"])

@@ -9,56 +9,20 @@ import torch
 from hvd_slowmo import BaseAlgorithm, DistributedOptimizer, broadcast_optimizer_state
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
-from helpers import assert_same_models, resume_in_fresh_workers
+from helpers import (
+    PLAIN_SGD,
+    SGD_NESTEROV,
+    assert_bitwise_equal_across_ranks,
+    assert_close_models,
+    assert_same_models,
+    resume_in_fresh_workers,
+    run_slowmo,
+)
 from reference import loss_at, lr_at, make_model, params_of, reference_allreduce, reference_slowmo
 from reference_overlap import reference_overlapped
 
-SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 ADAM = lambda ps: torch.optim.Adam(ps, lr=0.01)  # noqa: E731
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
-PLAIN_SGD = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
-
-
-def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, **kwargs):
-    """Train ``m`` thread workers; per rank (model, [params after each outer step], optimizer)."""
-    models = models or [
-        make_model() for _ in range(m)
-    ]  # built here: torch's global RNG is not thread-safe
-
-    def worker(comm):
-        model = models[comm.rank]
-        opt = DistributedOptimizer(
-            make_opt(model.parameters()),
-            named_parameters=model.named_parameters(),
-            model_buffers=model.buffers(),
-            communicator=comm,
-            **kwargs,
-        )
-        snaps = []
-        for k in range(steps):
-            if schedule:
-                for g in opt.param_groups:
-                    g["lr"] = schedule(k)
-            opt.zero_grad()
-            loss_at(model, comm.rank, k).backward()
-            opt.step()
-            if opt.inner_step == 0:
-                snaps.append(params_of(model))
-        return model, snaps, opt
-
-    return run_threads(m, worker)
-
-
-def assert_bitwise_equal_across_ranks(results):
-    for rank_snaps in zip(*[snaps for _, snaps, _ in results]):
-        for tensors in zip(*rank_snaps):
-            for t in tensors[1:]:
-                assert torch.equal(t, tensors[0]), "ranks differ after an exact average"
-
-
-def assert_close_models(got, want, atol=1e-5):
-    for a, b in zip(got.state_dict().values(), want.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
 
 
 CASES = {

@@ -158,7 +158,7 @@ def test_worker_node_over_two_emulated_nodes(tmp_path):
     """Two torchrun launches of 2 processes (``--node-rank 0/1``): ranks 0,1 and 2,3 are nodes;
     each case of tests/test_hierarchy.py equals the flat run over the two nodes on threads
     (tests/test_hierarchy_horovod.py)."""
-    from test_hierarchy_horovod import flat_reference
+    from hierarchy_cases import flat_reference
 
     torchrun(2, [WORKER, str(tmp_path), "node"], nnodes=2)
     everyone = load(tmp_path, "node", 4)

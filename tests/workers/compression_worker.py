@@ -7,7 +7,7 @@ Launched by tests/test_compression_horovod.py::
 
 For every codec, with and without error feedback, over the Horovod communicator (and, under an
 MPI launch, the MPI communicator too): ``{(transport, codec, feedback): (average, residual,
-bytes sent)}`` for the inputs of tests/test_compression.py's ``worker_vector``. Transport
+bytes sent)}`` for the inputs of tests/reference_compression.py's ``worker_vector``. Transport
 ``"horovod-polled"``: the average started and polled to completion in the background
 (:class:`~hvd_slowmo.compression.PendingMean`, as an overlapped outer step runs it);
 ``"horovod-tiny"``: a vector shorter than the number of workers (empty chunks). Under
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import horovod.torch as hvd
-from test_compression import worker_vector
+from reference_compression import worker_vector
 
 from hvd_slowmo.comm.horovod import HorovodCommunicator
 from hvd_slowmo.comm.mpi import MPICommunicator

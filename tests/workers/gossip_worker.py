@@ -22,9 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import horovod.torch as hvd
-from test_gossip import LR, centre, curvature, initial, reference
 
 from hvd_slowmo import DistributedOptimizer
+
+from reference_gossip import LR, centre, curvature, initial, reference
 
 STEPS = 6
 

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import hvd_slowmo
 
+from hierarchy_cases import CASES, loss, mlp
 from reference import batch
-from test_hierarchy import CASES, loss, mlp
 
 
 def main():

@@ -128,7 +128,7 @@ def sharded_run(shard):
 def gossip_checks():
     """Matrix-reference errors of SGP/D-PSGD on the test quadratic, OSGP's conserved mass, and
     SlowMo over every gossip base."""
-    from test_gossip import LR, centre, curvature, initial, reference
+    from reference_gossip import LR, centre, curvature, initial, reference
 
     rank, m = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -204,7 +204,7 @@ def checkpoint_runs(mode, stop, out, rank, result):
 
 def node_runs(rank, result):
     """worker="node" for every case of tests/test_hierarchy.py."""
-    from test_hierarchy import CASES, loss, mlp
+    from hierarchy_cases import CASES, loss, mlp
 
     for case, kwargs in CASES.items():
         model = mlp()
