@@ -136,14 +136,17 @@ bench_cmds() {
 bench_cmds
 
 # pytest's command for a test step (pytest-timeout bounds each test where it is installed).
+PYTEST_TIMEOUT=""
 pytest_cmd() {
   local name=$1 sel
   IFS='|' read -r -a sel <<<"${TEST_SELECT[$name]}"
   CMD=("$PY" -m pytest "$TEST_FILE" "${sel[@]}" -v -rA -p no:cacheprovider --rootdir "$ROOT"
        --junitxml "$OUT/$name.xml")
-  if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then
-    CMD+=(--timeout 90)
+  if [ -z "$PYTEST_TIMEOUT" ]; then  # asked once
+    PYTEST_TIMEOUT=no
+    if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then PYTEST_TIMEOUT=yes; fi
   fi
+  [ "$PYTEST_TIMEOUT" = no ] || CMD+=(--timeout 90)
 }
 
 if [ "$DRY" = 1 ]; then
@@ -304,23 +307,38 @@ wanted staged && start staged "$RESERVE_AFTER_BUILDS" env "${BUILD_ENV[@]}" "${I
   --target "$STAGED"
 start_tests tests-threads
 start_tests tests-torchdist
-# Phase 2: each Horovod's tests as soon as it is built.
-if ! wanted nccl || finish nccl; then
-  start_tests tests-nccl
-elif wanted tests; then
-  skip tests-nccl "the NCCL Horovod did not build"
+# Phase 2: each Horovod's tests as soon as it is built (whichever build ends first).
+built() {  # NAME OK: start the tests of the Horovod that step NAME built (OK=1) or say why not
+  case "$1" in
+    nccl)
+      if [ "$2" = 1 ]; then start_tests tests-nccl
+      elif wanted tests; then skip tests-nccl "the NCCL Horovod did not build"; fi ;;
+    staged)
+      if [ "$2" = 1 ]; then start_tests tests-staged "HVD_SLOWMO_STAGED_HOROVOD=$STAGED"
+      elif wanted tests; then
+        skip tests-staged "no staged Horovod (the staged step failed, or was not run: --steps staged)"
+      fi ;;
+  esac
+}
+BUILDING=()
+for name in nccl staged; do
+  wanted "$name" || continue
+  if [ -n "${PID[$name]:-}" ]; then BUILDING+=("$name"); else built "$name" 0; fi
+done
+wanted nccl || built nccl 1  # the environment's Horovod, if any
+if ! wanted staged; then  # a staged Horovod built by an earlier call, if any
+  if [ -f "$STAGED/horovod/.hvd_slowmo_key" ]; then built staged 1; else built staged 0; fi
 fi
-STAGED_OK=0
-if wanted staged; then
-  finish staged && STAGED_OK=1
-elif [ -f "$STAGED/horovod/.hvd_slowmo_key" ]; then
-  STAGED_OK=1  # built by an earlier call with --steps staged
-fi
-if [ "$STAGED_OK" = 1 ]; then
-  start_tests tests-staged "HVD_SLOWMO_STAGED_HOROVOD=$STAGED"
-elif wanted tests; then
-  skip tests-staged "no staged Horovod (the staged step failed, or was not run: --steps staged)"
-fi
+while [ ${#BUILDING[@]} -gt 0 ]; do
+  LEFT=()
+  for name in "${BUILDING[@]}"; do
+    if [ ! -f "$OUT/.$name.rc" ]; then LEFT+=("$name")
+    elif finish "$name"; then built "$name" 1
+    else built "$name" 0; fi
+  done
+  BUILDING=("${LEFT[@]}")
+  [ ${#BUILDING[@]} -eq 0 ] || sleep 1
+done
 for name in tests-threads tests-torchdist tests-nccl tests-staged; do
   [ -z "${PID[$name]:-}" ] || finish "$name"
 done

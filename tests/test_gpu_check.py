@@ -202,7 +202,7 @@ def test_builds_and_test_groups_run_in_parallel(box):
         box,
         "--steps",
         "tests",
-        env={f"FAKE_SLEEP_{n.replace('-', '_')}": "3" for n in TEST_STEPS},
+        env={f"FAKE_SLEEP_{n.replace('-', '_')}": "8" for n in TEST_STEPS},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     spans = {r["kind"].split(":")[1]: (r["start"], r["end"]) for r in runs(box)}
