@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one command, on a machine with an NVIDIA GPU, within a time budget (default
-# 6 minutes; --quick: 3). It builds Horovod twice, in parallel, each with half the cores: with
+# 6 minutes; --quick: a little over 3). It builds Horovod twice, in parallel, each with half the cores: with
 # NCCL into the environment (one rank per GPU), and staged (CUDA tensors through host memory, so
 # two ranks can share the GPU) into OUT/staged-horovod. Meanwhile the `cuda` tests that need no
 # Horovod run (thread workers; two processes over torch.distributed's Gloo). Each Horovod's tests
@@ -20,7 +20,7 @@
 #   --out DIR          logs and results (default runs/gpu-check)
 #   --steps LIST       comma-separated subset of: facts,nccl,staged,tests,bench,codec (default
 #                      all; --quick: all but staged)
-#   --budget S         seconds for the whole run (default 360; --quick: 180): each step's
+#   --budget S         seconds for the whole run (default 360; --quick: 190): each step's
 #                      timeout is cut so that the steps after it keep their share
 #   --timeout S        at most S seconds for any one step (default: each step's own limit)
 #   --mpi auto|yes|no  passed to install_horovod.sh (default auto: MPI when mpicc is there)
@@ -65,7 +65,7 @@ while [ $# -gt 0 ]; do
 done
 if [ "$QUICK" = 1 ]; then
   STEPS=${STEPS:-facts,nccl,tests,bench,codec}
-  BUDGET=${BUDGET:-180}
+  BUDGET=${BUDGET:-190}
 else
   STEPS=${STEPS:-facts,nccl,staged,tests,bench,codec}
   BUDGET=${BUDGET:-360}
@@ -106,7 +106,7 @@ declare -A WANT=(
 # summary.
 RESERVE_SUMMARY=5
 RESERVE_AFTER_BENCH=0
-wanted codec && RESERVE_AFTER_BENCH=20
+wanted codec && RESERVE_AFTER_BENCH=$(( QUICK ? 15 : 20 ))
 RESERVE_AFTER_TESTS=$RESERVE_AFTER_BENCH
 wanted bench && RESERVE_AFTER_TESTS=$(( RESERVE_AFTER_BENCH + (QUICK ? 30 : 45) ))
 RESERVE_AFTER_BUILDS=$RESERVE_AFTER_TESTS
