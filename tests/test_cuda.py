@@ -576,8 +576,35 @@ def check_features(out_dir, device: str) -> None:
 def test_two_processes_torch_distributed_gloo(tmp_path, device):
     """torchrun, two processes over Gloo (on a GPU both share it: Gloo copies CUDA tensors
     through host memory)."""
-    torchrun(2, [WORKER, "features", str(tmp_path), device], timeout=540)
+    # Loopback for Gloo: a GPU machine without network may not resolve its own hostname.
+    torchrun(
+        2,
+        [WORKER, "features", str(tmp_path), device],
+        timeout=540,
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
     check_features(tmp_path, device)
+
+
+def test_check_features_catches_one_ulp(tmp_path):
+    """The comparison of the two-process runs is not vacuous: the replay itself passes, and one
+    parameter moved by one ulp on one rank fails it (bitwise on the CPU; on a GPU only beyond the
+    stated tolerance)."""
+    want = feature_replay()
+    for r in range(2):
+        torch.save({n: want[n][r] for n in FEATURES}, tmp_path / f"features.rank{r}.pt")
+    check_features(tmp_path, "cpu")
+    bad = {n: {**want[n][1], "final": [t.clone() for t in want[n][1]["final"]]} for n in FEATURES}
+    t = bad["int8-fragments-overlap"]["final"][0]
+    t.view(-1)[0] = torch.nextafter(t.view(-1)[0], torch.tensor(1.0, dtype=t.dtype))
+    torch.save(bad, tmp_path / "features.rank1.pt")
+    with pytest.raises(AssertionError, match="int8-fragments-overlap rank 1 on cpu final"):
+        check_features(tmp_path, "cpu")
+    check_features(tmp_path, "cuda")  # one ulp of float64 is far inside rtol=1e-9
+    t.view(-1)[0] += 1e-6
+    torch.save(bad, tmp_path / "features.rank1.pt")
+    with pytest.raises(AssertionError, match="float64 on both devices"):
+        check_features(tmp_path, "cuda")
 
 
 @pytest.mark.horovod
