@@ -1,17 +1,19 @@
 """SlowMo's cost on one GPU: torchvision ResNet-50, bf16 autocast, channels_last, synthetic data.
 
 Prints, measured in one run (each optimizer on a fresh copy of the same model):
-  - ms/iteration (forward + backward + step) of plain torch SGD, Horovod's DistributedOptimizer,
-    hvd_slowmo Local SGD + SlowMo and AR-SGD + SlowMo (both tau=12): the median over windows of
-    tau iterations, so each window holds one outer step (slow update, finite check, exact average);
+  - ms/iteration (forward + backward + step) of plain torch SGD, torch's DistributedDataParallel,
+    Horovod's DistributedOptimizer (where Horovod is importable), hvd_slowmo Local SGD + SlowMo
+    and AR-SGD + SlowMo (both tau=12): the median over windows of tau iterations, so each window
+    holds one outer step (slow update, finite check, exact average);
   - the slow momentum step alone vs one base optimizer step (SGD, Nesterov, weight decay);
   - peak GPU memory of each over plain torch, and SlowMo's state (anchor + slow buffer) in
     parameter bytes;
   - the issue's targets: slow step <= 1.5x a base step, Local SGD + SlowMo within 2% of plain
     torch, SlowMo state exactly 2x the parameter bytes.
 
-One process: Horovod (size 1) and hvd_slowmo skip their collectives, so the figures are the
-optimizers' own cost on the GPU, not communication (benchmarks/cluster.py measures that).
+One process: Horovod (size 1) and hvd_slowmo skip their collectives, and DDP reduces over a
+world of one (NCCL on a GPU, Gloo on a CPU), so the figures are the wrappers' own cost on the
+GPU, not communication (benchmarks/cluster.py measures that).
 
 Usage: python benchmarks/gpu_resnet50.py [--batch 128] [--windows 5] [--tau 12]
        python benchmarks/gpu_resnet50.py --tiny   # seconds on a CPU: two narrow bottlenecks, 16x16
@@ -19,13 +21,16 @@ Usage: python benchmarks/gpu_resnet50.py [--batch 128] [--windows 5] [--tau 12]
 
 import argparse
 import gc
+import socket
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torchvision
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import hvd_slowmo
 from hvd_slowmo.comm.local import ThreadWorld
@@ -36,7 +41,30 @@ try:
 except ImportError:  # the benchmark still runs; Horovod's row says why it is missing
     hvd = None
 
-VARIANTS = ("plain torch", "Horovod DistributedOptimizer", "Local SGD + SlowMo", "AR-SGD + SlowMo")
+VARIANTS = (
+    "plain torch",
+    "torch DDP",
+    "Horovod DistributedOptimizer",
+    "Local SGD + SlowMo",
+    "AR-SGD + SlowMo",
+)
+
+
+def init_ddp(device: torch.device) -> str | None:
+    """A torch.distributed world of one for DDP's row; returns why not, or None when ready."""
+    if not dist.is_available():
+        return "torch.distributed is not available"
+    with socket.socket() as s:  # a free port for the rendezvous of this one process
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    except (RuntimeError, ValueError) as e:
+        return f"init_process_group({backend!r}) failed: {e}"
+    return None
 
 
 def build_model(tiny: bool, device: torch.device) -> nn.Module:
@@ -109,6 +137,10 @@ def run_variant(variant: str, args: argparse.Namespace, device: torch.device) ->
         before = torch.cuda.memory_allocated(device)
     model = build_model(args.tiny, device)
     opt = make_optimizer(variant, model, args.tau)
+    if variant == "torch DDP":  # wrapped after its optimizer took the parameters, as usual
+        model = DistributedDataParallel(
+            model, device_ids=[device.index or 0] if device.type == "cuda" else None
+        )
     size = 16 if args.tiny else 224
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(args.batch, 3, size, size, generator=g).to(
@@ -208,8 +240,10 @@ def _print_tables(
     results: dict[str, dict[str, object]],
     steps: dict[str, float],
     header: str,
+    missing: dict[str, str],
 ) -> None:
-    """The per-optimizer table and the targets' table (Markdown)."""
+    """The per-optimizer table and the targets' table (Markdown); ``missing`` says why a row
+    did not run."""
     print(header)
     plain = results["plain torch"]
     print(
@@ -219,7 +253,7 @@ def _print_tables(
     print("|---|---|---|---|---|")
     for variant in VARIANTS:
         if variant not in results:
-            print(f"| {variant} | not run: horovod.torch is not importable | | | |")
+            print(f"| {variant} | not run: {missing.get(variant, 'not run')} | | | |")
             continue
         r = results[variant]
         lo, hi = r["spread"]
@@ -263,10 +297,18 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     results: dict[str, dict[str, object]] = {}
+    missing: dict[str, str] = {}  # variant -> why it did not run
+    if hvd is None:
+        missing["Horovod DistributedOptimizer"] = "horovod.torch is not importable"
+    ddp_missing = init_ddp(device)
+    if ddp_missing:
+        missing["torch DDP"] = ddp_missing
     for variant in VARIANTS:
-        if variant.startswith("Horovod") and hvd is None:
+        if variant in missing:
             continue
         results[variant] = run_variant(variant, args, device)
+        if variant == "torch DDP":
+            dist.destroy_process_group()  # hvd_slowmo's rows then pick Horovod or threads
         if variant != "Local SGD + SlowMo":
             del results[variant]["opt"], results[variant]["model"]  # free it before the next one
     steps = slow_vs_base_step(results["Local SGD + SlowMo"], args.repeats, device)
@@ -275,9 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"{model_name}: {n_params:,} parameters ({steps['param_bytes'] / 2**20:.1f} MiB fp32), "
         f"batch {args.batch}, bf16 autocast, channels_last, tau={args.tau}; {where}; "
-        f"torch {torch.__version__}; one process (collectives skipped at size 1)"
+        f"torch {torch.__version__}; one process (Horovod and hvd_slowmo skip their collectives at "
+        "size 1; DDP reduces over a world of one)"
     )
-    _print_tables(results, steps, header)
+    _print_tables(results, steps, header, missing)
 
 
 if __name__ == "__main__":

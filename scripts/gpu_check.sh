@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check, in one command, on a machine with an NVIDIA GPU: build and install Horovod with
-# NCCL (scripts/install_horovod.sh), build a second Horovod without GPU operations into a folder
-# (two ranks can then share the GPU), run the `cuda` tests (tests/test_cuda.py), and print the
-# ResNet-50 benchmark (benchmarks/gpu_resnet50.py). Each step has its own log and a timeout, so one
-# hang does not eat the run; a summary table ends it. Exit status: 0 when every step passed.
+# The GPU check, in one command, on a machine with an NVIDIA GPU, within a time budget (default
+# 6 minutes; --quick: a little over 3). It builds Horovod twice, in parallel, each with half the cores: with
+# NCCL into the environment (one rank per GPU), and staged (CUDA tensors through host memory, so
+# two ranks can share the GPU) into OUT/staged-horovod. Meanwhile the `cuda` tests that need no
+# Horovod run (thread workers; two processes over torch.distributed's Gloo). Each Horovod's tests
+# start as soon as it is built; then the ResNet-50 benchmark (benchmarks/gpu_resnet50.py) and
+# the codec cost (benchmarks/codec_cost.py) run alone on the GPU. Every step has its own log in
+# OUT and a timeout cut to what the budget has left; a summary of figures (each step's status
+# and time, the benchmark's rows, device, driver, torch and CUDA versions) ends the run and is
+# written to OUT/summary.md and OUT/summary.json. Exit status: 0 when every step passed.
 #
 # Usage: scripts/gpu_check.sh [options]
 #   --python PY        the Python environment with a CUDA torch (default $PYTHON or python3)
@@ -13,10 +18,17 @@
 #   --wheelhouse DIR   Horovod wheel cache (install_horovod.sh --wheelhouse): a carried, filled
 #                      one skips the builds
 #   --out DIR          logs and results (default runs/gpu-check)
-#   --steps LIST       comma-separated subset of: facts,nccl,staged,tests,bench (default all)
-#   --timeout S        seconds allowed per step (default 600; the tests step gets twice that)
+#   --steps LIST       comma-separated subset of: facts,nccl,staged,tests,bench,codec (default
+#                      all; --quick: all but staged)
+#   --budget S         seconds for the whole run (default 360; --quick: 190): each step's
+#                      timeout is cut so that the steps after it keep their share
+#   --timeout S        at most S seconds for any one step (default: each step's own limit)
 #   --mpi auto|yes|no  passed to install_horovod.sh (default auto: MPI when mpicc is there)
-# The tests find the staged Horovod through HVD_SLOWMO_STAGED_HOROVOD (set here when it built).
+#   --quick            fewer tests and iterations: the NCCL build only, with every core
+#   --dry-run          print the plan (steps, commands, limits, what runs in parallel); run nothing
+# The build environment (CC, CXX, CFLAGS, ...) reaches the builds untouched; MAKEFLAGS is set
+# only when the caller has not. The tests find the staged Horovod through
+# HVD_SLOWMO_STAGED_HOROVOD (set here when it built, or found in OUT from an earlier call).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,9 +36,12 @@ PY=${PYTHON:-python3}
 BUNDLE=""
 WHEELHOUSE=""
 OUT=$ROOT/runs/gpu-check
-STEPS=facts,nccl,staged,tests,bench
-STEP_TIMEOUT=600
+STEPS=""
+BUDGET=""
+MAX_STEP=""
 MPI=auto
+QUICK=0
+DRY=0
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
 value() {
@@ -39,18 +54,30 @@ while [ $# -gt 0 ]; do
     --wheelhouse) value "$@"; WHEELHOUSE=$2; shift 2 ;;
     --out) value "$@"; OUT=$2; shift 2 ;;
     --steps) value "$@"; STEPS=$2; shift 2 ;;
-    --timeout) value "$@"; STEP_TIMEOUT=$2; shift 2 ;;
+    --budget) value "$@"; BUDGET=$2; shift 2 ;;
+    --timeout) value "$@"; MAX_STEP=$2; shift 2 ;;
     --mpi) value "$@"; MPI=$2; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
-[[ "$STEP_TIMEOUT" =~ ^[1-9][0-9]*$ ]] \
-  || die "--timeout must be a positive number of seconds, not '$STEP_TIMEOUT'"
+if [ "$QUICK" = 1 ]; then
+  STEPS=${STEPS:-facts,nccl,tests,bench,codec}
+  BUDGET=${BUDGET:-190}
+else
+  STEPS=${STEPS:-facts,nccl,staged,tests,bench,codec}
+  BUDGET=${BUDGET:-360}
+fi
+[[ "$BUDGET" =~ ^[1-9][0-9]*$ ]] \
+  || die "--budget must be a positive number of seconds, not '$BUDGET'"
+[ -z "$MAX_STEP" ] || [[ "$MAX_STEP" =~ ^[1-9][0-9]*$ ]] \
+  || die "--timeout must be a positive number of seconds, not '$MAX_STEP'"
 for s in ${STEPS//,/ }; do
   case "$s" in
-    facts|nccl|staged|tests|bench) ;;
-    *) die "--steps: unknown step '$s' (facts,nccl,staged,tests,bench)" ;;
+    facts|nccl|staged|tests|bench|codec) ;;
+    *) die "--steps: unknown step '$s' (facts,nccl,staged,tests,bench,codec)" ;;
   esac
 done
 case "$MPI" in auto|yes|no) ;; *) die "--mpi must be auto, yes or no, not '$MPI'" ;; esac
@@ -58,51 +85,199 @@ case "$MPI" in auto|yes|no) ;; *) die "--mpi must be auto, yes or no, not '$MPI'
 command -v "$PY" >/dev/null || die "--python: '$PY' not found"
 command -v timeout >/dev/null || die "timeout (coreutils) is needed to bound each step"
 
-mkdir -p "$OUT" || die "--out: cannot create '$OUT'"
-OUT=$(cd "$OUT" && pwd)
-cd "$ROOT" || die "cannot enter $ROOT"
-# Unbuffered Python, so a step killed by its timeout still leaves its output in the log.
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
+CORES=$(nproc 2>/dev/null || echo 2)
+# Two builds at once share the cores; the caller's MAKEFLAGS wins.
+if wanted nccl && wanted staged; then JOBS=$(( CORES > 1 ? CORES / 2 : 1 )); else JOBS=$CORES; fi
+BUILD_ENV=()
+[ -n "${MAKEFLAGS:-}" ] || BUILD_ENV=("MAKEFLAGS=-j$JOBS")
 INSTALL=("$ROOT/scripts/install_horovod.sh" --python "$PY" --mpi "$MPI")
 [ -z "$BUNDLE" ] || INSTALL+=(--find-links "$BUNDLE" --offline)
 [ -z "$WHEELHOUSE" ] || INSTALL+=(--wheelhouse "$WHEELHOUSE")
-STAGED=$OUT/staged-horovod
 
-SUMMARY=()
+# Each step's own limit (seconds) and what the steps after it keep back.
+declare -A WANT=(
+  [facts]=30 [nccl]=300 [staged]=300 [tests-threads]=240 [tests-torchdist]=240
+  [tests-nccl]=150 [tests-staged]=150 [bench]=90 [codec]=45
+)
+# What a step keeps back for the steps after it (seconds): a build, some time for the Horovod
+# tests after it and the benchmarks; a test group (they all run beside the builds or after
+# them), the benchmarks; the ResNet-50 benchmark, the codec cost. Another 5 s are for the
+# summary.
+RESERVE_SUMMARY=5
+RESERVE_AFTER_BENCH=0
+wanted codec && RESERVE_AFTER_BENCH=$(( QUICK ? 15 : 20 ))
+RESERVE_AFTER_TESTS=$RESERVE_AFTER_BENCH
+wanted bench && RESERVE_AFTER_TESTS=$(( RESERVE_AFTER_BENCH + (QUICK ? 30 : 45) ))
+RESERVE_AFTER_BUILDS=$RESERVE_AFTER_TESTS
+wanted tests && RESERVE_AFTER_BUILDS=$(( RESERVE_AFTER_TESTS + (QUICK ? 20 : 45) ))
+
+# The pytest selection of each test step (tests/test_cuda.py; markers in pytest.ini).
+TEST_FILE=$ROOT/tests/test_cuda.py
+declare -A TEST_SELECT=(
+  [tests-threads]="-m|cuda and not horovod and not torchdist"
+  [tests-torchdist]="-m|cuda and torchdist"
+  [tests-nccl]="-m|cuda and horovod|-k|not staged"
+  [tests-staged]="-m|cuda and horovod|-k|staged"
+)
+if [ "$QUICK" = 1 ]; then
+  TEST_SELECT[tests-threads]="-m|cuda and not horovod and not torchdist|-k|base_on_device"
+  TEST_SELECT[tests-nccl]="-m|cuda and horovod|-k|np1"
+fi
+# The benchmarks' commands (again once OUT is an absolute path).
+bench_cmds() {
+  BENCH=("$PY" "$ROOT/benchmarks/gpu_resnet50.py")
+  CODEC=("$PY" "$ROOT/benchmarks/codec_cost.py" --json "$OUT/codec.json")
+  if [ "$QUICK" = 1 ]; then
+    BENCH+=(--windows 2 --repeats 5)
+    CODEC+=(--mb 16 --repeats 3)
+  fi
+}
+bench_cmds
+
+# pytest's command for a test step (pytest-timeout bounds each test where it is installed).
+PYTEST_TIMEOUT=""
+pytest_cmd() {
+  local name=$1 sel
+  IFS='|' read -r -a sel <<<"${TEST_SELECT[$name]}"
+  CMD=("$PY" -m pytest "$TEST_FILE" "${sel[@]}" -v -rA -p no:cacheprovider --rootdir "$ROOT"
+       --junitxml "$OUT/$name.xml")
+  if [ -z "$PYTEST_TIMEOUT" ]; then  # asked once
+    PYTEST_TIMEOUT=no
+    if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then PYTEST_TIMEOUT=yes; fi
+  fi
+  [ "$PYTEST_TIMEOUT" = no ] || CMD+=(--timeout 90)
+}
+
+if [ "$DRY" = 1 ]; then
+  show() { local a out=""; for a in "$@"; do out+=" $(printf '%q' "$a")"; done; echo "${out# }"; }
+  tests_of() {
+    local t
+    wanted tests || return 0
+    for t in "$@"; do pytest_cmd "$t"; echo "  $t: $(show "${CMD[@]}")"; done
+  }
+  echo "gpu_check: plan (--dry-run: nothing runs), budget ${BUDGET}s, ${CORES} cores, out $OUT"
+  echo "steps: $STEPS${MAX_STEP:+ (no step over ${MAX_STEP}s)}"
+  wanted facts && echo "1. facts (${WANT[facts]}s): nvidia-smi, torch, CUDA, compiler, CMake, MPI"
+  echo "2. in parallel, each under its own timeout (at most what the budget leaves):"
+  wanted nccl && echo "  nccl: $(show "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu yes)"
+  wanted staged && echo "  staged: $(show "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu staged \
+    --target "$OUT/staged-horovod")"
+  tests_of tests-threads tests-torchdist
+  echo "  for compute capabilities ${HOROVOD_BUILD_CUDA_CC_LIST:-of the GPUs present (from torch)}"
+  echo "3. as each build ends, its tests (in parallel):"
+  wanted nccl || echo "  (no nccl step: the environment's Horovod, if any)"
+  tests_of tests-nccl
+  wanted staged || echo "  (no staged step: a staged Horovod from an earlier call in OUT, if any)"
+  tests_of tests-staged
+  echo "4. alone on the GPU:"
+  wanted bench && echo "  bench: $(show "${BENCH[@]}")"
+  wanted codec && echo "  codec: $(show "${CODEC[@]}")"
+  echo "5. summary: $PY $ROOT/scripts/gpu_summary.py $OUT (OUT/summary.md, OUT/summary.json)"
+  exit 0
+fi
+
+mkdir -p "$OUT" || die "--out: cannot create '$OUT'"
+OUT=$(cd "$OUT" && pwd)
+bench_cmds
+cd "$ROOT" || die "cannot enter $ROOT"
+rm -f "$OUT"/*.log "$OUT"/*.xml "$OUT"/.*.rc "$OUT/steps.tsv" "$OUT/codec.json" "$OUT/facts.json" \
+      "$OUT/summary.md" "$OUT/summary.json"
+# Unbuffered Python, so a step killed by its timeout still leaves its output in the log.
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+STAGED=$OUT/staged-horovod
+T0=$(date +%s)
+DEADLINE=$(( T0 + BUDGET ))
 FAILED=0
-wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
-# step NAME SECONDS CMD...: run CMD with its output in OUT/NAME.log, bounded by SECONDS.
-step() {
-  local name=$1 limit=$2 t0 rc status
+printf 'step\tstatus\tseconds\tlimit\n' > "$OUT/steps.tsv"
+
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/steps.tsv"; }
+skip() { echo "gpu_check: -- $1 skipped: $2"; record "$1" "skipped: $2" 0 0; }
+
+# limit_of NAME RESERVE: the step's timeout (its own limit, --timeout, and what the budget leaves
+# once RESERVE seconds are kept for the steps after it); fails when under 10 s are left.
+limit_of() {
+  local left=$(( DEADLINE - $(date +%s) - $2 - RESERVE_SUMMARY )) limit=${WANT[$1]}
+  [ "$left" -ge 10 ] || return 1
+  [ -z "$MAX_STEP" ] || [ "$MAX_STEP" -ge "$limit" ] || limit=$MAX_STEP
+  [ "$left" -ge "$limit" ] || limit=$left
+  echo "$limit"
+}
+
+# start NAME RESERVE CMD...: run CMD in the background, its output in OUT/NAME.log, bounded by
+# its limit; the exit status and end time land in OUT/.NAME.rc. PID[NAME] is set.
+declare -A PID=() BEGAN=() LIMIT=()
+start() {
+  local name=$1 limit
+  if ! limit=$(limit_of "$name" "$2"); then
+    FAILED=1  # the check did not do all it was asked
+    skip "$name" "out of the ${BUDGET}s budget"
+    return 1
+  fi
   shift 2
   echo "gpu_check: == $name (log $OUT/$name.log, timeout ${limit}s)"
-  t0=$(date +%s)
-  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
+  BEGAN[$name]=$(date +%s)
+  LIMIT[$name]=$limit
+  (
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$? $(date +%s)" > "$OUT/.$name.rc"
+  ) &
+  PID[$name]=$!
+}
+# finish NAME: wait for a started step and record it; returns its exit status.
+finish() {
+  local name=$1 rc end status
+  [ -n "${PID[$name]:-}" ] || return 1
+  wait "${PID[$name]}"
+  read -r rc end < "$OUT/.$name.rc" || { rc=1; end=$(date +%s); }
+  unset "PID[$name]"
   case "$rc" in
     0) status=passed ;;
-    124|137) status="TIMED OUT after ${limit}s" ;;
+    124|137) status="TIMED OUT after ${LIMIT[$name]}s" ;;
     *) status="FAILED (exit $rc)" ;;
   esac
-  [ "$rc" = 0 ] || { FAILED=1; tail -n 40 "$OUT/$name.log"; }
-  SUMMARY+=("$(printf '%-8s %-28s %5ss' "$name" "$status" "$(( $(date +%s) - t0 ))")")
+  echo "gpu_check: -- $name $status ($(( end - BEGAN[$name] ))s)"
+  if [ "$rc" != 0 ]; then FAILED=1; tail -n 30 "$OUT/$name.log"; fi
+  record "$name" "$status" "$(( end - BEGAN[$name] ))" "${LIMIT[$name]}"
   return "$rc"
 }
-skip() { SUMMARY+=("$(printf '%-8s %-28s' "$1" "skipped: $2")"); }
+run_step() { start "$@" && finish "$1"; }
+summary() {
+  echo
+  "$PY" "$ROOT/scripts/gpu_summary.py" "$OUT" || { echo "(summary failed)"; cat "$OUT/steps.tsv"; }
+}
+start_tests() {
+  wanted tests || return 0
+  local name=$1
+  pytest_cmd "$name"
+  shift
+  start "$name" "$RESERVE_AFTER_TESTS" env "$@" "${CMD[@]}" || true
+}
 
-# shellcheck disable=SC2329  # exported and run by `step facts ... bash -c facts`
+# shellcheck disable=SC2329  # exported and run by `run_step facts ... bash -c facts`
 facts() {
   nvidia-smi || echo "(nvidia-smi not available)"
-  "$PY" - <<'PYEOF' || return 1
-import sys, torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda)
-if not torch.cuda.is_available():
+  "$PY" - "$OUT/facts.json" <<'PYEOF' || return 1
+import json, platform, shutil, subprocess, sys
+import torch
+facts = {"python": platform.python_version(), "torch": torch.__version__,
+         "cuda": torch.version.cuda, "gpus": []}
+print("python", facts["python"], "| torch", facts["torch"], "| CUDA", facts["cuda"])
+if shutil.which("nvidia-smi"):
+    q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    facts["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout else None
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        facts["gpus"].append(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
+                             f"compute capability {p.major}.{p.minor}")
+        print(f"GPU {i}: {facts['gpus'][-1]}")
+with open(sys.argv[1], "w") as f:
+    json.dump(facts, f)
+if not facts["gpus"]:
     sys.exit("torch sees no CUDA GPU: this is not a GPU machine (or the driver is not visible)")
-for i in range(torch.cuda.device_count()):
-    p = torch.cuda.get_device_properties(i)
-    print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, "
-          f"compute capability {p.major}.{p.minor}")
 PYEOF
   "${CXX:-c++}" --version | head -n 1
   cmake --version | head -n 1 || true
@@ -111,43 +286,65 @@ PYEOF
 
 if wanted facts; then
   export -f facts
-  export PY
-  step facts 120 bash -c facts || { printf '%s\n' "${SUMMARY[@]}"; die "no usable GPU: stopping"; }
+  export PY OUT
+  if ! run_step facts 0 bash -c facts; then
+    summary
+    die "no usable GPU: stopping"
+  fi
 fi
 # Both builds compile for the architectures of the GPUs present, unless the caller chose.
+# (GPU_CAPS, never CC: the environment's CC names the C compiler of every build below.)
 if { wanted nccl || wanted staged; } && [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]; then
-  CC=$("$PY" -c 'import torch; c = torch.cuda
+  GPU_CAPS=$("$PY" -c 'import torch; c = torch.cuda
 print(",".join(sorted({"%d%d" % c.get_device_capability(i) for i in range(c.device_count())})))' \
        2>/dev/null)
-  [ -z "$CC" ] || export HOROVOD_BUILD_CUDA_CC_LIST=$CC
-fi
-NCCL_OK=1
-if wanted nccl; then
-  step nccl "$STEP_TIMEOUT" "${INSTALL[@]}" --gpu yes || NCCL_OK=0
-fi
-if wanted staged; then
-  if step staged "$STEP_TIMEOUT" "${INSTALL[@]}" --gpu staged --target "$STAGED"; then
-    export HVD_SLOWMO_STAGED_HOROVOD=$STAGED
-  fi
-elif [ -f "$STAGED/horovod/.hvd_slowmo_key" ]; then
-  export HVD_SLOWMO_STAGED_HOROVOD=$STAGED  # built by an earlier call with --steps staged
-fi
-if wanted tests; then
-  if [ "$NCCL_OK" = 1 ]; then
-    step tests $((2 * STEP_TIMEOUT)) "$PY" -m pytest "$ROOT/tests/test_cuda.py" -m cuda -v -rA \
-      -p no:cacheprovider --rootdir "$ROOT" --junitxml "$OUT/cuda-tests.xml"
-  else
-    skip tests "the NCCL Horovod did not build"
-  fi
-fi
-if wanted bench; then
-  step bench "$STEP_TIMEOUT" "$PY" "$ROOT/benchmarks/gpu_resnet50.py" && cat "$OUT/bench.log"
+  [ -z "$GPU_CAPS" ] || BUILD_ENV+=("HOROVOD_BUILD_CUDA_CC_LIST=$GPU_CAPS")
 fi
 
-echo
-echo "gpu_check: summary (logs in $OUT)"
-if [ -f "$OUT/tests.log" ]; then
-  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|=+ .*(passed|failed|error)" "$OUT/tests.log" | tail -n 60
+# Phase 1: the builds, and the tests that need no Horovod, all at once.
+wanted nccl && start nccl "$RESERVE_AFTER_BUILDS" env "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu yes
+wanted staged && start staged "$RESERVE_AFTER_BUILDS" env "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu staged \
+  --target "$STAGED"
+start_tests tests-threads
+start_tests tests-torchdist
+# Phase 2: each Horovod's tests as soon as it is built (whichever build ends first).
+built() {  # NAME OK: start the tests of the Horovod that step NAME built (OK=1) or say why not
+  case "$1" in
+    nccl)
+      if [ "$2" = 1 ]; then start_tests tests-nccl
+      elif wanted tests; then skip tests-nccl "the NCCL Horovod did not build"; fi ;;
+    staged)
+      if [ "$2" = 1 ]; then start_tests tests-staged "HVD_SLOWMO_STAGED_HOROVOD=$STAGED"
+      elif wanted tests; then
+        skip tests-staged "no staged Horovod (the staged step failed, or was not run: --steps staged)"
+      fi ;;
+  esac
+}
+BUILDING=()
+for name in nccl staged; do
+  wanted "$name" || continue
+  if [ -n "${PID[$name]:-}" ]; then BUILDING+=("$name"); else built "$name" 0; fi
+done
+wanted nccl || built nccl 1  # the environment's Horovod, if any
+if ! wanted staged; then  # a staged Horovod built by an earlier call, if any
+  if [ -f "$STAGED/horovod/.hvd_slowmo_key" ]; then built staged 1; else built staged 0; fi
 fi
-printf '%s\n' "${SUMMARY[@]}"
+while [ ${#BUILDING[@]} -gt 0 ]; do
+  LEFT=()
+  for name in "${BUILDING[@]}"; do
+    if [ ! -f "$OUT/.$name.rc" ]; then LEFT+=("$name")
+    elif finish "$name"; then built "$name" 1
+    else built "$name" 0; fi
+  done
+  BUILDING=("${LEFT[@]}")
+  [ ${#BUILDING[@]} -eq 0 ] || sleep 1
+done
+for name in tests-threads tests-torchdist tests-nccl tests-staged; do
+  [ -z "${PID[$name]:-}" ] || finish "$name"
+done
+# Phase 3: the benchmarks, alone on the GPU.
+wanted bench && run_step bench "$RESERVE_AFTER_BENCH" "${BENCH[@]}"
+wanted codec && run_step codec 0 "${CODEC[@]}"
+
+summary
 exit "$FAILED"

@@ -12,8 +12,13 @@ torch finds no CUDA GPU.
   (``-np 1``: NCCL on a GPU); two ranks sharing one GPU with a Horovod built by
   ``install_horovod.sh --gpu staged`` (CUDA tensors staged through host memory: NCCL refuses two
   ranks on one device); the examples with ``--amp``.
+- Two processes on one device (tests/device_run.py's features: AR-SGD's hooks with AMP and
+  GradScaler, fragments with eager="local", int8 and fp8 pseudo-gradients, overlap) over
+  torch.distributed's Gloo (torchrun) and over Horovod (horovodrun; the staged build on a GPU):
+  equal to the CPU replay on two thread workers.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -27,10 +32,21 @@ from torch import nn
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
 
+from amp_run import mlp
+from device_run import (
+    AMP_BAD_RANK,
+    AMP_INIT_SCALE,
+    AMP_OVERFLOWS,
+    FEATURES,
+    feature_model,
+    run_feature,
+)
+from device_run import STEPS as FEATURE_STEPS
 from helpers import SlowArrivals
 from horovod_launch import ROOT, horovodrun, launch_env
 from reference import batch, loss_at, make_model
 from reference_overlap import reference_overlapped
+from torchrun_launch import torchrun
 
 NO_CUDA = (
     None
@@ -448,22 +464,25 @@ NO_STAGED = NO_CUDA or (
 @pytest.mark.horovod
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(NO_STAGED is not None, reason=str(NO_STAGED))
-def test_two_ranks_share_one_gpu(tmp_path):
+def test_staged_horovod_two_ranks_share_one_gpu(tmp_path):
     """NCCL refuses two ranks on one device; a Horovod built without GPU operations copies CUDA
     tensors to host memory for every collective, so two ranks can share the GPU."""
+    staged_horovodrun(2, [WORKER, "bases", str(tmp_path), "cuda"])
+    check_bases_run(tmp_path, 2)
+
+
+def staged_horovodrun(np_: int, args: list[str]) -> None:
+    """``horovodrun -np NP --gloo python ARGS`` with the staged Horovod first on the path."""
     cmd = [
         sys.executable,
         os.path.join(STAGED, "bin", "horovodrun"),
         "-np",
-        "2",
+        str(np_),
         "-H",
-        "localhost:2",
+        f"localhost:{np_}",
         "--gloo",
         sys.executable,
-        WORKER,
-        "bases",
-        str(tmp_path),
-        "cuda",
+        *args,
     ]
     proc = subprocess.run(
         cmd,
@@ -474,7 +493,137 @@ def test_two_ranks_share_one_gpu(tmp_path):
         timeout=540,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_bases_run(tmp_path, 2)
+
+
+# --- several processes on one device: tests/device_run.py's features ----------------------
+#: How far a CUDA run may be from the CPU replay, per feature: (rtol, atol, why). The CPU runs
+#: must equal it bitwise (the same kernels; two workers' sums are the same in any order).
+CUDA_TOLERANCE = {
+    name: (
+        (1e-9, 1e-11, "float64 on both devices: only the kernels' summation order differs; "
+         "the codecs' float32 payload is rounded from values equal to ~1e-16")
+        if f64
+        else (0.0, 5e-3, "fp16 autocast: the GPU's fp16 GEMMs accumulate in another order than "
+              "the CPU's, so activations differ by fp16 ulps (2^-11 relative); 10 steps at "
+              "lr <= 0.1 keep the parameters within 5e-3")
+    )
+    for name, (_, f64) in FEATURES.items()
+}  # fmt: skip
+
+
+@functools.cache
+def feature_replay() -> dict:
+    """The CPU replay of every feature on two thread workers: ``{name: [rank 0, rank 1]}``, with
+    one thread per worker as in the processes (so the CPU kernels are the same)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for name in FEATURES:
+            models = [feature_model(name) for _ in range(2)]
+            out[name] = run_threads(
+                2,
+                lambda comm, name=name, models=models: run_feature(
+                    name, "cpu", comm.rank, comm, models[comm.rank]
+                ),
+            )
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_features(out_dir, device: str) -> None:
+    """The files of cuda_worker.py's ``features`` mode (two ranks) against the CPU replay."""
+    got = [torch.load(out_dir / f"features.rank{r}.pt", weights_only=False) for r in range(2)]
+    want = feature_replay()
+    for name in FEATURES:
+        runs = [g[name] for g in got]
+        # The anchor is an exact average (or its slow update): the same bits on both ranks.
+        for step, (a, b) in enumerate(zip(runs[0]["anchors"], runs[1]["anchors"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{name}: step {step}"
+        rtol, atol, why = CUDA_TOLERANCE[name]
+        for rank, (g, w) in enumerate(zip(runs, want[name])):
+            where = f"{name} rank {rank} on {device}"
+            assert g["counters"] == w["counters"], where
+            assert (g["skipped_steps"], g["scale"]) == (w["skipped_steps"], w["scale"]), where
+            assert len(g["anchors"]) == len(w["anchors"]) and g["final"], where
+            pairs = [
+                (x, y, f"{where} step {k}")
+                for k, (a, b) in enumerate(zip(g["anchors"], w["anchors"]))
+                for x, y in zip(a, b)
+            ] + [(x, y, f"{where} final") for x, y in zip(g["final"], w["final"])]
+            for x, y, what in pairs:
+                if device == "cpu":
+                    assert torch.equal(x, y), f"{what}: not bitwise the CPU replay"
+                else:
+                    label = f"{what} ({why})"
+                    torch.testing.assert_close(
+                        x, y, rtol=rtol, atol=atol, msg=lambda m, label=label: f"{label}: {m}"
+                    )
+    # AMP: the forced overflows were skipped on every rank, rank 1's scale backed off, and
+    # the other steps trained.
+    amp = [g["arsgd-amp"] for g in got]
+    applied = FEATURE_STEPS - len(AMP_OVERFLOWS)
+    assert all(r["skipped_steps"] == len(AMP_OVERFLOWS) for r in amp), "every rank skips"
+    assert amp[0]["counters"] == (applied, applied % 3, applied // 3)
+    assert amp[AMP_BAD_RANK]["scale"] == AMP_INIT_SCALE * 0.5 ** len(AMP_OVERFLOWS)
+    assert not torch.equal(amp[0]["final"][0], next(mlp().parameters()).detach()), "no training"
+
+
+@pytest.mark.torchdist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_processes_torch_distributed_gloo(tmp_path, device):
+    """torchrun, two processes over Gloo (on a GPU both share it: Gloo copies CUDA tensors
+    through host memory)."""
+    # Loopback for Gloo: a GPU machine without network may not resolve its own hostname.
+    torchrun(
+        2,
+        [WORKER, "features", str(tmp_path), device],
+        timeout=540,
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
+    check_features(tmp_path, device)
+
+
+def test_check_features_catches_one_ulp(tmp_path):
+    """The comparison of the two-process runs is not vacuous: the replay itself passes, and one
+    parameter moved by one ulp on one rank fails it (bitwise on the CPU; on a GPU only beyond the
+    stated tolerance)."""
+    want = feature_replay()
+    for r in range(2):
+        torch.save({n: want[n][r] for n in FEATURES}, tmp_path / f"features.rank{r}.pt")
+    check_features(tmp_path, "cpu")
+    bad = {n: {**want[n][1], "final": [t.clone() for t in want[n][1]["final"]]} for n in FEATURES}
+    t = bad["int8-fragments-overlap"]["final"][0]
+    t.view(-1)[0] = torch.nextafter(t.view(-1)[0], torch.tensor(1.0, dtype=t.dtype))
+    torch.save(bad, tmp_path / "features.rank1.pt")
+    with pytest.raises(AssertionError, match="int8-fragments-overlap rank 1 on cpu final"):
+        check_features(tmp_path, "cpu")
+    check_features(tmp_path, "cuda")  # one ulp of float64 is far inside rtol=1e-9
+    t.view(-1)[0] += 1e-6
+    torch.save(bad, tmp_path / "features.rank1.pt")
+    with pytest.raises(AssertionError, match="float64 on both devices"):
+        check_features(tmp_path, "cuda")
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(600)
+def test_two_processes_horovod_cpu(tmp_path):
+    """The CPU counterpart of the staged case below: horovodrun -np 2 --gloo, this venv's
+    Horovod."""
+    horovodrun(2, "gloo", [WORKER, "features", str(tmp_path), "cpu"], timeout=540)
+    check_features(tmp_path, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.horovod
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(NO_STAGED is not None, reason=str(NO_STAGED))
+def test_staged_horovod_two_processes_features(tmp_path):
+    """Two ranks on one GPU through the staged Horovod (CUDA tensors copied to host memory)."""
+    staged_horovodrun(2, [WORKER, "features", str(tmp_path), "cuda"])
+    check_features(tmp_path, "cuda")
 
 
 EXAMPLES = {
@@ -556,6 +705,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu():
     }
     for name in (
         "plain torch",
+        "torch DDP",
         "Horovod DistributedOptimizer",
         "Local SGD + SlowMo",
         "AR-SGD + SlowMo",
@@ -569,3 +719,45 @@ def test_gpu_benchmark_runs_tiny_on_cpu():
         "tiny ResNet (2 bottlenecks)" in proc.stdout
         and "bf16 autocast, channels_last" in proc.stdout
     )
+
+
+@pytest.mark.timeout(300)
+def test_codec_cost_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/codec_cost.py at a tiny size on the CPU: a row per codec with positive times,
+    the wire size each codec promises, the same rows in the table and the JSON file."""
+    from hvd_slowmo.compression import CODECS, encoded_nbytes
+
+    out = tmp_path / "codec.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "codec_cost.py"),
+            "--mb",
+            "0.05",
+            "--repeats",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["codec"]: r for r in result["rows"]}
+    n = int(0.05 * 2**20 / 4)
+    for codec in ("fp16", "bf16", "int8", "fp8"):
+        r = rows[codec]
+        assert r["device"] == "cpu" and "error" not in r, r
+        for key in ("encode_ms_per_mb", "decode_ms_per_mb", "mean_ms_per_mb"):
+            assert r[key] > 0, (codec, key, r)
+        assert r["wire_bytes_per_fp32_byte"] == encoded_nbytes(n, codec) / (4 * n)
+        assert f"| {codec} | cpu | {r['encode_ms_per_mb']:.4f} |" in proc.stdout
+    # A sparse codec is measured when the library has one, else its row says why not.
+    assert ("error" in rows["sparse"]) == ("sparse" not in CODECS), rows["sparse"]
+    assert "fp32" not in rows

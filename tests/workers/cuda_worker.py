@@ -1,7 +1,9 @@
-"""Device checks under horovodrun; launched by tests/test_cuda.py::
+"""Device checks under horovodrun or torchrun; launched by tests/test_cuda.py::
 
-    horovodrun -np 1 --gloo python tests/workers/cuda_worker.py single OUT cuda  # NCCL
-    horovodrun -np 2 --gloo python tests/workers/cuda_worker.py bases OUT cuda   # --gpu staged
+    horovodrun -np 1 --gloo python tests/workers/cuda_worker.py single OUT cuda    # NCCL
+    horovodrun -np 2 --gloo python tests/workers/cuda_worker.py bases OUT cuda     # --gpu staged
+    horovodrun -np 2 --gloo python tests/workers/cuda_worker.py features OUT cuda  # --gpu staged
+    torchrun --nproc-per-node 2 tests/workers/cuda_worker.py features OUT cuda     # Gloo
 
 ``single``: Horovod's grouped average (the call ``HorovodCommunicator.average_`` makes) on
 tensors of the device, and SlowMo over Local SGD on a model there, after
@@ -13,6 +15,12 @@ see which backend ran it. Writes ``OUT/single.json``.
 batches of tests/reference.py); each rank writes ``OUT/{base}.rank{r}.pt`` with its parameters
 after every exact average and at the end, for the test to compare across ranks and with the
 thread-worker replay.
+
+``features``: every run of tests/device_run.py (AR-SGD's hooks with AMP and GradScaler, Local
+SGD + SlowMo with fragments and eager="local", int8 and fp8 pseudo-gradients, overlap); each
+rank writes ``OUT/features.rank{r}.pt``. Under torchrun (``TORCHELASTIC_RUN_ID`` in the
+environment) the engine is torch.distributed over Gloo, which takes CUDA tensors (copied through
+host memory), so both ranks can share one GPU; under horovodrun it is Horovod.
 """
 
 import json
@@ -24,11 +32,13 @@ import torch
 # Tests/: the reference
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import horovod.torch as hvd
-
 from hvd_slowmo import DistributedOptimizer
 
+from device_run import FEATURES, run_feature
 from reference import batch, make_model
+
+#: Horovod when launched by horovodrun (imported in main), else None: torch.distributed.
+hvd = None
 
 # The run of tests/test_cuda.py's thread workers: the same optimizer, schedule and data.
 STEPS, TAU = 8, 3
@@ -96,16 +106,39 @@ def bases(out_dir: str, device: torch.device) -> None:
         )
 
 
+def features(out_dir: str, device: torch.device, rank: int) -> None:
+    results = {name: run_feature(name, device.type, rank) for name in FEATURES}
+    torch.save(results, os.path.join(out_dir, f"features.rank{rank}.pt"))
+
+
 def main(mode: str, out_dir: str, device_type: str) -> None:
-    hvd.init()
+    global hvd
     torch.set_num_threads(1)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # CPU and CUDA tensors alike
+        rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    else:
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank, local_rank = hvd.rank(), hvd.local_rank()
     if device_type == "cuda":
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())  # ranks may share a GPU
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())  # ranks may share a GPU
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    {"single": single, "bases": bases}[mode](out_dir, device)
-    hvd.shutdown()  # flushes the timeline
+    if mode == "features":
+        features(out_dir, device, rank)
+    elif hvd is None:
+        raise SystemExit(f"mode {mode!r} needs horovodrun (it calls Horovod directly)")
+    else:
+        {"single": single, "bases": bases}[mode](out_dir, device)
+    if hvd is not None:
+        hvd.shutdown()  # flushes the timeline
+    else:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

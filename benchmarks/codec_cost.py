@@ -1,0 +1,168 @@
+"""What each codec of a compressed exact average costs in arithmetic, per MB of float32 payload.
+
+For every codec (fp16, bf16, int8, fp8, and any other that :mod:`hvd_slowmo.compression` has,
+such as a sparse one: each is tried, and one that does not work says why) on the CPU and, where
+there is one, on the GPU, the median over repeats of:
+  - encode: :func:`~hvd_slowmo.compression.encode` of the whole vector and its wire packet;
+  - decode: the packet back to float32;
+  - mean: one worker's arithmetic in a compressed mean of ``--workers`` workers, without the
+    wire: encode its vector in ``workers`` chunks, decode and sum ``workers`` received chunks
+    of its own share, encode the mean, decode the ``workers`` gathered chunks (what
+    :class:`~hvd_slowmo.compression.PendingMean` computes around its all-to-all and all-gather).
+Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``). Printed as a
+Markdown table, and with ``--json PATH`` written as JSON (scripts/gpu_summary.py reads it).
+
+Usage: python benchmarks/codec_cost.py [--mb 64] [--repeats 10] [--workers 4] [--device cpu,cuda]
+       python benchmarks/codec_cost.py --mb 0.25 --repeats 2   # seconds on a CPU
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from hvd_slowmo.compression import CODECS, check_codec, decode, encode
+from hvd_slowmo.compression import codecs as codec_module
+
+#: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
+#: codec at all, and is left out).
+PREFERRED = ("fp16", "bf16", "int8", "fp8", "sparse")
+
+
+def codec_names() -> list[str]:
+    """The codecs to measure: PREFERRED first, then any other the library lists, never fp32."""
+    names = [c for c in PREFERRED if c in CODECS] + [
+        c for c in CODECS if c not in PREFERRED and c != "fp32"
+    ]
+    if "sparse" not in names:
+        names.append("sparse")  # tried anyway: its row then says why it is not there
+    return names
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The median wall time of ``fn`` in ms, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def local_mean(x: torch.Tensor, codec: str, workers: int) -> torch.Tensor:
+    """One worker's arithmetic in a compressed mean of ``workers`` (the wire left out): every
+    worker is assumed to send what this one sends."""
+    chunks = list(x.tensor_split(workers))
+    sent = [codec_module.to_bytes(encode(c, codec)) for c in chunks]
+    mine = chunks[0].numel()
+    total = decode(codec_module.from_bytes(sent[0], mine, codec), codec)
+    for _ in range(1, workers):
+        total += decode(codec_module.from_bytes(sent[0], mine, codec), codec)
+    reduced = codec_module.to_bytes(encode(total / workers, codec))
+    return torch.cat(
+        [decode(codec_module.from_bytes(reduced, mine, codec), codec) for _ in range(workers)]
+    )
+
+
+def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: int) -> dict:
+    """One row: ms per MB of encode, decode and mean, or the error that stopped it."""
+    row: dict = {"codec": codec, "device": device.type}
+    try:
+        check_codec(codec, device)
+        n = max(1, int(mb * 2**20 / 4))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, generator=g).to(device)
+        packet = codec_module.to_bytes(encode(x, codec))
+        per_mb = n * 4 / 2**20
+        row["encode_ms_per_mb"] = (
+            median_ms(lambda: codec_module.to_bytes(encode(x, codec)), repeats, device) / per_mb
+        )
+        row["decode_ms_per_mb"] = (
+            median_ms(
+                lambda: decode(codec_module.from_bytes(packet, n, codec), codec), repeats, device
+            )
+            / per_mb
+        )
+        row["mean_ms_per_mb"] = (
+            median_ms(lambda: local_mean(x, codec, workers), repeats, device) / per_mb
+        )
+        row["wire_bytes_per_fp32_byte"] = packet.numel() / (n * 4)
+    except (ValueError, TypeError, RuntimeError, KeyError) as e:  # a codec this torch lacks
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 (default 64)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats (default 10)")
+    parser.add_argument("--workers", type=int, default=4, help="workers of the mean (default 4)")
+    parser.add_argument(
+        "--device", default=None, help="comma-separated (default: cpu, and cuda when available)"
+    )
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = parser.parse_args(argv)
+    if args.mb <= 0:
+        parser.error(f"--mb must be > 0, got {args.mb}")
+    for name in ("repeats", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    devices = (
+        args.device.split(",")
+        if args.device
+        else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    )
+    rows = [
+        measure(codec, torch.device(d), args.mb, args.repeats, args.workers)
+        for d in devices
+        for codec in codec_names()
+    ]
+    where = ", ".join(
+        torch.cuda.get_device_name(0) if d == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        for d in devices
+    )
+    result = {
+        "mb": args.mb,
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "devices": where,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    print(
+        f"codec cost: {args.mb:g} MB of float32, median of {args.repeats}, mean of "
+        f"{args.workers} workers; {where}; torch {torch.__version__}"
+    )
+    print("| codec | device | encode ms/MB | decode ms/MB | mean ms/MB | wire bytes / fp32 bytes |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['codec']} | {r['device']} | n/a: {r['error']} | | | |")
+        else:
+            print(
+                f"| {r['codec']} | {r['device']} | {r['encode_ms_per_mb']:.4f} | "
+                f"{r['decode_ms_per_mb']:.4f} | {r['mean_ms_per_mb']:.4f} | "
+                f"{r['wire_bytes_per_fp32_byte']:.3f} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
