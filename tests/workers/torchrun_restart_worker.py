@@ -1,6 +1,6 @@
 """Worker for tests/test_torchrun_restart.py: training that survives ``torchrun --max-restarts``.
 
-Usage: torchrun_restart_worker.py OUT_DIR KILL_AT CONFIG
+Usage: torchrun_restart_worker.py OUT_DIR KILL_AT CONFIG [ENGINE [KILL_RANK]]
   Each rank saves its full state (model, DistributedOptimizer: anchor, slow buffer, outer step in
   flight, error-feedback residuals, counters) with the atomic save after every step, as
   OUT_DIR/ckpt.RANK.STEP.pt. At start, the group resumes from the last step that every rank has
@@ -8,6 +8,8 @@ Usage: torchrun_restart_worker.py OUT_DIR KILL_AT CONFIG
   rank 1 SIGKILLs itself once, before step KILL_AT (a marker file makes it happen once); torchrun
   then restarts the whole group. Rank 0 writes OUT_DIR/final.pt (the parameters) at the end.
   CONFIG: "frag2-int8-d1" (fragments=2, int8 with error feedback, overlap=1) or "plain".
+  ENGINE: torchdist (default; under torchrun) or horovod (under horovodrun, restarted by
+  scripts/chaos.py); KILL_RANK: the rank that dies (default 1).
 """
 
 import os
@@ -47,10 +49,38 @@ def last_common_step(out: str, size: int) -> int:
     return max(steps or {0})
 
 
+class Engine:
+    """The little this worker needs of torch.distributed or Horovod."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "horovod":
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.rank, self.size, self._hvd = hvd.rank(), hvd.size(), hvd
+        else:
+            dist.init_process_group("gloo")
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        if self.name == "horovod":
+            self._hvd.allreduce(torch.zeros(1), name="restart_worker.barrier")
+        else:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.name == "horovod":
+            self._hvd.shutdown()
+        else:
+            dist.destroy_process_group()
+
+
 def main() -> None:
     out, kill_at, config = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    engine = Engine(sys.argv[4] if len(sys.argv) > 4 else "torchdist")
+    kill_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    rank, size = engine.rank, engine.size
     model = make_model()
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -58,7 +88,7 @@ def main() -> None:
         **{"slow_momentum": 0.5, **CONFIGS[config]},
     )
     start = last_common_step(out, size)
-    dist.barrier()  # every rank chose its start before anyone writes a new checkpoint
+    engine.barrier()  # every rank chose its start before anyone writes a new checkpoint
     if start:
         state = load_checkpoint(os.path.join(out, f"ckpt.{rank}.{start}.pt"))
         model.load_state_dict(state["model"])
@@ -67,7 +97,7 @@ def main() -> None:
         print(f"rank {rank}: resumed at step {start}", flush=True)
     marker = os.path.join(out, "killed")
     for k in range(start, STEPS):
-        if k == kill_at and rank == 1 and not os.path.exists(marker):
+        if k == kill_at and rank == kill_rank and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         opt.zero_grad()
@@ -78,8 +108,8 @@ def main() -> None:
     opt.flush()
     if rank == 0:
         save_checkpoint([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    engine.barrier()
+    engine.close()
 
 
 if __name__ == "__main__":
