@@ -60,8 +60,10 @@ def command(engine: str, out: str, kill_at: int, kill_rank: int, config: str) ->
 def launch(cmd: list[str], timeout: float) -> tuple[int | None, str]:
     """Run one launch in its own process group; (exit code or None on a hang, output tail)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out[-2000:]
