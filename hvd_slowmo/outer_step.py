@@ -218,9 +218,11 @@ class OuterLoop:
             periods_back = -(back_to // tau)  # a negative offset is in an earlier period
             pos.inner_step = back_to + periods_back * tau
             pos.outer_steps -= periods_back
+            who = f"outer step {pos.outer_steps}"
+            who = f"every fragment of {who}" if len(self.fragments) > 1 else who
             what = (
-                f"every fragment restarts from its anchor ({dropped} base steps dropped, "
-                f"num_steps back to {pos.num_steps}, outer step {pos.outer_steps})"
+                f"{who} restarts from its anchor ({dropped} base steps dropped, num_steps "
+                f"back to {pos.num_steps})"
             )
         elif old != pos.world:
             what = f"continuing at step {pos.num_steps} (inner step {pos.inner_step})"
