@@ -82,16 +82,17 @@ def final_params(out: str) -> list[torch.Tensor] | None:
     return load_checkpoint(path) if os.path.exists(path) else None
 
 
-def one_kill(engine, reference, kill_at, kill_rank, config, timeout) -> str:
-    """One killed training and its restart; returns its outcome."""
+def one_kill(engine, reference, kill_at, kill_rank, config, timeout) -> tuple[str, str]:
+    """One killed training and its restart; returns its outcome and the last launch's output
+    tail."""
     out = tempfile.mkdtemp(prefix="chaos.")
     try:
         attempts = 1 if engine == "torchdist-gloo" else 2  # torchrun restarts by itself
-        rc = None
+        rc, tail = None, ""
         for _ in range(attempts):
-            rc, _tail = launch(command(engine, out, kill_at, kill_rank, config), timeout)
+            rc, tail = launch(command(engine, out, kill_at, kill_rank, config), timeout)
             if rc is None:
-                return "hung"
+                return "hung", tail
             if rc == 0:
                 break
         partial = [n for n in os.listdir(out) if n.endswith(".tmp")]
@@ -99,12 +100,12 @@ def one_kill(engine, reference, kill_at, kill_rank, config, timeout) -> str:
             if name.endswith(".pt"):
                 load_checkpoint(os.path.join(out, name))  # raises on a partial file
         if partial:
-            return "partial checkpoint"
+            return "partial checkpoint", tail
         if rc != 0:
-            return "stopped cleanly"
+            return "stopped cleanly", tail
         got = final_params(out)
         same = got is not None and all(torch.equal(a, b) for a, b in zip(got, reference))
-        return "recovered" if same else "lost state"
+        return ("recovered" if same else "lost state"), tail
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -135,11 +136,13 @@ def main() -> None:
                 break
             kill_at, kill_rank = rng.randrange(1, STEPS), rng.randrange(2)
             t0 = time.monotonic()
-            got = one_kill(engine, reference, kill_at, kill_rank, args.config, args.timeout)
+            got, tail = one_kill(engine, reference, kill_at, kill_rank, args.config, args.timeout)
             counts[got] = counts.get(got, 0) + 1
             kills.append({"step": kill_at, "rank": kill_rank, "outcome": got,
                           "seconds": round(time.monotonic() - t0, 1)})  # fmt: skip
             print(engine, kills[-1], flush=True)
+            if got != "recovered":
+                print(tail, flush=True)
         report[engine] = {"kills": len(kills), "outcomes": counts, "runs": kills}
     print(json.dumps(report, indent=1))
 
