@@ -44,7 +44,10 @@ def last_common_step(out: str, size: int) -> int:
     """The last step every rank has a checkpoint of (0: none)."""
     steps = None
     for r in range(size):
-        mine = {int(n.split(".")[2]) for n in os.listdir(out) if n.startswith(f"ckpt.{r}.")}
+        # ckpt.R.S.pt only: a rank killed inside a save leaves its temporary file
+        # (ckpt.R.S.pt.XXXX.tmp), never a partial ckpt.R.S.pt.
+        names = [n.split(".") for n in os.listdir(out)]
+        mine = {int(p[2]) for p in names if len(p) == 4 and p[:2] == ["ckpt", str(r)]}
         steps = mine if steps is None else steps & mine
     return max(steps or {0})
 
