@@ -9,6 +9,7 @@ overlap=1; rank 1 dies before step 6, whose checkpoint holds fragment 0's outer 
 """
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,9 +30,19 @@ def torchrun(out, kill_at: int, config: str) -> subprocess.CompletedProcess:
     cmd = [exe, "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            WORKER, str(out), str(kill_at), config]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=180
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        out, err = "", ""
+    finally:  # the workers too: torchrun killed alone would leave them running
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode is not None, "torchrun did not end within 180 s (a hang)"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("config", ["frag2-int8-d1"])

@@ -12,6 +12,8 @@ Usage: torchrun_restart_worker.py OUT_DIR KILL_AT CONFIG [ENGINE [KILL_RANK]]
   scripts/chaos.py); KILL_RANK: the rank that dies (default 1).
 """
 
+import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -63,7 +65,18 @@ class Engine:
             hvd.init()
             self.rank, self.size, self._hvd = hvd.rank(), hvd.size(), hvd
         else:
-            dist.init_process_group("gloo")
+            # torchrun keeps its store across restarts, and the process group's keys (the Gloo
+            # addresses) are the same in every attempt: a restarted rank can read its peer's
+            # stale address and fail or hang connecting. A prefix per attempt keeps them apart.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  size, is_master=False)  # fmt: skip
+            # A bounded wait: a lost peer ends the launch instead of torch's 30-minute default.
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                world_size=size, timeout=datetime.timedelta(seconds=60),
+            )  # fmt: skip
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def barrier(self) -> None:
@@ -80,6 +93,7 @@ class Engine:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID prints every thread's stack
     out, kill_at, config = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     engine = Engine(sys.argv[4] if len(sys.argv) > 4 else "torchdist")
     kill_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
