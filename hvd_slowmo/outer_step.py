@@ -2,8 +2,9 @@
 
 Every ``tau`` base steps a worker reaches a *boundary*, where the outer step **starts**; ``d =
 overlap`` base steps later it **lands**, or every worker **skips** it (a non-finite worker under
-``nonfinite="skip"``: back to the anchor). A change of workers **restarts** it from its anchor,
-dropping an average in flight (the counters go back with the dropped steps). Streaming
+``nonfinite="skip"``: back to the anchor). A change of workers **restarts** every fragment
+from its anchor, dropping an average in flight (the counters go back to the most recent boundary
+that landed: :meth:`OuterLoop.restart`). Streaming
 (``fragments=P``, :mod:`hvd_slowmo.fragments`) gives each fragment its own boundary in the
 period, one fragment in flight at a time; ``P = 1`` is the whole model, through the same code.
 
@@ -182,9 +183,18 @@ class OuterLoop:
         self.base.flush()
 
     def restart(self, why: str) -> None:
-        """Continue with the current workers: rebuild the base algorithm and restart the outer
-        step from its anchor, dropping an average in flight (the steps since that anchor are
-        dropped, and the counters go back with them). One log line on rank 0 says what was done.
+        """Continue with the current workers: rebuild the base algorithm and restart every
+        fragment from its anchor, dropping an average in flight. One log line on rank 0 says
+        what was done.
+
+        The rule (per fragment): each fragment's anchor holds the base steps up to the last
+        boundary whose outer step *landed* (:meth:`_anchor_offsets`); the counters go back to
+        the most recent of those boundaries over all fragments, and no further. So no base step
+        is counted twice by any fragment (every anchor is at or before the counter) and no
+        fragment lands twice in a period (the counter never goes back past a landing); a
+        fragment whose anchor is older loses the steps between its anchor and the counter
+        (its next pseudo-gradient is that much shorter). With one fragment this is the outer
+        step's start (the previous one's when its average is in flight).
 
         Without an anchor (``slow_lr=1, slow_momentum=0`` and ``nonfinite != "skip"``) there is
         no common point: the outer step continues from the parameters as they are.
@@ -195,22 +205,24 @@ class OuterLoop:
         pos, tau = self.position, self.config.tau
         self.parts.slow_state.check_world(pos.world, why)
         old, pos.world = pos.world, (self.comm.rank, self.comm.size)
-        # Only the boundary that ends a period turns the counters: with its fragment in flight
-        # the anchor is still the previous period's (for fragments=1, the previous outer step's).
-        period_in_flight = any(f.in_flight is not None and f.ends_period for f in self.fragments)
+        back_to = max(self._anchor_offsets())  # relative to the current period's start
         for fragment in self.fragments:
             fragment.drop()  # the in-flight average and the shares belong to the old workers
         self.rebuild_base()
         captured = self.parts.slow_state.captured
-        dropped = pos.inner_step + (tau if period_in_flight and captured else 0)
-        if captured and dropped > 0:
+        dropped = pos.inner_step - back_to
+        # With several fragments the others are off their anchors even when nothing is dropped.
+        if captured and (dropped > 0 or len(self.fragments) > 1):
             self._back_to_anchor(reset=self.config.buffers == "reset")
             pos.num_steps -= dropped
-            pos.inner_step = 0
-            pos.outer_steps -= int(period_in_flight)
+            periods_back = -(back_to // tau)  # a negative offset is in an earlier period
+            pos.inner_step = back_to + periods_back * tau
+            pos.outer_steps -= periods_back
+            who = f"outer step {pos.outer_steps}"
+            who = f"every fragment of {who}" if len(self.fragments) > 1 else who
             what = (
-                f"outer step {pos.outer_steps} restarts from its anchor ({dropped} base steps "
-                f"dropped, num_steps back to {pos.num_steps})"
+                f"{who} restarts from its anchor ({dropped} base steps dropped, num_steps "
+                f"back to {pos.num_steps})"
             )
         elif old != pos.world:
             what = f"continuing at step {pos.num_steps} (inner step {pos.inner_step})"
@@ -224,6 +236,22 @@ class OuterLoop:
                 "The learning rate is yours: rescale it in a reset callback if it depends on "
                 "the number of workers"
             )
+
+    def _anchor_offsets(self) -> list[int]:
+        """Per fragment, the boundary whose outer step last landed into its anchor, as an
+        offset from the current period's start (``num_steps - inner_step``; negative: an
+        earlier period), or the first step of training when none has landed."""
+        pos, tau = self.position, self.config.tau
+        start = pos.num_steps - pos.inner_step
+        out = []
+        for f in self.fragments:
+            # The boundary that ends the period is the period's start (inner step 0).
+            b = 0 if f.ends_period else f.boundary
+            latest = b if b <= pos.inner_step else b - tau
+            if f.in_flight is not None:
+                latest -= tau  # started, not landed: the anchor is the boundary before
+            out.append(max(latest, -start))
+        return out
 
     def check_progress(self) -> None:
         """Read the progress probe of an outer step in flight (before :func:`finish`'s own

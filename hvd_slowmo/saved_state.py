@@ -11,6 +11,7 @@ from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .config import saved_config_changes
 from .outer_step import OuterLoop
+from .progress import outer_step_note
 from .slow_state import SlowState
 from .state_format import STATE_FORMAT, check_saved_state
 
@@ -50,13 +51,23 @@ class SavedState:
         outer step in flight, the exchange's own state (a codec's residual), the base
         algorithm's own state and the configuration (layout: :mod:`hvd_slowmo.state_format`).
         Tensors are references, as in torch's own ``state_dict``; ``torch.save`` copies them."""
+        try:
+            outer = self.outer.state_dict()  # waits for an average in flight: collective
+        except Exception as e:
+            # A dead or frozen peer surfaces here when the checkpoint comes before the landing:
+            # say where, as step() does, without changing the type.
+            o = self.outer
+            pos, name = o.position, o.config.base_name
+            note = outer_step_note(e, o.comm, pos.outer_steps, pos.num_steps, name)
+            e.add_note(f"{note} (in state_dict, finishing the average in flight)")
+            raise
         return {
             "format": STATE_FORMAT,
             "base_optimizer": self.optimizer.state_dict(),
             "slowmo": {
                 "config": self._settings(),
                 "num_params": len(self.params),
-                **self.outer.state_dict(),
+                **outer,
                 "slow_state": self.slow_state.state_dict(),
                 "base_algorithm": self.base.state_dict(),
             },

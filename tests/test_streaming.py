@@ -457,9 +457,11 @@ def test_flush_and_a_change_of_workers_with_a_fragment_in_flight():
         anchor = [a.clone() for a in opt.slow_state.anchor]
         opt.adopt_world("a test")
         assert opt.outer.in_flight is None and opt.outer.eager_shares is None
-        assert (opt.num_steps, opt.inner_step) == (0, 0)
+        # Back to fragment 0's boundary at 2, the last that landed (its anchor holds steps
+        # 1..2: going back to 0 would count them twice); every fragment at its anchor.
+        assert (opt.num_steps, opt.inner_step) == (2, 2)
         assert all(torch.equal(p, a) for p, a in zip(params_of(model), anchor))
-        train(opt, model, comm.rank, 0, 12)  # and it trains on
+        train(opt, model, comm.rank, 2, 12)  # and it trains on
         return params_of(model)
 
     with warnings.catch_warnings():

@@ -1,0 +1,107 @@
+"""Worker of the fault matrix (tests/test_fault_matrix.py): two ranks train the tiny reference
+model with one configuration, rank 1 suffers one fault (tests/fault_injection.py), rank 0
+saves an atomic checkpoint every 4 steps.
+
+Usage: matrix_worker.py OUT_DIR ENGINE CONFIG FAULT
+  ENGINE: horovod (under horovodrun, Gloo or MPI) or torchdist (under torchrun, Gloo).
+  CONFIG: plain | overlap2 | frag4 | int8 (see CONFIGS; each has the phase it is faulted in).
+  FAULT:  kill | freeze | raise | late_join.
+Each rank writes OUT_DIR/result.RANK.json: {"error": type or None, "message": str with the
+notes, "num_steps", "anchor": the anchor's values}; rank 1 writes OUT_DIR/fault.json when the
+fault fires. A rank that caught an error ends with os._exit(1) (a collective may still be in
+flight underneath: a normal exit could wait for the dead or frozen peer).
+"""
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hvd_slowmo
+from hvd_slowmo.checkpoint import save_checkpoint
+
+from fault_injection import Fault
+from reference import loss_at
+
+STEPS = 16
+FAULT_STEP = 5
+FAULTY = 1
+#: options and the phase in which the fault is injected
+CONFIGS = {
+    "plain": ({"tau": 4}, "before_start"),
+    "overlap2": ({"tau": 4, "overlap": 2}, "in_flight"),
+    "frag4": ({"tau": 8, "fragments": 4, "overlap": 1, "eager": "local"}, "landing"),
+    "int8": ({"tau": 4, "compression": "int8", "error_feedback": True}, "compressed"),
+}
+TIMEOUT = float(os.environ.get("FAULT_MATRIX_ENGINE_TIMEOUT", "10"))
+
+
+def make_model() -> nn.Module:
+    """Four layers (fragments=4 needs one per fragment), seeded: the same on every rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                         nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))  # fmt: skip
+
+
+def init(engine: str, delay: float) -> tuple[int, int]:
+    time.sleep(delay)  # a late joiner: the others wait in the rendezvous
+    if engine == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        return hvd.rank(), hvd.size()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def train(out: str, rank: int, config: str, fault: Fault) -> dict:
+    options, _ = CONFIGS[config]
+    model = make_model()
+    opt = hvd_slowmo.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        **{"slow_momentum": 0.5, **options},
+    )
+    fault.arm(opt, rank, FAULTY)
+    for k in range(STEPS):
+        fault.before_step(opt)
+        opt.zero_grad()
+        loss_at(model, rank, k).backward()
+        opt.step()
+        if (k + 1) % 4 == 0:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}  # collective
+            if rank == 0:
+                save_checkpoint(state, os.path.join(out, "ckpt.pt"))
+    opt.flush()
+    return {"num_steps": opt.num_steps, "anchor": [a.tolist() for a in opt.slow_state.anchor]}
+
+
+def main() -> None:
+    out, engine, config, action = sys.argv[1:5]
+    fault = Fault(action, step=FAULT_STEP, phase=CONFIGS[config][1],
+                  record=os.path.join(out, "fault.json"))  # fmt: skip
+    env_rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
+    rank, _ = init(engine, fault.join_delay(env_rank, FAULTY))
+    result: dict = {"error": None, "message": ""}
+    try:
+        result.update(train(out, rank, config, fault))
+    except Exception as e:  # every fault surfaces as some exception type: record it
+        result = {"error": type(e).__name__,
+                  "message": "\n".join([str(e), *getattr(e, "__notes__", [])])}  # fmt: skip
+    result["t"] = time.time()
+    with open(os.path.join(out, f"result.{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    if result["error"] is not None:
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()
