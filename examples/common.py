@@ -33,7 +33,7 @@ from launch import Job, init_job
 from run_log import PROGRESS_MARK, event_line
 
 import hvd_slowmo
-from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
+from slowmo_lab.metrics import CONFIG_FILE, TrainingMonitor
 
 __all__ = [
     "ALGOS",
@@ -230,7 +230,7 @@ def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")
-        # The local ranks share the cores: a share each. Emulated hosts (hvd_slowmo.tools.netns)
+        # The local ranks share the cores: a share each. Emulated hosts (slowmo_lab.netns)
         # share them too but each sees local_size 1; their launcher sets OMP_NUM_THREADS (torch
         # read it at import), which is kept: two threads per worker spin against each other.
         if "OMP_NUM_THREADS" not in os.environ:
@@ -1063,7 +1063,7 @@ def train_classifier(
 def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """An example's command line, plus ``--plan FILE``: a JSON list of argument lists, each
     trained in turn inside this one launch after the other arguments (so a launcher pays
-    ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.tools.sweep).
+    ``horovodrun``'s start-up once for many runs: examples/compare.py and slowmo_lab.sweep).
 
     Args:
         main: the example's ``main(argv)``.

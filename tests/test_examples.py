@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hvd_slowmo
-from hvd_slowmo.tools import report, sweep
+from slowmo_lab import report, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -1,18 +1,18 @@
 """The paper's tuning and ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendices B-C):
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
 best setting per algorithm: the best mean over seeds among the settings where no seed fails
-(:func:`hvd_slowmo.tools.report.seed_failures`: a seed that diverges, falls back from its best,
+(:func:`slowmo_lab.report.seed_failures`: a seed that diverges, falls back from its best,
 or ends far below its siblings rejects its setting).
 
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau \\
+    python -m slowmo_lab.sweep examples/digits.py --ablation tau \\
         --np 4    # tau in {12, 24, 48, 96}
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta \\
+    python -m slowmo_lab.sweep examples/digits.py --ablation alpha-beta \\
         --dry-run    # commands only
-    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp \\
+    python -m slowmo_lab.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp \\
         --seeds 100,101 --one-launch -- --validation  # the base lr from the paper's grid, SGP alone
-    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
+    python -m slowmo_lab.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
         --seeds 100,101 --one-launch -- --validation   # then beta in {0.4, ..., 0.8} at that lr
-    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
+    python -m slowmo_lab.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
         --slow-momentums 0.5,0.7 --baseline -- --data data --epochs 50   # after "--": every run
 
 The paper's protocol for a fair comparison (its Appendix B): tune the base learning rate per
@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..bases import BASES
+from hvd_slowmo import BASES
 
 __all__ = [
     "ABLATIONS",
@@ -313,7 +313,7 @@ def _run(cmd: list[str], timeout: float | None) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hvd_slowmo.tools.sweep",
+        prog="python -m slowmo_lab.sweep",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
