@@ -84,18 +84,105 @@ def run(args) -> None:
 
     for cell in args.cells.split(","):
         w, t = (int(v) for v in cell.split("x"))
-        tuned = {}
-        for b in BETA_GRID:
+        tuned: dict[float, float] = {}
+        for b in [] if args.beta is not None else BETA_GRID:
             rows = [get(w, t, "slowmo", s, b) for s in TUNING_SEEDS]
             if not _fails(rows):
                 tuned[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
-        beta = max(tuned, key=tuned.get) if tuned else None
+        beta = args.beta if args.beta is not None else max(tuned, key=tuned.get, default=None)
         print(f"cell {cell}: beta chosen {beta} from {tuned}", flush=True)
         for s in range(args.seeds):
             get(w, 12, "allreduce", s)  # AR-SGD does not depend on tau: one run per worker count
             get(w, t, "localsgd", s)
             if beta is not None:
                 get(w, t, "slowmo", s, beta)
+
+
+def _mean_std(v: list[float]) -> str:
+    if not v:
+        return "-"
+    m = sum(v) / len(v)
+    sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+    return f"{m:.2f} ± {sd:.2f}"
+
+
+def _paired(a: list[float], b: list[float]) -> str:
+    """Paired t-test of a - b over seeds: "t = .., p = .." (scipy), or why not."""
+    if len(a) < 2:
+        return "n < 2"
+    from scipy.stats import ttest_rel
+
+    res = ttest_rel(a, b)
+    return f"t = {res.statistic:.2f}, p = {res.pvalue:.3f}"
+
+
+def cells_table(rows: list[dict]) -> tuple[str, dict]:
+    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+    test = [r for r in rows if r["split"] == "test"]
+    by = {}
+    for r in test:
+        by.setdefault((r["workers"], r["tau"], r["method"]), {})[r["seed"]] = r
+    head = (
+        "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
+        "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|\n"
+    )
+    lines, change = [], {}
+    for w, t in sorted({(r["workers"], r["tau"]) for r in test if r["method"] != "allreduce"}):
+        ar, lo, sm = by.get((w, 12, "allreduce"), {}), by.get((w, t, "localsgd"), {}), {}
+        sm = by.get((w, t, "slowmo"), {})
+        seeds = sorted(set(ar) & set(lo) & set(sm))
+        if not seeds:
+            continue
+        acc = {
+            k: [d[s]["val_accuracy"] for s in seeds]
+            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        }
+        loss = {
+            k: [d[s]["train_full_loss"] for s in seeds]
+            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        }
+        diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
+        change[(w, t)] = sum(diff) / len(diff)
+        gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
+        beta = sm[seeds[0]]["beta"]
+        lines.append(
+            f"| {w} | {t} | {len(seeds)} | {_mean_std(acc['ar'])} | {_mean_std(acc['lo'])} | "
+            f"{_mean_std(acc['sm'])} ({beta}) | {sum(gap) / len(gap):+.2f} "
+            f"({_paired(acc['lo'], acc['ar'])}) | {change[(w, t)]:+.2f} "
+            f"({_paired(acc['sm'], acc['lo'])}) | "
+            + " / ".join(f"{sum(v) / len(v):.3f}" for v in loss.values())
+            + " |"
+        )
+    return head + "\n".join(lines), change
+
+
+def heat_map(change: dict, png: str) -> None:
+    """SlowMo's mean change (points) per cell; cells without test runs are marked not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    taus, workers = [12, 24, 48, 96], [4, 8, 16]
+    grid = np.full((len(workers), len(taus)), np.nan)
+    for (w, t), v in change.items():
+        grid[workers.index(w), taus.index(t)] = v
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    lim = max(1.0, float(np.nanmax(np.abs(grid)))) if change else 1.0
+    im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim)
+    for i in range(len(workers)):
+        for j in range(len(taus)):
+            v = grid[i, j]
+            ax.text(j, i, "not run" if np.isnan(v) else f"{v:+.1f}", ha="center", va="center")
+    ax.set_xticks(range(len(taus)), [str(t) for t in taus])
+    ax.set_yticks(range(len(workers)), [str(w) for w in workers])
+    ax.set_xlabel("tau")
+    ax.set_ylabel("workers")
+    ax.set_title("MNIST-1D test acc.: Local SGD + SlowMo minus Local SGD (points)")
+    fig.colorbar(im)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -108,9 +195,23 @@ def main(argv=None) -> int:
     r.add_argument("--epoch-steps", type=int, default=36)
     r.add_argument("--epochs", type=int, default=16)
     r.add_argument("--logdir", default="runs/regime")
+    r.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="skip the per-cell tuning and use this beta everywhere (a shortcut: say so)",
+    )
+    rep = sub.add_parser("report")
+    rep.add_argument("jsonl")
+    rep.add_argument("--png", default=None)
     args = p.parse_args(argv)
     if args.cmd == "run":
         run(args)
+        return 0
+    table, change = cells_table(_done(args.jsonl))
+    print(table)
+    if args.png:
+        heat_map(change, args.png)
     return 0
 
 
