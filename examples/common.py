@@ -296,6 +296,8 @@ def build_optimizer(
             kwargs.update(buffers="maintain", average=args.algo == "allreduce")
     elif args.algo == "allreduce" and args.buffers == "average":
         kwargs.update(buffers="maintain")  # identical on every worker already
+    if args.slowmo and getattr(args, "outer_optimizer", "heavyball") != "heavyball":
+        kwargs.update(outer_optimizer=args.outer_optimizer)  # e.g. DiLoCo's Nesterov
     if communicator is not None:
         kwargs.update(communicator=communicator)
     return hvd_slowmo.DistributedOptimizer(
@@ -465,6 +467,8 @@ def autocast(args: argparse.Namespace, device: torch.device) -> Any:
         device: the training device.
     """
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    if getattr(args, "amp_dtype", "auto") == "bf16":
+        dtype = torch.bfloat16  # no loss scaling needed (see make_scaler)
     return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
 
 
@@ -475,7 +479,8 @@ def make_scaler(args: argparse.Namespace, device: torch.device) -> torch.amp.Gra
         args: the parsed flags.
         device: the training device.
     """
-    return torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
+    fp16 = args.amp and device.type == "cuda" and getattr(args, "amp_dtype", "auto") != "bf16"
+    return torch.amp.GradScaler("cuda") if fp16 else None
 
 
 def backward_and_step(

@@ -8,6 +8,7 @@ their event files back.
 """
 
 import json
+import math
 import os
 import random
 import re
@@ -663,3 +664,24 @@ def test_sweep_worker_counts_and_baselines_at_every_tau(capsys):
 def test_sweep_rejects_bad_worker_counts(argv, match):
     with pytest.raises(ValueError, match=match):
         sweep.main(argv + ["--dry-run", "--launcher", "threads"])
+
+
+def test_char_lm_runs_a_few_steps_on_cpu(tmp_path):
+    # A tiny byte-level transformer on the stdlib corpus, 2 thread workers, Local AdamW +
+    # SlowMo with DiLoCo's outer Nesterov: 12 steps, a finite validation loss below the uniform
+    # model's ln 256, and the corpus named and fingerprinted.
+    import char_lm
+
+    out = tmp_path / "lm.json"
+    argv = ["--threads", "2", "--algo", "localsgd", "--slowmo", "--tau", "4", "--slow-lr", "0.7"]
+    argv += ["--slow-momentum", "0.9", "--outer-optimizer", "nesterov", "--width", "32"]
+    argv += ["--layers", "1", "--heads", "2", "--context", "32", "--steps-per-epoch", "6"]
+    argv += ["--epochs", "2", "--val-batches", "1", "--no-progress", "--device", "cpu"]
+    argv += ["--logdir", str(tmp_path), "--summary-json", str(out)]
+    assert common.run_cli(char_lm.main, argv) == 0
+    s = json.loads(out.read_text())
+    assert s["steps"] == 12 and s["outer_steps"] == 3 and s["outer_optimizer"] == "nesterov"
+    assert 0 < s["val_loss"] < math.log(256)
+    assert s["corpus"].startswith("CPython 3.") and len(s["corpus_sha256"]) == 64
+    default = char_lm.ByteLM(192, 4, 4, 128)
+    assert 1_000_000 <= sum(p.numel() for p in default.parameters()) <= 5_000_000
