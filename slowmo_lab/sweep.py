@@ -415,10 +415,15 @@ def _grid(args: argparse.Namespace) -> dict[str, list[Any]]:
 
 
 def _one_launch(
-    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+    args: argparse.Namespace,
+    launch: list[str],
+    points: list,
+    logdir: str,
+    extra: list[str],
+    launch_flags: Sequence[str] = (),
 ) -> tuple[int, int] | None:
     """Every run inside one launch (the script's --plan); (failed, launches), or None after a
-    dry run."""
+    dry run. ``launch_flags`` (e.g. ``--threads M``) go on the launch's own command line."""
     head = launch + [
         sys.executable,
         args.script,
@@ -427,6 +432,7 @@ def _one_launch(
         "--logdir",
         logdir,
         "--no-progress",
+        *launch_flags,
     ]
     plan = [point_args(args.algo, p) + list(extra) for p in points]
     if args.dry_run:
@@ -448,10 +454,17 @@ def _one_launch(
 
 
 def _launch_each(
-    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+    args: argparse.Namespace,
+    launch: list[str],
+    points: list,
+    logdir: str,
+    extra: list[str],
+    launch_flags: Sequence[str] = (),
 ) -> tuple[int, int] | None:
     """One launch per run; (failed, launches), or None after a dry run."""
-    cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
+    cmds = sweep_commands(
+        args.script, launch, args.algo, points, logdir, list(launch_flags) + list(extra)
+    )
     if args.dry_run:
         for cmd in cmds:
             print(shlex.join(cmd))
@@ -516,7 +529,7 @@ def _run_counts(
         points = sweep_points(grid, args.baseline, seeds, args.allreduce)
         if len(workers) > 1:  # run names say the worker count
             points = [dict(p, workers=m) for p in points]
-        outcome = run(args, launch, points, logdir, more + extra)
+        outcome = run(args, launch, points, logdir, extra, more)
         if outcome is not None:
             failed, total = failed + outcome[0], total + outcome[1]
     return failed, total

@@ -685,3 +685,12 @@ def test_char_lm_runs_a_few_steps_on_cpu(tmp_path):
     assert s["corpus"].startswith("CPython 3.") and len(s["corpus_sha256"]) == 64
     default = char_lm.ByteLM(192, 4, 4, 128)
     assert 1_000_000 <= sum(p.numel() for p in default.parameters()) <= 5_000_000
+
+
+def test_sweep_one_launch_puts_threads_on_the_launch_line(capsys):
+    argv = ["x.py", "--taus", "12", "--workers", "2,3", "--launcher", "threads", "--one-launch"]
+    assert sweep.main(argv + ["--epoch-steps", "4", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    heads = [shlex.split(line) for line in lines[0::2]]  # a launch line, then its plan
+    assert [h[h.index("--threads") + 1] for h in heads] == ["2", "3"]
+    assert all(h[h.index("--epoch-steps") + 1] == "4" and h[-2] == "--plan" for h in heads)
