@@ -13,7 +13,7 @@ setup(
     description="SlowMo (Slow Momentum) training for PyTorch over Horovod or torch.distributed",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*"]),
+    packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*", "slowmo_lab", "slowmo_lab.*"]),
     python_requires=">=3.11",  # the only version tested
     install_requires=["torch>=2.1"],
     extras_require={
@@ -37,8 +37,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "hvd-slowmo-report=hvd_slowmo.tools.report:main",
-            "hvd-slowmo-sweep=hvd_slowmo.tools.sweep:main",
+            "hvd-slowmo-report=slowmo_lab.report:main",
+            "hvd-slowmo-sweep=slowmo_lab.sweep:main",
         ]
     },
     license="Apache-2.0",

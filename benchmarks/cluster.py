@@ -51,7 +51,7 @@ from cluster_report import (
 from cluster_stats import summarize
 
 # The emulated hosts (namespaces, links, shaping, the workers' launch) live in the library.
-from hvd_slowmo.tools.netns import (
+from slowmo_lab.netns import (
     Cluster,
     ClusterPlan,
     Host,

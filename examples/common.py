@@ -7,6 +7,7 @@ path). Paper: arXiv 1910.00643.
 """
 
 import argparse
+import functools
 import glob
 import json
 import math
@@ -27,13 +28,13 @@ from torch.utils.data.distributed import DistributedSampler
 # Run from a checkout without installing: the package sits one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch import Job, init_job
+from launch import Job, ThreadJob, init_job, run_in_threads
 
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line, parse_event
 
 import hvd_slowmo
-from hvd_slowmo.tools.metrics import CONFIG_FILE, TrainingMonitor
+from slowmo_lab.metrics import CONFIG_FILE, TrainingMonitor
 
 __all__ = [
     "ALGOS",
@@ -163,6 +164,15 @@ def add_common_args(
     t.add_argument("--lr", type=float, default=lr)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=0,
+        help="steps per epoch whatever tau is (equal steps and samples across settings; an "
+        "epoch, and the run, may then end inside an outer step: evaluated on the workers' "
+        "average). 0: the multiple of tau closest to one pass over the data (in-memory "
+        "examples)",
+    )
+    t.add_argument(
         "--max-steps",
         type=int,
         default=0,
@@ -240,11 +250,13 @@ def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")
-        # The local ranks share the cores: a share each. Emulated hosts (hvd_slowmo.tools.netns)
+        # The local ranks share the cores: a share each. Emulated hosts (slowmo_lab.netns)
         # share them too but each sees local_size 1; their launcher sets OMP_NUM_THREADS (torch
         # read it at import), which is kept: two threads per worker spin against each other.
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(hvd.local_size(), 1)))
+    if isinstance(hvd, ThreadJob):
+        hvd.seed_turn()  # the threads share torch's generator: one at a time until the broadcast
     # Same seed everywhere: identical initial models (broadcast below makes sure anyway).
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -252,7 +264,10 @@ def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
 
 
 def build_optimizer(
-    base_optimizer: torch.optim.Optimizer, model: torch.nn.Module, args: argparse.Namespace
+    base_optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    communicator: Any = None,
 ) -> hvd_slowmo.DistributedOptimizer:
     """Wrap ``base_optimizer`` as the algorithm the flags name.
 
@@ -263,6 +278,8 @@ def build_optimizer(
         base_optimizer: SGD/Adam over ``model.parameters()``.
         model: the model (its buffers, e.g. BatchNorm statistics, are averaged with the parameters).
         args: the parsed flags.
+        communicator: the workers' communicator (None: the launcher's engine, chosen by the
+            optimizer; a :class:`launch.ThreadJob` passes its thread communicator).
     """
     if args.algo not in hvd_slowmo.BASES:
         raise ValueError(
@@ -289,6 +306,10 @@ def build_optimizer(
             kwargs.update(buffers="maintain", average=args.algo == "allreduce")
     elif args.algo == "allreduce" and args.buffers == "average":
         kwargs.update(buffers="maintain")  # identical on every worker already
+    if args.slowmo and getattr(args, "outer_optimizer", "heavyball") != "heavyball":
+        kwargs.update(outer_optimizer=args.outer_optimizer)  # e.g. DiLoCo's Nesterov
+    if communicator is not None:
+        kwargs.update(communicator=communicator)
     return hvd_slowmo.DistributedOptimizer(
         base_optimizer,
         named_parameters=model.named_parameters(),
@@ -444,6 +465,8 @@ def autocast(args: argparse.Namespace, device: torch.device) -> Any:
         device: the training device.
     """
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    if getattr(args, "amp_dtype", "auto") == "bf16":
+        dtype = torch.bfloat16  # no loss scaling needed (see make_scaler)
     return torch.autocast(device.type, dtype=dtype, enabled=args.amp)
 
 
@@ -454,7 +477,8 @@ def make_scaler(args: argparse.Namespace, device: torch.device) -> torch.amp.Gra
         args: the parsed flags.
         device: the training device.
     """
-    return torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
+    fp16 = args.amp and device.type == "cuda" and getattr(args, "amp_dtype", "auto") != "bf16"
+    return torch.amp.GradScaler("cuda") if fp16 else None
 
 
 def backward_and_step(
@@ -661,6 +685,9 @@ class OuterStepEpochs:
             ends epochs inside an outer step).
         pass_examples: size the epochs for a pass over this many examples instead (e.g. the
             full training set, when a validation split was held out of it: same steps per epoch).
+        epoch_steps: steps per epoch whatever ``tau`` is (0: the multiple of ``tau`` closest to
+            a pass): settings at different ``tau`` then train the same steps on the same
+            samples, and an epoch may end inside an outer step.
 
     Raises:
         ValueError: a worker's share of the data is smaller than one batch.
@@ -676,7 +703,12 @@ class OuterStepEpochs:
         tau: int,
         max_steps: int = 0,
         pass_examples: int | None = None,
+        epoch_steps: int = 0,
     ) -> None:
+        if isinstance(epoch_steps, bool) or not isinstance(epoch_steps, int) or epoch_steps < 0:
+            raise ValueError(
+                f"--epoch-steps must be an integer >= 0 (0: a multiple of tau), got {epoch_steps!r}"
+            )
         self.per_worker = num_examples // size
         if batch_size < 1 or self.per_worker < batch_size:
             raise ValueError(
@@ -687,7 +719,7 @@ class OuterStepEpochs:
         self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
         self.rank, self.size = rank, size
         pass_steps = (pass_examples or num_examples) // size / batch_size
-        steps = tau * max(1, round(pass_steps / tau))
+        steps = epoch_steps or tau * max(1, round(pass_steps / tau))
         self.steps_per_epoch = min(steps, max_steps) if max_steps > 0 else steps
 
     def _pass(self, k: int) -> Tensor:
@@ -870,7 +902,11 @@ def train(
     """
     t_start = time.perf_counter()
     rank, size = hvd.rank(), hvd.size()
-    opt = build_optimizer(base_optimizer, model, args)
+    threads = None
+    if isinstance(hvd, ThreadJob):
+        hvd.end_turn()  # the model is built; the optimizer's checks are collective
+        threads = hvd.comm
+    opt = build_optimizer(base_optimizer, model, args, communicator=threads)
     sched = torch.optim.lr_scheduler.LambdaLR(base_optimizer, lr_factor)
     scaler = make_scaler(args, device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -1003,13 +1039,26 @@ def train_classifier(
     if in_memory:
         xs, ys = train_set.tensors  # type: ignore[attr-defined]
         epochs = OuterStepEpochs(
-            len(ys), args.batch_size, rank, size, args.seed, args.tau, args.max_steps, pass_examples
+            len(ys),
+            args.batch_size,
+            rank,
+            size,
+            args.seed,
+            args.tau,
+            args.max_steps,
+            pass_examples,
+            getattr(args, "epoch_steps", 0),
         )
         steps_per_epoch = epochs.steps_per_epoch
 
         def batches(epoch: int) -> Iterable[Any]:
             return ((xs[i], ys[i]) for i in epochs.epoch(epoch))
     else:
+        if getattr(args, "epoch_steps", 0):
+            raise ValueError(
+                f"--epoch-steps {args.epoch_steps}: only the in-memory examples round epochs to "
+                "tau; this one takes one pass per epoch whatever tau is (use --max-steps)"
+            )
         workers = 0 if getattr(args, "synthetic", True) else args.workers
         sampler = DistributedSampler(
             train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed
@@ -1069,7 +1118,10 @@ def train_classifier(
 def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """An example's command line, plus ``--plan FILE``: a JSON list of argument lists, each
     trained in turn inside this one launch after the other arguments (so a launcher pays
-    ``horovodrun``'s start-up once for many runs: examples/compare.py and hvd_slowmo.tools.sweep).
+    ``horovodrun``'s start-up once for many runs: examples/compare.py and slowmo_lab.sweep),
+    and ``--threads M``: every run on M thread workers of this one process, no launcher
+    (:func:`launch.run_in_threads`; cheap for small models, e.g. ``slowmo_lab.sweep
+    --launcher threads``).
 
     Args:
         main: the example's ``main(argv)``.
@@ -1080,9 +1132,21 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plan", default=None)
+    pre.add_argument("--threads", type=int, default=0)
     known, rest = pre.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if known.threads < 0:
+        raise ValueError(
+            f"--threads must be >= 0 (0: the launcher's processes), got {known.threads}"
+        )
+
+    def run(args: list[str]) -> None:
+        if known.threads:
+            run_in_threads(known.threads, functools.partial(main, args))
+        else:
+            main(args)
+
     if known.plan is None:
-        main(rest)
+        run(rest)
         return 0
     with open(known.plan, encoding="utf-8") as f:
         plan = json.load(f)
@@ -1094,5 +1158,5 @@ def run_cli(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None)
             '[["--seed", "0"], ["--seed", "1"]]'
         )
     for entry in plan:
-        main(rest + entry)
+        run(rest + entry)
     return 0

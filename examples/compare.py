@@ -9,12 +9,12 @@ tables as mean ± std over seeds, and a figure.
     python examples/compare.py --algos localsgd,localsgd-slowmo --seeds 0,1 --epochs 10
     python examples/compare.py --network 100mbit   # as root: 4 emulated hosts, time to accuracy
 
-``--network RATE[,DELAY]`` runs every worker in its own emulated host (hvd_slowmo.tools.netns:
+``--network RATE[,DELAY]`` runs every worker in its own emulated host (slowmo_lab.netns:
 a network namespace with a veth to a bridge, the link limited to RATE both ways with ``tc tbf``,
 DELAY added with ``netem`` where the kernel has it) and adds Local SGD + SlowMo with
 ``overlap=1`` (``localsgd-slowmo-overlap1``); it prints the time to accuracy: the training
 seconds each method's averaged model needs to first reach 85%, 90% and the best method's final
-accuracy minus one point (hvd_slowmo.tools.time_to_accuracy), and the figure plots accuracy
+accuracy minus one point (slowmo_lab.time_to_accuracy), and the figure plots accuracy
 against those seconds.
 
 Every run of one worker count trains inside a single launch (the training script's ``--plan``:
@@ -55,16 +55,16 @@ import mnist1d_cnn  # noqa: E402
 from common import ALGOS, parse_event  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
-from hvd_slowmo.tools import report  # noqa: E402
-from hvd_slowmo.tools import time_to_accuracy as tta  # noqa: E402
-from hvd_slowmo.tools.netns import (  # noqa: E402
+from slowmo_lab import report  # noqa: E402
+from slowmo_lab import time_to_accuracy as tta  # noqa: E402
+from slowmo_lab.netns import (  # noqa: E402
     Cluster,
     missing_requirements,
     netem_available,
     parse_network,
     plan_cluster,
 )
-from hvd_slowmo.tools.sweep import LAUNCHERS, launch_command, resolve_launcher  # noqa: E402
+from slowmo_lab.sweep import LAUNCHERS, launch_command, resolve_launcher  # noqa: E402
 
 DEFAULT_ALGOS = "allreduce,localsgd,localsgd-slowmo,sgp,sgp-slowmo"
 FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
@@ -333,7 +333,7 @@ def launch_network(
     (its own network namespace and shaped link), Horovod over Gloo.
 
     Args:
-        cluster: a built :class:`hvd_slowmo.tools.netns.Cluster`.
+        cluster: a built :class:`slowmo_lab.netns.Cluster`.
         script: the training script.
         plan: one argument list per run.
         common_flags: flags for every run.
@@ -661,7 +661,7 @@ def _print_reports(
             png or os.path.join(logdir, "compare.png"),
             extra_panel=tta.seconds_panel if seconds else None,
         )
-        print(f"\nFigure: {png}   (per-run details: python -m hvd_slowmo.tools.report {logdir})")
+        print(f"\nFigure: {png}   (per-run details: python -m slowmo_lab.report {logdir})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ optimizer picks the same engine by itself (``DistributedOptimizer(engine="auto")
 """
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.factory import default_communicator
 
-__all__ = ["LAUNCHERS", "Job", "detect_launcher", "init_job"]
+__all__ = ["LAUNCHERS", "Job", "ThreadJob", "detect_launcher", "init_job", "run_in_threads"]
 
 #: What :func:`detect_launcher` can answer.
 LAUNCHERS = ("horovodrun", "torchrun", "none")
@@ -127,14 +128,125 @@ class Job:
         return out
 
 
+class ThreadJob(Job):
+    """One worker of an in-process job: ``size`` threads of this process over the library's
+    thread communicator (:func:`run_in_threads`; the examples' ``--threads M``). No launcher, no
+    sockets: the cheapest way to train many small runs on one machine (sweeps, the regime map).
+
+    PyTorch's default generator is shared by the threads, so whatever a worker draws from it
+    between :meth:`seed_turn` and its first :meth:`broadcast_parameters` (the model's
+    initialization) is drawn with the job's turnstile held: one worker at a time, in rank order,
+    each after its own ``manual_seed``; a run is then reproducible bit for bit.
+
+    Args:
+        comm: this worker's thread communicator.
+        turnstile: shared by the job's workers (from :func:`run_in_threads`).
+    """
+
+    def __init__(self, comm: Communicator, turnstile: "_Turnstile") -> None:
+        self.engine = "threads"
+        self.comm = comm
+        self._hvd = None
+        self._turnstile = turnstile
+        self._holding = False
+
+    def local_rank(self) -> int:
+        return 0  # one device for the whole process (threads share it)
+
+    def local_size(self) -> int:
+        return self.comm.size  # the threads share the cores
+
+    def seed_turn(self) -> None:
+        """Wait for this worker's turn (rank order) to use the shared generator."""
+        if not self._holding:
+            self._turnstile.enter(self.comm.rank)
+            self._holding = True
+
+    def end_turn(self) -> None:
+        """Let the next worker (rank order) use the shared generator."""
+        if self._holding:
+            self._holding = False
+            self._turnstile.leave(self.comm.rank)
+
+    def broadcast_parameters(self, state: Mapping[str, torch.Tensor], root_rank: int = 0) -> None:
+        self.end_turn()  # before the collective: the next worker can build its model
+        sent = None
+        if self.comm.rank == root_rank:
+            sent = {k: v.detach().clone() for k, v in state.items()}
+        received = self.comm.broadcast_object(sent, root_rank)
+        with torch.no_grad():
+            for k, v in state.items():
+                v.copy_(received[k])
+
+    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        if op != self.Sum:
+            raise ValueError(f"Job.allreduce: op must be Job.Sum, got {op!r}")
+        parts = self.comm.allgather_object(tensor.detach().clone())
+        total = parts[0].clone()
+        for t in parts[1:]:  # rank order on every worker: the same bits everywhere
+            total += t
+        return total
+
+
+class _Turnstile:
+    """Lets the workers of a :class:`ThreadJob` through one at a time, in rank order."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+
+    def enter(self, rank: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._next == rank)
+
+    def leave(self, rank: int) -> None:
+        with self._cv:
+            self._next = rank + 1
+            self._cv.notify_all()
+
+
+_THREAD = threading.local()
+
+
+def run_in_threads(size: int, fn: Callable[[], Any], timeout: float = 3600.0) -> list[Any]:
+    """Run ``fn()`` on ``size`` thread workers of this process; inside, :func:`init_job` returns
+    each thread's :class:`ThreadJob`. Returns the workers' results in rank order.
+
+    Args:
+        size: the number of workers (>= 1).
+        fn: the training run (e.g. an example's ``main`` with its arguments bound).
+        timeout: seconds a worker waits in a collective before the run fails (a loaded machine
+            is slow: generous by default).
+    """
+    from hvd_slowmo.comm.local import run_threads
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"threads must be an integer >= 1, got {size!r}")
+    turnstile = _Turnstile()
+
+    def worker(comm: Communicator) -> Any:
+        _THREAD.job = ThreadJob(comm, turnstile)
+        try:
+            return fn()
+        finally:
+            _THREAD.job.end_turn()  # a run that failed before its broadcast lets the rest on
+            _THREAD.job = None
+
+    return run_threads(size, worker, timeout=timeout)
+
+
 def init_job() -> Job:
-    """Initialize the engine of this process's launcher and return the :class:`Job`.
+    """Initialize the engine of this process's launcher and return the :class:`Job`
+    (inside :func:`run_in_threads`: this thread's :class:`ThreadJob`).
 
     Under ``torchrun``: ``init_process_group`` with Gloo for CPU tensors and NCCL for CUDA
     tensors (when a GPU is present). Under ``horovodrun``: ``hvd.init()``. Without a launcher:
     Horovod where it is installed (as before there was a second engine), else a one-process
     torch.distributed group.
     """
+    job = getattr(_THREAD, "job", None)
+    if job is not None:
+        return job
     launcher = detect_launcher()
     if launcher == "none":
         try:

@@ -47,7 +47,7 @@ LR_GRID = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3)
 BETA_GRID = (0.4, 0.5, 0.6, 0.7, 0.8)
 #: The main job's settings per method, chosen with the sweep tool on the validation split
 #: (docs/mnist1d_tuning.md: the commands and every result) with three tuning seeds, among the
-#: settings where no seed fails (hvd_slowmo.tools.report.seed_failures): lr per base without
+#: settings where no seed fails (slowmo_lab.report.seed_failures): lr per base without
 #: SlowMo; SlowMo keeps its base's lr and takes beta from BETA_GRID. The baselines keep their
 #: local momentum ("maintain"); SlowMo resets it at every outer step, as in the paper. OSGP
 #: (--full only) was not tuned separately: it takes SGP's values.

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvd_slowmo.tools import report
+from slowmo_lab import report
 
 from horovod_launch import needs_horovod
 

@@ -9,6 +9,7 @@ their event files back.
 """
 
 import json
+import math
 import os
 import random
 import re
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import hvd_slowmo
-from hvd_slowmo.tools import report, sweep
+from slowmo_lab import report, sweep
 
 from horovod_launch import needs_horovod
 
@@ -289,3 +290,102 @@ def test_gossip_checkpoint_resume_through_the_examples(tmp_path):
     (run,) = report.load_runs([str(tmp_path / "runs")])
     assert [s for s, _ in run.scalars["train/full_loss"]] == [8, 16, 24]
     assert [s for s, _ in run.scalars["train/loss"]][-2:] == [21, 24]
+
+
+def test_epoch_steps_give_equal_work_whatever_tau():
+    # Rounded to tau, a larger tau trains more steps (36, 48, 96 per epoch here); with
+    # --epoch-steps every tau trains the same steps on the same batches.
+    rounded = {
+        t: common.OuterStepEpochs(4000, 32, 0, 4, 0, t).steps_per_epoch for t in (12, 48, 96)
+    }
+    assert rounded == {12: 36, 48: 48, 96: 96}
+    equal = [common.OuterStepEpochs(4000, 32, 0, 4, 0, t, epoch_steps=36) for t in (12, 24, 48, 96)]
+    assert {e.steps_per_epoch for e in equal} == {36}
+    assert all(torch.equal(torch.cat(e.epoch(3)), torch.cat(equal[0].epoch(3))) for e in equal)
+    with pytest.raises(ValueError, match="--epoch-steps must be an integer >= 0"):
+        common.OuterStepEpochs(4000, 32, 0, 4, 0, 12, epoch_steps=-1)
+
+
+def test_thread_workers_train_equal_steps_mid_period_and_reproducibly(tmp_path):
+    # Two thread workers in this process (--threads), 2 epochs of 10 steps at tau 4 and 8: the
+    # same 20 steps; at tau 8 the run stops inside an outer step (20 = 2 x 8 + 4) and the final
+    # evaluation scores the workers' average (a copy), not one worker's model.
+    def run(tau: int, seed: int = 0) -> dict:
+        out = tmp_path / f"s{tau}_{seed}.json"
+        argv = ["--threads", "2", "--algo", "localsgd", "--slowmo", "--tau", str(tau)]
+        argv += ["--epoch-steps", "10", "--epochs", "2", "--no-progress", "--validation"]
+        argv += ["--logdir", str(tmp_path), "--summary-json", str(out), "--seed", str(seed)]
+        assert common.run_cli(mnist1d_cnn.main, argv) == 0
+        return json.loads(out.read_text())
+
+    a, b = run(4), run(8)
+    assert a["steps"] == b["steps"] == 20 and a["workers"] == 2
+    assert a["outer_steps"] == 5 and b["outer_steps"] == 2
+    assert a["evaluated_at_boundary"] and not b["evaluated_at_boundary"]
+    assert run(8)["val_loss"] == b["val_loss"]  # the shared generator is used in turns: same bits
+
+
+def test_sweep_worker_counts_and_baselines_at_every_tau(capsys):
+    argv = ["x.py", "--ablation", "tau", "--taus", "12,48", "--slow-momentums", "0.7"]
+    argv += ["--workers", "4,8", "--launcher", "threads", "--baseline", "--allreduce"]
+    argv += ["--epoch-steps", "36", "--seeds", "0,1", "--dry-run"]
+    assert sweep.main(argv) == 0
+    cmds = [shlex.split(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(cmds) == 2 * 2 * (1 + 2 + 2)  # per count and seed: AR-SGD, base x 2 taus, SlowMo x 2
+    for m in (4, 8):
+        mine = [c for c in cmds if c[c.index("--threads") + 1] == str(m)]
+        names = {c[c.index("--run-name") + 1].split("/")[0] for c in mine}
+        assert names == {
+            f"allreduce_tau12_maintain_w{m}",
+            f"localsgd_tau12_maintain_w{m}",
+            f"localsgd_tau48_maintain_w{m}",
+            f"localsgd-slowmo_tau12_a1_b0.7_reset_w{m}",
+            f"localsgd-slowmo_tau48_a1_b0.7_reset_w{m}",
+        }
+    assert all(c[c.index("--epoch-steps") + 1] == "36" for c in cmds)
+    assert all("horovodrun" not in c[0] and c[1] == "x.py" for c in cmds)  # no launcher
+    ar = [c for c in cmds if "allreduce_tau12" in c[c.index("--run-name") + 1]]
+    assert all(c[len(c) - 1 - c[::-1].index("--algo") + 1] == "allreduce" for c in ar)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["x.py", "--workers", "4,x"], "--workers: 'x' is not a int"),
+        (["x.py", "--workers", "0,4"], "every count must be >= 1"),
+        (["x.py", "--epoch-steps", "-3"], "--epoch-steps must be >= 0"),
+    ],
+)
+def test_sweep_rejects_bad_worker_counts(argv, match):
+    with pytest.raises(ValueError, match=match):
+        sweep.main(argv + ["--dry-run", "--launcher", "threads"])
+
+
+def test_char_lm_runs_a_few_steps_on_cpu(tmp_path):
+    # A tiny byte-level transformer on the stdlib corpus, 2 thread workers, Local AdamW +
+    # SlowMo with DiLoCo's outer Nesterov: 12 steps, a finite validation loss below the uniform
+    # model's ln 256, and the corpus named and fingerprinted.
+    import char_lm
+
+    out = tmp_path / "lm.json"
+    argv = ["--threads", "2", "--algo", "localsgd", "--slowmo", "--tau", "4", "--slow-lr", "0.7"]
+    argv += ["--slow-momentum", "0.9", "--outer-optimizer", "nesterov", "--width", "32"]
+    argv += ["--layers", "1", "--heads", "2", "--context", "32", "--steps-per-epoch", "6"]
+    argv += ["--epochs", "2", "--val-batches", "1", "--no-progress", "--device", "cpu"]
+    argv += ["--logdir", str(tmp_path), "--summary-json", str(out)]
+    assert common.run_cli(char_lm.main, argv) == 0
+    s = json.loads(out.read_text())
+    assert s["steps"] == 12 and s["outer_steps"] == 3 and s["outer_optimizer"] == "nesterov"
+    assert 0 < s["val_loss"] < math.log(256)
+    assert s["corpus"].startswith("CPython 3.") and len(s["corpus_sha256"]) == 64
+    default = char_lm.ByteLM(192, 4, 4, 128)
+    assert 1_000_000 <= sum(p.numel() for p in default.parameters()) <= 5_000_000
+
+
+def test_sweep_one_launch_puts_threads_on_the_launch_line(capsys):
+    argv = ["x.py", "--taus", "12", "--workers", "2,3", "--launcher", "threads", "--one-launch"]
+    assert sweep.main(argv + ["--epoch-steps", "4", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    heads = [shlex.split(line) for line in lines[0::2]]  # a launch line, then its plan
+    assert [h[h.index("--threads") + 1] for h in heads] == ["2", "3"]
+    assert all(h[h.index("--epoch-steps") + 1] == "4" and h[-2] == "--plan" for h in heads)

@@ -3,7 +3,7 @@
 Where this machine's host name does not resolve (a Debian 13 debootstrap root whose /etc/hosts did
 not name the host), a 2-rank ``horovodrun --gloo`` job segfaulted in Gloo's device.cc.
 ``scripts/check_hostname.sh`` (run by ``scripts/setup_env.sh``, which then warns) and the
-examples' launcher (``hvd_slowmo.tools.sweep.horovodrun_command``, used by examples/compare.py)
+examples' launcher (``slowmo_lab.sweep.horovodrun_command``, used by examples/compare.py)
 say what to do instead. A name under ``.invalid`` never resolves (RFC 6761).
 """
 
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from hvd_slowmo.tools import sweep
+from slowmo_lab import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "check_hostname.sh")

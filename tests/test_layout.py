@@ -112,3 +112,57 @@ def test_only_comm_names_concrete_communicators():
     assert not offenders, "only hvd_slowmo/comm/ may name a concrete communicator: " + ", ".join(
         offenders
     )
+
+
+LAB = os.path.join(ROOT, "slowmo_lab")
+#: The library's public modules: the names in their ``__all__`` are what slowmo_lab may use.
+PUBLIC = {"hvd_slowmo": "hvd_slowmo/__init__.py", "hvd_slowmo.comm": "hvd_slowmo/comm/__init__.py"}
+
+
+def _public_names(module: str) -> set[str]:
+    with open(os.path.join(ROOT, PUBLIC[module]), encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{PUBLIC[module]} has no __all__")
+
+
+def test_lab_uses_only_the_public_api():
+    # slowmo_lab (report, sweep, metrics, emulated network) sits beside the library: it may import
+    # the names hvd_slowmo and hvd_slowmo.comm export, nothing deeper; the library never imports
+    # the lab.
+    used: list[str] = []
+    offenders = []
+    for f in sorted(os.listdir(LAB)):
+        if not f.endswith(".py"):
+            continue
+        with open(os.path.join(LAB, f), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hvd_slowmo"):
+                public = _public_names(node.module) if node.module in PUBLIC else set()
+                for a in node.names:
+                    used.append(f"{node.module}.{a.name}")
+                    if a.name not in public:
+                        offenders.append(f"{f}:{node.lineno} {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                deep = [a.name for a in node.names if a.name.startswith("hvd_slowmo.")]
+                offenders += [f"{f}:{node.lineno} {name}" for name in deep]
+    assert used, "slowmo_lab imports nothing from hvd_slowmo: the check sees nothing"
+    assert not offenders, "slowmo_lab reaches into hvd_slowmo's internals: " + ", ".join(offenders)
+    modules = _modules().items()
+    back = [n for n, tree in modules if any("slowmo_lab" in i for i in _imports_any(tree))]
+    assert not back, f"the library imports slowmo_lab: {back}"
+
+
+def _imports_any(tree: ast.Module) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module or "")
+    return found

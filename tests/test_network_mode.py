@@ -1,5 +1,5 @@
 """The main job's network mode (examples/compare.py --network) and the emulated hosts it runs
-on (hvd_slowmo.tools.netns): argument checks and refusals in-process; one short end-to-end run
+on (slowmo_lab.netns): argument checks and refusals in-process; one short end-to-end run
 on two emulated hosts in the horovod tier (root and `ip netns` needed)."""
 
 import os
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hvd_slowmo.tools import netns, report
-from hvd_slowmo.tools.metrics import TAGS
+from slowmo_lab import netns, report
+from slowmo_lab.metrics import TAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

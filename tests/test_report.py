@@ -1,6 +1,6 @@
-"""The report (hvd_slowmo.tools.report) against event files written here with known values (one seed
+"""The report (slowmo_lab.report) against event files written here with known values (one seed
 per setting, and several seeds averaged as mean ± std), and the metrics it reads
-(hvd_slowmo.tools.metrics) on in-process thread workers. No Horovod needed."""
+(slowmo_lab.metrics) on in-process thread workers. No Horovod needed."""
 
 import json
 import math
@@ -12,8 +12,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 import hvd_slowmo
 from hvd_slowmo.comm.local import run_threads
-from hvd_slowmo.tools import report
-from hvd_slowmo.tools.metrics import CONFIG_FILE, TAGS, TrainingMonitor, consensus_distance
+from slowmo_lab import report
+from slowmo_lab.metrics import CONFIG_FILE, TAGS, TrainingMonitor, consensus_distance
 
 pytestmark = pytest.mark.timeout(120)
 

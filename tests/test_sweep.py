@@ -1,4 +1,4 @@
-"""The sweep runner (hvd_slowmo.tools.sweep): the commands and plans it builds for each
+"""The sweep runner (slowmo_lab.sweep): the commands and plans it builds for each
 ablation, the paper's protocol (the base lr, then beta at that lr) and its argument checks, all
 in dry-run mode (nothing is launched)."""
 
@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from hvd_slowmo.tools import sweep
+from slowmo_lab import sweep
 
 
 def test_sweep_dry_run_prints_the_grid(capsys):

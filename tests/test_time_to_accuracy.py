@@ -1,13 +1,13 @@
-"""Time to accuracy (hvd_slowmo.tools.time_to_accuracy) on hand-made curves and event files."""
+"""Time to accuracy (slowmo_lab.time_to_accuracy) on hand-made curves and event files."""
 
 import os
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from hvd_slowmo.tools import report
-from hvd_slowmo.tools import time_to_accuracy as tta
-from hvd_slowmo.tools.metrics import TAGS
+from slowmo_lab import report
+from slowmo_lab import time_to_accuracy as tta
+from slowmo_lab.metrics import TAGS
 
 pytestmark = pytest.mark.timeout(60)
 

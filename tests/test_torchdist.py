@@ -271,7 +271,7 @@ def test_main_job_under_torchrun_equals_horovodrun(tmp_path):
     gossip and the evaluation of the workers' average go through the launcher's engine (the
     exact average's equality is test_horovod_and_torch_distributed_give_the_same_trajectory)."""
     pytest.importorskip("mnist1d", reason="pip install mnist1d (scripts/setup_env.sh installs it)")
-    from hvd_slowmo.tools import report
+    from slowmo_lab import report
 
     runs = {}
     for launcher in ("gloo", "torchrun"):

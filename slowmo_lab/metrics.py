@@ -3,7 +3,7 @@ time split (compute / base communication / exact average / slow update), bytes s
 consensus distance between workers.
 
 One :class:`TrainingMonitor` per process; every rank calls it (some measurements are
-collectives), only rank 0 writes. The tag names below are what :mod:`hvd_slowmo.tools.report` reads.
+collectives), only rank 0 writes. The tag names below are what :mod:`slowmo_lab.report` reads.
 """
 
 import json
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.base import Communicator
+from hvd_slowmo.comm import Communicator
 
 __all__ = ["TAGS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
 

@@ -1,7 +1,7 @@
 """The paper's tables from TensorBoard runs (arXiv 1910.00643, Tables 1 and 2), as mean ± std
 over seeds.
 
-    python -m hvd_slowmo.tools.report runs/ [--png report.png]
+    python -m slowmo_lab.report runs/ [--png report.png]
 
 Reads every run folder under the given paths with TensorBoard's own reader. Runs whose
 ``config.json`` differ only in ``seed`` are repeats of one *setting*; every figure below is the
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..bases import BASES
+from hvd_slowmo import BASES
+
 from .metrics import CONFIG_FILE, TAGS
 
 __all__ = [
@@ -85,7 +86,7 @@ class Run:
         return bool(self.config.get("slowmo", False))
 
     def values(self, key: str) -> list[float]:
-        """The values of one of :data:`hvd_slowmo.tools.metrics.TAGS`' keys, in step order."""
+        """The values of one of :data:`slowmo_lab.metrics.TAGS`' keys, in step order."""
         return [v for _, v in self.scalars.get(TAGS[key], [])]
 
 
@@ -556,7 +557,7 @@ def settings_table(runs: Sequence[Run]) -> str:
     ]
     return (
         "Settings (mean ± std over seeds; best final val first; failing seeds: see "
-        "hvd_slowmo.tools.report.seed_failures)\n" + text_table(headers, rows)
+        "slowmo_lab.report.seed_failures)\n" + text_table(headers, rows)
     )
 
 
@@ -630,7 +631,7 @@ def plot(
         runs: from :func:`load_runs`.
         path: the PNG file to write.
         extra_panel: draws one more panel, ``extra_panel(axes, settings)`` (e.g.
-            :func:`hvd_slowmo.tools.time_to_accuracy.seconds_panel`: accuracy against seconds).
+            :func:`slowmo_lab.time_to_accuracy.seconds_panel`: accuracy against seconds).
 
     Returns:
         ``path``.

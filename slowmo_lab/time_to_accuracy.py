@@ -37,11 +37,11 @@ def run_curve(run: Run) -> Curve:
     """The (training seconds, validation accuracy) points of a run, at the steps that logged both.
 
     Args:
-        run: from :func:`hvd_slowmo.tools.report.load_runs`.
+        run: from :func:`slowmo_lab.report.load_runs`.
 
     Raises:
         ValueError: the run logged no training seconds or no accuracy (not written by
-            :class:`hvd_slowmo.tools.metrics.TrainingMonitor` of this version, or no evaluation).
+            :class:`slowmo_lab.metrics.TrainingMonitor` of this version, or no evaluation).
     """
     seconds = dict(run.scalars.get(TAGS["train_s"], []))
     accuracy = run.scalars.get(TAGS["val_accuracy"], [])
@@ -216,12 +216,12 @@ def plot_accuracy_vs_seconds(ax: Any, curves: Mapping[str, Sequence[Curve]]) -> 
 
 
 def seconds_panel(ax: Any, settings: Sequence[Any]) -> None:
-    """The accuracy-vs-seconds panel of :func:`hvd_slowmo.tools.report.plot` (its
+    """The accuracy-vs-seconds panel of :func:`slowmo_lab.report.plot` (its
     ``extra_panel``): each setting's runs' curves.
 
     Args:
         ax: the matplotlib axes.
-        settings: :func:`hvd_slowmo.tools.report.group_settings` output.
+        settings: :func:`slowmo_lab.report.group_settings` output.
     """
     curves = {st.name: [run_curve(r) for r in st.runs] for st in settings}
     plot_accuracy_vs_seconds(ax, curves)

@@ -1,18 +1,18 @@
 """The paper's tuning and ablations as a sweep (arXiv 1910.00643, Sec. 6 and Appendices B-C):
 runs one after another under ``horovodrun``, then prints the report's tables for them and the
 best setting per algorithm: the best mean over seeds among the settings where no seed fails
-(:func:`hvd_slowmo.tools.report.seed_failures`: a seed that diverges, falls back from its best,
+(:func:`slowmo_lab.report.seed_failures`: a seed that diverges, falls back from its best,
 or ends far below its siblings rejects its setting).
 
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation tau \\
+    python -m slowmo_lab.sweep examples/digits.py --ablation tau \\
         --np 4    # tau in {12, 24, 48, 96}
-    python -m hvd_slowmo.tools.sweep examples/digits.py --ablation alpha-beta \\
+    python -m slowmo_lab.sweep examples/digits.py --ablation alpha-beta \\
         --dry-run    # commands only
-    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp \\
+    python -m slowmo_lab.sweep examples/mnist1d_cnn.py --ablation lr --algo sgp \\
         --seeds 100,101 --one-launch -- --validation  # the base lr from the paper's grid, SGP alone
-    python -m hvd_slowmo.tools.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
+    python -m slowmo_lab.sweep examples/mnist1d_cnn.py --ablation beta --algo sgp --lrs 0.1 \\
         --seeds 100,101 --one-launch -- --validation   # then beta in {0.4, ..., 0.8} at that lr
-    python -m hvd_slowmo.tools.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
+    python -m slowmo_lab.sweep examples/cifar10_resnet18.py --algo sgp --taus 12,48 \\
         --slow-momentums 0.5,0.7 --baseline -- --data data --epochs 50   # after "--": every run
 
 The paper's protocol for a fair comparison (its Appendix B): tune the base learning rate per
@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..bases import BASES
+from hvd_slowmo import BASES
 
 __all__ = [
     "ABLATIONS",
@@ -192,25 +192,35 @@ def launch_command(np_: int, launcher: str = "auto", required: bool = True) -> l
 
 
 def sweep_points(
-    grid: dict[str, Any], baseline: bool, seeds: Sequence[str]
+    grid: dict[str, Any], baseline: bool, seeds: Sequence[str], allreduce: bool = False
 ) -> list[dict[str, Any]]:
-    """The runs of a grid: the base alone first (with ``baseline``, at the first tau and
-    buffers, per lr), then every SlowMo point (unless the grid is of the base alone), each
-    once per seed.
+    """The runs of a grid (for one worker count): AR-SGD first (with ``allreduce``, per lr: tau
+    does not change it), the base alone (with ``baseline``, at every tau, buffers kept, per lr),
+    then every SlowMo point (unless the grid is of the base alone), each once per seed.
 
     Args:
         grid: an :data:`ABLATIONS` entry, possibly with overridden lists.
-        baseline: also run the base algorithm without SlowMo.
+        baseline: also run the base algorithm without SlowMo, at every tau.
         seeds: the seeds of every point.
+        allreduce: also run AR-SGD (``--algo allreduce --no-slowmo``) as the reference.
     """
     lrs: list[str | None] = list(grid["lrs"]) or [None]
     settings: list[dict[str, Any]] = []
+    if allreduce:
+        for lr in lrs:
+            settings.append(
+                {
+                    "slowmo": False,
+                    "lr": lr,
+                    "tau": grid["taus"][0],
+                    "buffers": "maintain",
+                    "algo": "allreduce",
+                }
+            )
     if baseline or not grid["slowmo"]:
-        if grid["slowmo"]:  # the baseline of a SlowMo grid: its first tau, buffers kept
-            taus, bufs = grid["taus"][:1], ["maintain"]
-        else:
-            taus, bufs = grid["taus"], grid["buffers"]
-        for lr, tau, buf in itertools.product(lrs, taus, bufs):
+        # The baseline of a SlowMo grid: at every tau (each tau has its own), buffers kept.
+        bufs = ["maintain"] if grid["slowmo"] else grid["buffers"]
+        for lr, tau, buf in itertools.product(lrs, grid["taus"], bufs):
             settings.append({"slowmo": False, "lr": lr, "tau": tau, "buffers": buf})
     if grid["slowmo"]:
         for lr, tau, alpha, beta, buf in itertools.product(
@@ -237,6 +247,7 @@ def point_args(algo: str, point: dict[str, Any]) -> list[str]:
         algo: the base algorithm.
         point: from :func:`sweep_points`.
     """
+    algo = point.get("algo", algo)
     if point["slowmo"]:
         name = (
             f"{algo}-slowmo_tau{point['tau']}_a{point['slow_lr']}_b{point['slow_momentum']}"
@@ -259,6 +270,10 @@ def point_args(algo: str, point: dict[str, Any]) -> list[str]:
     if point["lr"] is not None:
         name += f"_lr{point['lr']}"
         args += ["--lr", point["lr"]]
+    if "workers" in point:
+        name += f"_w{point['workers']}"
+    if "algo" in point:
+        args = ["--algo", point["algo"]] + args
     return args + ["--seed", point["seed"], "--run-name", f"{name}/seed{point['seed']}"]
 
 
@@ -313,7 +328,7 @@ def _run(cmd: list[str], timeout: float | None) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hvd_slowmo.tools.sweep",
+        prog="python -m slowmo_lab.sweep",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -338,10 +353,35 @@ def _parser() -> argparse.ArgumentParser:
         "--seeds", default="0", help="seeds of every point, comma-separated (default 0)"
     )
     parser.add_argument(
-        "--baseline", action="store_true", help="also run the base algorithm without SlowMo"
+        "--baseline",
+        action="store_true",
+        help="also run the base algorithm without SlowMo, at every tau and worker count",
     )
-    parser.add_argument("--np", type=int, default=4)
-    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto")
+    parser.add_argument(
+        "--allreduce",
+        action="store_true",
+        help="also run AR-SGD (the base allreduce without SlowMo) at every worker count",
+    )
+    parser.add_argument("--np", type=int, default=4, help="workers (see --workers for several)")
+    parser.add_argument(
+        "--workers",
+        default=None,
+        help="worker counts, comma-separated, e.g. 4,8,16: the whole grid at each (overrides --np)",
+    )
+    parser.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=0,
+        help="steps per epoch whatever tau is, passed to every run: equal steps and samples "
+        "across taus (0: the script's own epochs, which the in-memory examples round to tau)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS + ("threads",),
+        default="auto",
+        help="threads: every worker a thread of one process (the script's --threads M; no "
+        "launcher, much cheaper for small models)",
+    )
     parser.add_argument(
         "--one-launch",
         action="store_true",
@@ -375,10 +415,15 @@ def _grid(args: argparse.Namespace) -> dict[str, list[Any]]:
 
 
 def _one_launch(
-    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+    args: argparse.Namespace,
+    launch: list[str],
+    points: list,
+    logdir: str,
+    extra: list[str],
+    launch_flags: Sequence[str] = (),
 ) -> tuple[int, int] | None:
     """Every run inside one launch (the script's --plan); (failed, launches), or None after a
-    dry run."""
+    dry run. ``launch_flags`` (e.g. ``--threads M``) go on the launch's own command line."""
     head = launch + [
         sys.executable,
         args.script,
@@ -387,6 +432,7 @@ def _one_launch(
         "--logdir",
         logdir,
         "--no-progress",
+        *launch_flags,
     ]
     plan = [point_args(args.algo, p) + list(extra) for p in points]
     if args.dry_run:
@@ -408,10 +454,17 @@ def _one_launch(
 
 
 def _launch_each(
-    args: argparse.Namespace, launch: list[str], points: list, logdir: str, extra: list[str]
+    args: argparse.Namespace,
+    launch: list[str],
+    points: list,
+    logdir: str,
+    extra: list[str],
+    launch_flags: Sequence[str] = (),
 ) -> tuple[int, int] | None:
     """One launch per run; (failed, launches), or None after a dry run."""
-    cmds = sweep_commands(args.script, launch, args.algo, points, logdir, extra)
+    cmds = sweep_commands(
+        args.script, launch, args.algo, points, logdir, list(launch_flags) + list(extra)
+    )
     if args.dry_run:
         for cmd in cmds:
             print(shlex.join(cmd))
@@ -454,6 +507,34 @@ def _print_chosen(logdir: str) -> None:
         )
 
 
+def _run_counts(
+    args: argparse.Namespace,
+    grid: dict[str, Any],
+    seeds: list[str],
+    workers: list[int],
+    logdir: str,
+    extra: list[str],
+) -> tuple[int, int]:
+    """The grid at every worker count (one launch, or one per run, for each); (failed,
+    launches)."""
+    run = _one_launch if args.one_launch else _launch_each
+    failed = total = 0
+    for m in workers:
+        if args.launcher == "threads":
+            launch, more = [], ["--threads", str(m)]
+        else:
+            launch, more = launch_command(m, args.launcher, required=not args.dry_run), []
+        if args.epoch_steps:
+            more += ["--epoch-steps", str(args.epoch_steps)]
+        points = sweep_points(grid, args.baseline, seeds, args.allreduce)
+        if len(workers) > 1:  # run names say the worker count
+            points = [dict(p, workers=m) for p in points]
+        outcome = run(args, launch, points, logdir, extra, more)
+        if outcome is not None:
+            failed, total = failed + outcome[0], total + outcome[1]
+    return failed, total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring).
 
@@ -468,14 +549,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     grid = _grid(args)
     seeds = _csv(args.seeds, "--seeds", int)
+    workers = [int(w) for w in _csv(args.workers, "--workers", int)] if args.workers else [args.np]
+    if args.workers and any(w < 1 for w in workers):
+        raise ValueError(f"--workers: every count must be >= 1, got {args.workers!r}")
+    if args.epoch_steps < 0:
+        raise ValueError(
+            f"--epoch-steps must be >= 0 (0: the script's epochs), got {args.epoch_steps}"
+        )
     logdir = args.logdir or os.path.join("runs", f"sweep-{args.ablation}")
-    launch = launch_command(args.np, args.launcher, required=not args.dry_run)
-    points = sweep_points(grid, args.baseline, seeds)
-    run = _one_launch if args.one_launch else _launch_each
-    outcome = run(args, launch, points, logdir, extra)
-    if outcome is None:  # a dry run
+    failed, total = _run_counts(args, grid, seeds, workers, logdir, extra)
+    if args.dry_run:
         return 0
-    failed, total = outcome
     _print_chosen(logdir)
     if failed:
         print(f"{failed} of {total} launches failed", file=sys.stderr)

@@ -1,0 +1,219 @@
+"""The regime map on MNIST-1D (issue 30): per cell (tau, workers), AR-SGD, Local SGD and Local
+SGD + SlowMo at equal steps and samples (``--epoch-steps``: the same budget whatever tau is),
+on thread workers of this one process (``launch.run_in_threads``: no launcher).
+
+    python examples/regime_map.py run --out runs/regime.jsonl --cells 16x96,16x48
+    python examples/regime_map.py report runs/regime.jsonl --png docs/figures/regime_map.png
+
+Per cell, SlowMo's beta is tuned on the validation split (seeds 100-102, beta in 0.4..0.8,
+alpha = 1, the base's lr, buffers reset) with docs/mnist1d_tuning.md's rule: a setting with a
+failing seed is rejected (diverged, fell back > 5 points from its best, or trails its siblings
+by > 5 points), the best mean among the rest is chosen. Then every method runs the test seeds.
+One JSON line per finished run, so an interrupted map keeps what finished.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch import run_in_threads
+from mnist1d_cnn import BETA_GRID, TUNED
+from mnist1d_cnn import main as mnist1d_main
+
+#: The margin of the tuning rule (points), as slowmo_lab.report.FAIL_MARGIN.
+FAIL_MARGIN = 5.0
+TUNING_SEEDS = (100, 101, 102)
+
+
+def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, args) -> dict:
+    flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(TUNED["localsgd"]["lr"])]
+    flags += ["--epoch-steps", str(args.epoch_steps), "--epochs", str(args.epochs)]
+    flags += ["--no-progress", "--log-every", "1000000", "--logdir", args.logdir]
+    if method == "allreduce":
+        flags += ["--algo", "allreduce", "--no-slowmo", "--lr", str(TUNED["allreduce"]["lr"])]
+    elif method == "localsgd":
+        flags += ["--algo", "localsgd", "--no-slowmo", "--buffers", "maintain"]
+    else:
+        flags += ["--algo", "localsgd", "--slowmo", "--slow-lr", "1", "--buffers", "reset"]
+        flags += ["--slow-momentum", str(beta)]
+    split = "validation" if seed in TUNING_SEEDS else "test"
+    if split == "validation":
+        flags.append("--validation")
+    name = f"w{workers}_tau{tau}_{method}_b{beta}_s{seed}"
+    summary = run_in_threads(workers, lambda: mnist1d_main(flags + ["--run-name", name]))[0]
+    row = dict(workers=workers, tau=tau, method=method, beta=beta, seed=seed, split=split)
+    row.update({k: summary[k] for k in ("val_accuracy", "best_val_accuracy", "train_loss")})
+    row.update(train_full_loss=summary.get("train_full_loss"), steps=summary["steps"])
+    row.update(diverged=summary["diverged"], wall_s=summary["wall_s"])
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _fails(rows: list[dict]) -> bool:
+    finals = [r["val_accuracy"] for r in rows]
+    for i, r in enumerate(rows):
+        if r["diverged"] or not math.isfinite(r["val_accuracy"]):
+            return True
+        if r["val_accuracy"] < (r["best_val_accuracy"] or 0) - FAIL_MARGIN:
+            return True
+        others = finals[:i] + finals[i + 1 :]
+        if others and r["val_accuracy"] < max(others) - FAIL_MARGIN:
+            return True
+    return False
+
+
+def _done(out: str) -> list[dict]:
+    if not os.path.exists(out):
+        return []
+    with open(out, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(args) -> None:
+    done = _done(args.out)
+    key = lambda r: (r["workers"], r["tau"], r["method"], r["beta"], r["seed"])  # noqa: E731
+    have = {key(r): r for r in done}
+
+    def get(w, t, m, s, b=0.0):
+        return have.get((w, t, m, b, s)) or _run(args.out, w, t, m, s, b, args)
+
+    for cell in args.cells.split(","):
+        w, t = (int(v) for v in cell.split("x"))
+        tuned: dict[float, float] = {}
+        for b in [] if args.beta is not None else BETA_GRID:
+            rows = [get(w, t, "slowmo", s, b) for s in TUNING_SEEDS]
+            if not _fails(rows):
+                tuned[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
+        beta = args.beta if args.beta is not None else max(tuned, key=tuned.get, default=None)
+        print(f"cell {cell}: beta chosen {beta} from {tuned}", flush=True)
+        for s in range(args.seeds):
+            get(w, 12, "allreduce", s)  # AR-SGD does not depend on tau: one run per worker count
+            get(w, t, "localsgd", s)
+            if beta is not None:
+                get(w, t, "slowmo", s, beta)
+
+
+def _mean_std(v: list[float]) -> str:
+    if not v:
+        return "-"
+    m = sum(v) / len(v)
+    sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+    return f"{m:.2f} ± {sd:.2f}"
+
+
+def _paired(a: list[float], b: list[float]) -> str:
+    """Paired t-test of a - b over seeds: "t = .., p = .." (scipy), or why not."""
+    if len(a) < 2:
+        return "n < 2"
+    from scipy.stats import ttest_rel
+
+    res = ttest_rel(a, b)
+    return f"t = {res.statistic:.2f}, p = {res.pvalue:.3f}"
+
+
+def cells_table(rows: list[dict]) -> tuple[str, dict]:
+    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+    test = [r for r in rows if r["split"] == "test"]
+    by = {}
+    for r in test:
+        by.setdefault((r["workers"], r["tau"], r["method"]), {})[r["seed"]] = r
+    head = (
+        "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
+        "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|\n"
+    )
+    lines, change = [], {}
+    for w, t in sorted({(r["workers"], r["tau"]) for r in test if r["method"] != "allreduce"}):
+        ar, lo, sm = by.get((w, 12, "allreduce"), {}), by.get((w, t, "localsgd"), {}), {}
+        sm = by.get((w, t, "slowmo"), {})
+        seeds = sorted(set(ar) & set(lo) & set(sm))
+        if not seeds:
+            continue
+        acc = {
+            k: [d[s]["val_accuracy"] for s in seeds]
+            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        }
+        loss = {
+            k: [d[s]["train_full_loss"] for s in seeds]
+            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        }
+        diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
+        change[(w, t)] = sum(diff) / len(diff)
+        gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
+        beta = sm[seeds[0]]["beta"]
+        lines.append(
+            f"| {w} | {t} | {len(seeds)} | {_mean_std(acc['ar'])} | {_mean_std(acc['lo'])} | "
+            f"{_mean_std(acc['sm'])} ({beta}) | {sum(gap) / len(gap):+.2f} "
+            f"({_paired(acc['lo'], acc['ar'])}) | {change[(w, t)]:+.2f} "
+            f"({_paired(acc['sm'], acc['lo'])}) | "
+            + " / ".join(f"{sum(v) / len(v):.3f}" for v in loss.values())
+            + " |"
+        )
+    return head + "\n".join(lines), change
+
+
+def heat_map(change: dict, png: str) -> None:
+    """SlowMo's mean change (points) per cell; cells without test runs are marked not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    taus, workers = [12, 24, 48, 96], [4, 8, 16]
+    grid = np.full((len(workers), len(taus)), np.nan)
+    for (w, t), v in change.items():
+        grid[workers.index(w), taus.index(t)] = v
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    lim = max(1.0, float(np.nanmax(np.abs(grid)))) if change else 1.0
+    im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim)
+    for i in range(len(workers)):
+        for j in range(len(taus)):
+            v = grid[i, j]
+            ax.text(j, i, "not run" if np.isnan(v) else f"{v:+.1f}", ha="center", va="center")
+    ax.set_xticks(range(len(taus)), [str(t) for t in taus])
+    ax.set_yticks(range(len(workers)), [str(w) for w in workers])
+    ax.set_xlabel("tau")
+    ax.set_ylabel("workers")
+    ax.set_title("MNIST-1D test acc.: Local SGD + SlowMo minus Local SGD (points)")
+    fig.colorbar(im)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--cells", default="16x96,16x48,8x96,8x48,16x24,4x96")
+    r.add_argument("--seeds", type=int, default=5)
+    r.add_argument("--epoch-steps", type=int, default=36)
+    r.add_argument("--epochs", type=int, default=16)
+    r.add_argument("--logdir", default="runs/regime")
+    r.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="skip the per-cell tuning and use this beta everywhere (a shortcut: say so)",
+    )
+    rep = sub.add_parser("report")
+    rep.add_argument("jsonl")
+    rep.add_argument("--png", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        run(args)
+        return 0
+    table, change = cells_table(_done(args.jsonl))
+    print(table)
+    if args.png:
+        heat_map(change, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
