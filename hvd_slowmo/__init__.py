@@ -31,6 +31,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .compression.sparse import SparseCodec
 from .config import SlowMoConfig
 from .hierarchy import Hierarchy
 from .optimizer import DistributedOptimizer
@@ -44,6 +45,7 @@ __all__ = [
     "DistributedOptimizer",
     "Hierarchy",
     "SlowMoConfig",
+    "SparseCodec",
     "broadcast_optimizer_state",
     "load_checkpoint",
     "save_checkpoint",

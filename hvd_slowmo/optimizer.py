@@ -18,6 +18,7 @@ from .amp import GradientSync
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import default_communicator, worker_hierarchy
+from .compression.sparse import SparseCodec
 from .config import SlowMoConfig, check_same_everywhere, param_names
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
@@ -75,7 +76,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             float32 scale per 256 values), the sums are float32, and the parameters end bitwise
             identical on every worker (:mod:`hvd_slowmo.compression`; any communicator). Or
             ``hvd.Compression.none`` / ``hvd.Compression.fp16``: Horovod's compression of the
-            parameters' allreduce (Horovod communicator only). None: an fp32 allreduce.
+            parameters' allreduce (Horovod communicator only). Or ``"sparse"`` /
+            :class:`~hvd_slowmo.compression.sparse.SparseCodec` ``(density, bits, chunk,
+            ef_decay)``: each worker sends the chunked top-k of its pseudo-gradient at 2-8 bits,
+            averaged by an all-gather (docs/sparse.md). None: an fp32 allreduce.
         error_feedback: with a codec, each worker adds what its codes lost to its next
             pseudo-gradient (the residual is in ``state_dict()``).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
@@ -141,7 +145,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             outer_optimizer=outer_optimizer,
             shard_slow_state=shard_slow_state,
             overlap=overlap,
-            codec=compression if isinstance(compression, str) else None,
+            codec=compression if isinstance(compression, (str, SparseCodec)) else None,
             error_feedback=error_feedback,
             fragments=fragments,
             eager=eager,
