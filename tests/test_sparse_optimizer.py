@@ -137,3 +137,17 @@ def test_without_error_feedback_it_warns():
             communicator=ThreadWorld(1).communicator(0),
             compression="sparse",
         )
+
+
+def test_sparseloco_form_through_a_custom_outer_optimizer(one_intra_op_thread):  # noqa: F811
+    """``outer_optimizer=SGD(lr=alpha)`` steps ``x0 - alpha (x0 - avg)``: the same as
+    ``slow_momentum=0, slow_lr=alpha`` up to the rounding of the 1/lr scaling; ranks identical."""
+    codec = SparseCodec(**SETTINGS, ef_decay=0.95)
+    common = dict(tau=4, compression=codec, error_feedback=True)
+    custom = run(3, 13, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7), **common)
+    slow = run(3, 13, slow_lr=0.7, slow_momentum=0.0, **common)
+    for per_rank in zip(*[r[1] for r in custom]):
+        for tensors in zip(*per_rank):
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
+    for a, b in zip(custom[0][1][-1], slow[0][1][-1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
