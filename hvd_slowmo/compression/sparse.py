@@ -224,15 +224,18 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
     n_chunks = _chunks(x.numel(), c)
     if n_chunks == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
-    rows = torch.nn.functional.pad(x, (0, n_chunks * c - x.numel())).view(n_chunks, c)
-    magnitude = rows.abs()
-    # One int64 key per entry: the magnitude's float32 bits (ordered like the magnitudes, NaN
-    # above inf) above the reversed position, so no two keys tie and top-k is deterministic.
+    pad = n_chunks * c - x.numel()
+    rows = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(n_chunks, c)
+    # One int64 key per entry: the magnitude's float32 bits (the sign bit cleared: ordered like
+    # the magnitudes, NaN above inf) times 2^16 plus the reversed position, so no two keys tie
+    # and top-k is deterministic. In place after the first two passes (torch.add with an alpha
+    # was four times slower here).
     reverse = torch.arange(c - 1, -1, -1, device=x.device, dtype=torch.int64)
-    keys = magnitude.view(torch.int32).to(torch.int64).bitwise_left_shift_(16).bitwise_or_(reverse)
+    keys = rows.view(torch.int32).bitwise_and(0x7FFFFFFF).to(torch.int64)
+    keys.bitwise_left_shift_(16).bitwise_or_(reverse)
     index = keys.topk(k, dim=1, sorted=True).indices
     kept = rows.gather(1, index)
-    size = magnitude.gather(1, index)
+    size = kept.abs()
     lo, hi = size[:, -1], size[:, 0]
     step = (hi - lo) / ((1 << (b - 1)) - 1)
     divisor = torch.where(step > 0, step, torch.ones_like(step))
