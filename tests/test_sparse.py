@@ -246,11 +246,13 @@ def test_pseudo_gradient_average_keeps_the_sparse_residual_in_its_state():
         fresh.load_state_dict(state)
         other = PseudoGradientAverage(comm, SparseCodec(density=0.2), error_feedback=True)
         other.load_state_dict(state)  # another codec's residual is not taken
-        return params, state, fresh.residual, other.residual
+        elsewhere = PseudoGradientAverage(comm, codec, error_feedback=True)
+        elsewhere.load_state_dict({**state, "world_size": 3})  # nor another world's (elastic)
+        return params, state, fresh.residual, other.residual, elsewhere.residual
 
     got = run_threads(2, fn)
-    for params, state, loaded, other in got:
+    for params, state, loaded, other, elsewhere in got:
         assert all(torch.equal(a, b) for a, b in zip(params, got[0][0]))
         assert state["codec"] == codec.summary()
         assert torch.equal(loaded, state["residual"]) and state["residual"].abs().sum() > 0
-        assert other is None
+        assert other is None and elsewhere is None
