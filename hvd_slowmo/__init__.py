@@ -32,6 +32,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .comm.hierarchy import Hierarchy
+from .compression.sparse import SparseCodec
 from .config import SlowMoConfig
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
@@ -44,6 +45,7 @@ __all__ = [
     "DistributedOptimizer",
     "Hierarchy",
     "SlowMoConfig",
+    "SparseCodec",
     "broadcast_optimizer_state",
     "load_checkpoint",
     "save_checkpoint",

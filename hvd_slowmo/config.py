@@ -19,6 +19,7 @@ from .bases import BASES, resolve_base
 from .buffers import BUFFER_STRATEGIES
 from .comm.base import Communicator
 from .compression.codecs import check_codec
+from .compression.sparse import SparseCodec
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -99,7 +100,10 @@ class SlowMoConfig:
             ``"fp8"`` codes (``"fp32"``: uncompressed, through the same all-to-all), the sums
             are float32, and every worker ends with the same parameters. Keeps an anchor even
             without slow momentum. With ``fragments``, each fragment's average is compressed
-            on its own. None: the exact average is an allreduce of the parameters.
+            on its own. ``"sparse"`` or a :class:`~hvd_slowmo.compression.sparse.SparseCodec`:
+            chunked top-k at 2-8 bits, averaged by an all-gather (docs/sparse.md; ``"sparse"``
+            is stored as ``SparseCodec()``). None: the exact average is an allreduce of the
+            parameters.
         error_feedback: each worker adds what its codes lost to its next pseudo-gradient
             (needs a ``codec``); the residual is per element, so with ``fragments`` each
             fragment's residual carries into that fragment's next average.
@@ -129,7 +133,7 @@ class SlowMoConfig:
     outer_optimizer: str | OuterFactory = "heavyball"
     shard_slow_state: bool = False
     overlap: int = 0
-    codec: str | None = None
+    codec: str | SparseCodec | None = None
     error_feedback: bool = False
     fragments: int = 1
     eager: str | None = None
@@ -272,8 +276,15 @@ class SlowMoConfig:
     def _check_codec(self, base: Any) -> None:
         """The compressed average and its error feedback."""
         if self.codec is not None:
-            check_codec(self.codec, name="codec")
+            self._put("codec", check_codec(self.codec))
         check_bool("error_feedback", self.error_feedback)
+        if isinstance(self.codec, SparseCodec) and not self.error_feedback:
+            warnings.warn(
+                f"codec={self.codec!r} without error_feedback drops for good the "
+                f"{1 - self.codec.density:.0%} of each pseudo-gradient it does not send; pass "
+                "error_feedback=True",
+                stacklevel=5,
+            )
         if self.error_feedback and self.codec is None:
             raise ValueError(
                 "error_feedback=True needs a compressed average; pass e.g. codec='int8'"
@@ -387,7 +398,7 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
-            "codec": self.codec,
+            "codec": self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
             "eager": self.eager,
@@ -407,7 +418,7 @@ def resolve_codec(codec: Any, compression: Any) -> tuple[Any, Any]:
     Raises:
         ValueError: a codec name in both ``codec`` and ``compression``.
     """
-    if not isinstance(compression, str):
+    if not isinstance(compression, (str, SparseCodec)):
         return codec, compression
     if codec is not None:
         raise ValueError(

@@ -77,7 +77,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             pseudo-gradient ``anchor - parameters`` in that format (int8/fp8 with one float32
             scale per 256 values), the sums are float32, and the parameters end bitwise
             identical on every worker (:mod:`hvd_slowmo.compression`; a communicator with
-            ``supports_alltoall``). None: the exact average is an allreduce of the parameters.
+            ``supports_alltoall``). Or ``"sparse"`` /
+            :class:`~hvd_slowmo.compression.sparse.SparseCodec` ``(density, bits, chunk,
+            ef_decay)``: each worker sends the chunked top-k of its pseudo-gradient at 2-8 bits,
+            averaged by an all-gather (docs/sparse.md). None: the exact average is an allreduce
+            of the parameters.
         compression: Horovod's meaning only: ``hvd.Compression.none`` / ``hvd.Compression.fp16``
             casts the payload of the default communicator's allreduces (the parameters' exact
             average without a codec, AR-SGD's gradients). None: no cast. A codec name here

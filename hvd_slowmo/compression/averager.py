@@ -23,6 +23,8 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingAverage
 from .codecs import BLOCK_SIZE, check_codec
 from .exchange import PendingMean
+from .sparse import SparseCodec
+from .sparse_exchange import PendingSparseMean
 
 __all__ = ["PseudoGradientAverage"]
 
@@ -32,7 +34,10 @@ class PseudoGradientAverage:
 
     Args:
         comm: the workers of the exact average.
-        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`.
+        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`, or a
+            :class:`~hvd_slowmo.compression.sparse.SparseCodec` (``"sparse"``: its defaults),
+            whose average is an all-gather of sparse packets
+            (:mod:`~hvd_slowmo.compression.sparse_exchange`) and whose error feedback decays.
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
         block: elements per scale of the scaled codecs.
 
@@ -43,7 +48,11 @@ class PseudoGradientAverage:
     """
 
     def __init__(
-        self, comm: Communicator, codec: str, error_feedback: bool, block: int = BLOCK_SIZE
+        self,
+        comm: Communicator,
+        codec: str | SparseCodec,
+        error_feedback: bool,
+        block: int = BLOCK_SIZE,
     ) -> None:
         self.comm = comm
         self.codec = check_codec(codec)
@@ -84,7 +93,7 @@ class PseudoGradientAverage:
         residual, segments = None, None
         if self.error_feedback:
             residual, segments = self._residual_of(which, anchor, flat.device)
-        pending = PendingMean(self.comm, flat, self.codec, name, residual, self.block)
+        pending = self._mean_start(flat, name, residual)
         if residual is not None and segments is not None:  # a gathered copy: put it back
             assert self.residual is not None
             for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
@@ -96,6 +105,15 @@ class PseudoGradientAverage:
                 p.copy_(a.float() - d.view_as(p))
 
         return PendingAverage(finish, progress=pending.done)
+
+    def _mean_start(
+        self, flat: Tensor, name: str, residual: Tensor | None
+    ) -> "PendingMean | PendingSparseMean":
+        """Start the codec's mean of ``flat``: an all-gather of sparse packets, or the dense
+        codecs' exchange."""
+        if isinstance(self.codec, SparseCodec):
+            return PendingSparseMean(self.comm, flat, self.codec, name, residual)
+        return PendingMean(self.comm, flat, self.codec, name, residual, self.block)
 
     def _residual_of(
         self, which: list[int], anchor: list[Tensor], device: torch.device
@@ -139,11 +157,15 @@ class PseudoGradientAverage:
     def state_dict(self) -> dict[str, Any]:
         """This worker's residual, with the rank and number of workers it belongs to."""
         return {
-            "codec": self.codec,
+            "codec": self._codec_name(),
             "residual": self.residual,
             "rank": self.comm.rank,
             "world_size": self.comm.size,
         }
+
+    def _codec_name(self) -> str | dict[str, Any]:
+        """The codec as plain values (a saved residual is only taken back by the same codec)."""
+        return self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Take the residual of :meth:`state_dict` if it is this worker's own (same rank, same
@@ -155,7 +177,7 @@ class PseudoGradientAverage:
         residual = None if saved is None else saved.get("residual")
         own = (
             saved is not None
-            and saved.get("codec") == self.codec
+            and saved.get("codec") == self._codec_name()
             and (saved.get("rank"), saved.get("world_size")) == (self.comm.rank, self.comm.size)
         )
         if not isinstance(residual, Tensor) or not own or not self.error_feedback:

@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .sparse import SparseCodec
+
 __all__ = [
     "BLOCK_SIZE",
     "CODECS",
@@ -74,11 +76,15 @@ class Encoded(NamedTuple):
     scales: Tensor
 
 
-def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "codec") -> str:
-    """``codec`` itself, checked to be a codec name that works on ``device``.
+def check_codec(
+    codec: Any, device: torch.device | str = "cpu", name: str = "codec"
+) -> "str | SparseCodec":
+    """``codec`` itself, checked to be a codec name that works on ``device``; ``"sparse"``
+    becomes ``SparseCodec()`` (:mod:`hvd_slowmo.compression.sparse`).
 
     Args:
-        codec: one of :data:`CODECS`.
+        codec: one of :data:`CODECS`, ``"sparse"`` or a
+            :class:`~hvd_slowmo.compression.sparse.SparseCodec`.
         device: where the codes are made (``fp8`` needs torch's ``float8_e4m3fn`` there).
         name: the argument's name, for the messages.
 
@@ -86,10 +92,18 @@ def check_codec(codec: Any, device: torch.device | str = "cpu", name: str = "cod
         TypeError: ``codec`` is not a string.
         ValueError: an unknown name, or ``fp8`` where torch cannot cast to ``float8_e4m3fn``.
     """
+    if isinstance(codec, SparseCodec):
+        return codec
+    if codec == "sparse":
+        return SparseCodec()
     if not isinstance(codec, str):
-        raise TypeError(f"{name} must be one of {CODECS}, got {codec!r}")
+        raise TypeError(
+            f"{name} must be one of {CODECS}, 'sparse' or a SparseCodec(...), got {codec!r}"
+        )
     if codec not in CODECS:
-        raise ValueError(f"{name} must be one of {CODECS}, got {codec!r}")
+        raise ValueError(
+            f"{name} must be one of {CODECS}, 'sparse' or a SparseCodec(...), got {codec!r}"
+        )
     if codec == "fp8":
         dtype = _CODE_DTYPE["fp8"]
         try:

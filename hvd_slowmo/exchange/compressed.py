@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingAverage
 from ..compression.averager import PseudoGradientAverage
+from ..compression.sparse import SparseCodec
 from ..slow_state import SlowState
 from .base import EXACT_AVERAGE, Payload
 from .plain import PlainExchange
@@ -35,7 +36,11 @@ class CompressedExchange(PlainExchange):
     name = "compressed"
 
     def __init__(
-        self, comm: Communicator, slow_state: SlowState, codec: str, error_feedback: bool
+        self,
+        comm: Communicator,
+        slow_state: SlowState,
+        codec: "str | SparseCodec",
+        error_feedback: bool,
     ) -> None:
         if comm.size > 1 and not comm.supports_alltoall:
             raise ValueError(

@@ -1,0 +1,313 @@
+"""The sparse codec: chunked top-k of a flat vector, its values at 2, 4 or 8 bits, in one packet.
+
+Pure functions, no communication (:mod:`hvd_slowmo.compression.sparse_exchange` builds the
+average from them). The codec of SparseLoCo (arXiv 2508.15706), used for the pseudo-gradient of
+SlowMo's outer step (arXiv 1910.00643); see docs/sparse.md.
+
+For a 1-D float32 vector ``x`` of ``n`` elements and a :class:`SparseCodec` with ``chunk`` ``c``,
+``density`` and ``bits`` ``b``:
+
+* **Chunks.** ``x`` is zero-padded to ``C = ceil(n / c)`` chunks of ``c`` elements.
+* **Top-k.** Each chunk keeps its ``k = max(1, round(density * c))`` entries of largest
+  magnitude (Python's ``round``, ties to even; ``k <= c``). Ties in magnitude go to the lower
+  position, so the selection (and the packet) is a function of the values alone. A NaN counts
+  as the largest magnitude.
+* **Values.** With ``L = 2 ** (b - 1)`` magnitude levels, a chunk's levels are evenly spaced
+  from ``lo``, the smallest kept magnitude, to ``hi``, the largest: ``step = (hi - lo) / (L -
+  1)`` (float32). A kept value ``v`` has the code ``q | s << (b - 1)``, with ``s = 1`` when
+  ``v < 0`` and ``q = round((|v| - lo) / step)`` (ties to even, 0 where ``step`` is 0), clamped
+  to ``[0, L - 1]``; it decodes to ``±(lo + q * step)``. So a kept 0 (a chunk with fewer than
+  ``k`` non-zeros) decodes to 0 exactly, the largest kept magnitude is sent (as ``lo + (L - 1)
+  * step``, equal to it up to float32 rounding), and at
+  ``b = 2`` a value is sent as ``±lo`` or ``±hi``. A chunk holding a NaN or an infinity
+  decodes to non-finite values (its ``step`` is non-finite): nothing non-finite becomes finite.
+* **Indices.** A kept entry's position in its chunk, in ``w = ceil(log2(c))`` bits (12 for
+  ``c = 4096``): up to 8 bits packed by :func:`pack_bits`; above 8 bits, the low byte of
+  every position, then their high ``w - 8`` bits packed by :func:`pack_bits`.
+
+The packet (uint8), the same size on every worker for a given ``n``::
+
+    lo     C float32
+    step   C float32
+    index  C * k positions of w bits (see Indices)
+    code   C * k codes of b bits, packed by pack_bits
+    zeros  to a multiple of 4 bytes
+
+Entries are in chunk order, and within a chunk by decreasing magnitude (ties: lower position
+first). Bytes: ``8 C + ceil(C k w / 8) + ceil(C k b / 8)`` (with ``w > 8`` the positions take
+``C k + ceil(C k (w - 8) / 8)``), rounded up to a multiple of 4 (:func:`packet_nbytes`): at
+``c = 4096``, density 0.02 (``k = 82``) and ``b = 2``, 151.5 bytes per 4096 values, 108 times
+fewer than float32.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SparseCodec",
+    "pack_bits",
+    "packet_nbytes",
+    "sparse_decode",
+    "sparse_decode_dense",
+    "sparse_encode",
+    "unpack_bits",
+]
+
+#: The value widths the codec has.
+BITS = (2, 4, 8)
+#: The largest chunk: a position in it fits in 16 bits.
+MAX_CHUNK = 1 << 16
+
+
+def _number(name: str, value: Any, what: str) -> float:
+    """``value`` if it is a real number (not a bool), else a ``TypeError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SparseCodec: {name} must be {what}, got {value!r}")
+    return value
+
+
+def _integer(name: str, value: Any, what: str) -> int:
+    """``value`` if it is an int (not a bool), else a ``TypeError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SparseCodec: {name} must be {what}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SparseCodec:
+    """The sparse codec's settings: pass it as ``compression=SparseCodec(...)`` (the string
+    ``"sparse"`` is ``SparseCodec()``).
+
+    Args:
+        density: the fraction of each chunk sent, in ``(0, 1]``; ``k = max(1, round(density *
+            chunk))`` entries per chunk.
+        bits: bits per sent value, 2, 4 or 8 (sign and ``bits - 1`` bits of magnitude).
+        chunk: elements per top-k chunk, in ``[2, 65536]``.
+        ef_decay: ``d``, the decay of the error feedback: each worker keeps ``e <- d e +
+            delta``, sends ``C(e)`` and keeps ``e - C(e)`` (with ``error_feedback=True``).
+            1.0: plain error feedback, what is not sent now is sent later; SparseLoCo's form
+            (no outer momentum, the residual is the momentum) uses e.g. 0.95. In ``[0, 1]``.
+
+    Raises:
+        TypeError, ValueError: a setting of the wrong type or out of range.
+    """
+
+    density: float = 0.02
+    bits: int = 2
+    chunk: int = 4096
+    ef_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        density = _number("density", self.density, "a number in (0, 1]")
+        if not 0 < density <= 1:  # also refuses NaN
+            raise ValueError(
+                f"SparseCodec: density must be in (0, 1], got {density!r}; e.g. 0.02 keeps 2% "
+                "of each chunk"
+            )
+        if _integer("bits", self.bits, f"one of {BITS}") not in BITS:
+            raise ValueError(f"SparseCodec: bits must be one of {BITS}, got {self.bits!r}")
+        if not 2 <= _integer("chunk", self.chunk, "an integer") <= MAX_CHUNK:
+            raise ValueError(
+                f"SparseCodec: chunk must be in [2, {MAX_CHUNK}] (a position in a chunk is sent "
+                f"in at most 16 bits), got {self.chunk!r}; e.g. 4096"
+            )
+        decay = _number("ef_decay", self.ef_decay, "a number in [0, 1]")
+        if not 0 <= decay <= 1:
+            raise ValueError(
+                f"SparseCodec: ef_decay must be in [0, 1], got {decay!r}; 1.0 is plain error "
+                "feedback, SparseLoCo uses 0.95"
+            )
+        object.__setattr__(self, "density", float(density))
+        object.__setattr__(self, "ef_decay", float(decay))
+
+    @property
+    def k(self) -> int:
+        """Entries sent per chunk."""
+        return min(self.chunk, max(1, round(self.density * self.chunk)))
+
+    @property
+    def index_bits(self) -> int:
+        """Bits of a position in a chunk: ``ceil(log2(chunk))``."""
+        return (self.chunk - 1).bit_length()
+
+    def summary(self) -> dict[str, Any]:
+        """The settings as plain values (saved in a state, compared across ranks)."""
+        return {"codec": "sparse", **asdict(self)}
+
+
+def _chunks(numel: int, chunk: int) -> int:
+    return math.ceil(numel / chunk)
+
+
+def packet_nbytes(numel: int, codec: SparseCodec) -> int:
+    """Bytes of the :func:`sparse_encode` packet of a vector of ``numel`` elements.
+
+    Args:
+        numel: the vector's length.
+        codec: the settings.
+    """
+    entries = _chunks(numel, codec.chunk) * codec.k
+    raw = 8 * _chunks(numel, codec.chunk) + _index_nbytes(entries, codec.index_bits)
+    raw += math.ceil(entries * codec.bits / 8)
+    return raw + (-raw) % 4
+
+
+def pack_bits(values: Tensor, width: int) -> Tensor:
+    """Pack non-negative integers below ``2 ** width`` into bytes, ``width`` bits each,
+    little-endian: bit ``j`` of value ``i`` is bit ``t = i * width + j`` of the stream, and bit
+    ``t`` of the stream is bit ``t % 8`` of byte ``t // 8``; the last byte is zero-padded.
+
+    Args:
+        values: 1-D integer tensor.
+        width: bits per value, 1 to 8.
+    """
+    values = values.reshape(-1).to(torch.int64)
+    if 8 % width == 0:  # whole values per byte: one shift and sum per byte
+        per = 8 // width
+        values = torch.nn.functional.pad(values, (0, (-values.numel()) % per)).view(-1, per)
+        shifts = torch.arange(0, 8, width, device=values.device, dtype=torch.int64)
+        return (values << shifts).sum(dim=1).to(torch.uint8)
+    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
+    stream = ((values[:, None] >> shifts) & 1).reshape(-1)
+    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8)).view(-1, 8)
+    return (stream << torch.arange(8, device=values.device)).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, count: int, width: int) -> Tensor:
+    """The first ``count`` values :func:`pack_bits` packed (int64).
+
+    Args:
+        packed: 1-D uint8.
+        count: how many values.
+        width: their width in bits, 1 to 8.
+    """
+    packed = packed.to(torch.int64)
+    mask = (1 << width) - 1
+    if 8 % width == 0:
+        shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.int64)
+        return ((packed[:, None] >> shifts) & mask).reshape(-1)[:count]
+    stream = ((packed[:, None] >> torch.arange(8, device=packed.device)) & 1).reshape(-1)
+    stream = stream[: count * width].view(count, width)
+    return (stream << torch.arange(width, device=packed.device)).sum(dim=1)
+
+
+def _pack_index(index: Tensor, width: int) -> Tensor:
+    """Positions of ``width`` bits: with more than 8 bits, their low bytes (one per entry),
+    then their high ``width - 8`` bits by :func:`pack_bits`."""
+    if width <= 8:
+        return pack_bits(index, width)
+    return torch.cat([(index & 255).to(torch.uint8), pack_bits(index >> 8, width - 8)])
+
+
+def _index_nbytes(count: int, width: int) -> int:
+    if width <= 8:
+        return math.ceil(count * width / 8)
+    return count + math.ceil(count * (width - 8) / 8)
+
+
+def _unpack_index(packed: Tensor, count: int, width: int) -> Tensor:
+    if width <= 8:
+        return unpack_bits(packed, count, width)
+    low = packed[:count].to(torch.int64)
+    return low | (unpack_bits(packed[count:], count, width - 8) << 8)
+
+
+def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
+    """The packet of a 1-D float32 vector (see the module's docstring).
+
+    Args:
+        x: the vector (float32, 1-D, any length including 0).
+        codec: the settings.
+    """
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(
+            f"sparse_encode: need a 1-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}"
+        )
+    c, k, b = codec.chunk, codec.k, codec.bits
+    n_chunks = _chunks(x.numel(), c)
+    if n_chunks == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    pad = n_chunks * c - x.numel()
+    rows = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(n_chunks, c)
+    # One int64 key per entry: the magnitude's float32 bits (the sign bit cleared: ordered like
+    # the magnitudes, NaN above inf) times 2^16 plus the reversed position, so no two keys tie
+    # and top-k is deterministic. In place after the first two passes (torch.add with an alpha
+    # was four times slower here).
+    reverse = torch.arange(c - 1, -1, -1, device=x.device, dtype=torch.int64)
+    keys = rows.view(torch.int32).bitwise_and(0x7FFFFFFF).to(torch.int64)
+    keys.bitwise_left_shift_(16).bitwise_or_(reverse)
+    index = keys.topk(k, dim=1, sorted=True).indices
+    kept = rows.gather(1, index)
+    size = kept.abs()
+    lo, hi = size[:, -1], size[:, 0]
+    step = (hi - lo) / ((1 << (b - 1)) - 1)
+    divisor = torch.where(step > 0, step, torch.ones_like(step))
+    level = ((size - lo[:, None]) / divisor[:, None]).round_()
+    level = level.nan_to_num_(nan=0.0).clamp_(0, (1 << (b - 1)) - 1).to(torch.int64)
+    codes = level | ((kept < 0).to(torch.int64) << (b - 1))
+    parts = [
+        torch.stack([lo, step]).reshape(-1).view(torch.uint8),  # every lo, then every step
+        _pack_index(index.reshape(-1), codec.index_bits),
+        pack_bits(codes.reshape(-1), b),
+    ]
+    packet = torch.cat(parts)
+    return torch.nn.functional.pad(packet, (0, (-packet.numel()) % 4))
+
+
+def _view_f32(buf: Tensor) -> Tensor:
+    # A packet received at an offset of a larger buffer may be misaligned for float32.
+    if buf.storage_offset() % 4:
+        buf = buf.clone()
+    return buf.view(torch.float32)
+
+
+def sparse_decode(packet: Tensor, numel: int, codec: SparseCodec) -> tuple[Tensor, Tensor]:
+    """The kept entries of a packet: their positions in the padded vector (``ceil(numel /
+    chunk) * chunk`` elements, int64, unique) and their decoded values (float32).
+
+    Args:
+        packet: 1-D uint8, from :func:`sparse_encode`.
+        numel: the encoded vector's length.
+        codec: its settings.
+
+    Raises:
+        ValueError: the packet's length is not :func:`packet_nbytes`.
+    """
+    want = packet_nbytes(numel, codec)
+    if packet.dtype != torch.uint8 or packet.dim() != 1 or packet.numel() != want:
+        raise ValueError(
+            f"sparse_decode: a packet of {numel} elements with {codec} has {want} bytes, got "
+            f"{packet.numel()} of {packet.dtype}"
+        )
+    c, k, b, w = codec.chunk, codec.k, codec.bits, codec.index_bits
+    n_chunks = _chunks(numel, c)
+    entries = n_chunks * k
+    lo = _view_f32(packet[: 4 * n_chunks])
+    step = _view_f32(packet[4 * n_chunks : 8 * n_chunks])
+    start = 8 * n_chunks
+    index_bytes = _index_nbytes(entries, w)
+    index = _unpack_index(packet[start : start + index_bytes], entries, w).view(n_chunks, k)
+    codes = unpack_bits(packet[start + index_bytes :], entries, b).view(n_chunks, k)
+    level = (codes & ((1 << (b - 1)) - 1)).to(torch.float32)
+    size = level * step[:, None] + lo[:, None]
+    values = torch.where((codes >> (b - 1)) == 1, -size, size)
+    offsets = torch.arange(n_chunks, device=packet.device, dtype=torch.int64) * c
+    return (index + offsets[:, None]).reshape(-1), values.reshape(-1)
+
+
+def sparse_decode_dense(packet: Tensor, numel: int, codec: SparseCodec) -> Tensor:
+    """The float32 vector of ``numel`` elements a packet stands for (zeros where nothing was
+    kept).
+
+    Args:
+        packet: 1-D uint8, from :func:`sparse_encode`.
+        numel: the encoded vector's length.
+        codec: its settings.
+    """
+    index, values = sparse_decode(packet, numel, codec)
+    dense = torch.zeros(_chunks(numel, codec.chunk) * codec.chunk, device=packet.device)
+    return dense.index_put_((index,), values)[:numel]
