@@ -8,6 +8,7 @@ line (``N passed``) counts every test.
 """
 
 import pytest
+import torch
 
 MULTI_PROCESS_MARKERS = ("horovod", "torchdist")
 DEFAULT_TIMEOUT_S = 300  # pytest.ini's timeout
@@ -23,3 +24,14 @@ def _is_slow(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_is_slow)  # stable: the order inside each tier is unchanged
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Bitwise comparisons need one intra-op thread: with two, a matmul in the main thread (the
+    reference) may split its work differently from the same matmul in a worker thread (seen
+    here: MKL, 2 OpenMP threads), which changes its last bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

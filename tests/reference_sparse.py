@@ -160,3 +160,12 @@ def sparse_pseudo_gradient_average(
         return [a - d.view_as(a) for a, d in zip(anchor, means[0].split(sizes))]
 
     return average
+
+
+def vector(rank: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Magnitudes from 1e-3 to 10, exact zeros, a tie in magnitude of opposite signs."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    v = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
+    v[::9] = 0.0
+    v[n // 2] = -v[n // 2 + 1]
+    return v

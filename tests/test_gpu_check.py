@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from test_install_horovod import ROOT, Sandbox, make_source_tarball, write_exe
+
+from install_sandbox import ROOT, Sandbox, make_source_tarball, write_exe
 
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 RECORDED = os.path.join(ROOT, "tests", "data", "gpu_check")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from reference_sparse import encode as reference_encode
 from reference_sparse import sparse_mean as reference_mean
+from reference_sparse import vector
 
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import (
@@ -23,16 +24,6 @@ from hvd_slowmo.compression import (
 from hvd_slowmo.compression.averager import PseudoGradientAverage
 from hvd_slowmo.compression.codecs import check_codec
 from hvd_slowmo.compression.sparse import pack_bits, unpack_bits
-
-
-def vector(rank: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Magnitudes from 1e-3 to 10, exact zeros, a tie in magnitude of opposite signs."""
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    v = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
-    v[::9] = 0.0
-    v[n // 2] = -v[n // 2 + 1]
-    return v
-
 
 # n, density, bits, chunk: chunks cut short at the end, index widths below, at and above 8 bits
 CODEC_CASES = {

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from reference_sparse import sparse_mean as reference_mean
-from test_sparse import vector
+from reference_sparse import vector
 
 from horovod_launch import horovodrun
 from reference import make_model

@@ -8,12 +8,6 @@ import pytest
 import torch
 from reference_sparse import sparse_pseudo_gradient_average
 from reference_streaming import reference_streaming
-from test_streaming import (
-    SGD,
-    build,
-    one_intra_op_thread,  # noqa: F401  (a fixture)
-    run,
-)
 
 from hvd_slowmo import DistributedOptimizer, SparseCodec
 from hvd_slowmo.comm.local import ThreadWorld
@@ -21,6 +15,7 @@ from hvd_slowmo.comm.local import ThreadWorld
 from helpers import assert_same_models, resume_in_fresh_workers
 from helpers import train_steps as train
 from reference import lr_at, make_model
+from streaming_harness import SGD, build, run
 
 # Chunks far smaller than the default, so that the test model's 47 parameters are sparsified.
 SETTINGS = dict(density=0.2, bits=2, chunk=16)
@@ -36,7 +31,7 @@ CASES = {  # tau, overlap, fragments, eager, alpha, beta, ef_decay, bits
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):  # noqa: F811
+def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     tau, d, p, eager, alpha, beta, decay, bits = CASES[case]
     settings = {**SETTINGS, "bits": bits}
     codec = SparseCodec(**settings, ef_decay=decay)
@@ -70,7 +65,7 @@ RESUMES = {  # settings, the step to save at
 
 
 @pytest.mark.parametrize("case", list(RESUMES))
-def test_resume_mid_run_is_bitwise(case, one_intra_op_thread):  # noqa: F811
+def test_resume_mid_run_is_bitwise(case, one_intra_op_thread):
     kwargs, stop = RESUMES[case]
     codec = SparseCodec(**SETTINGS, ef_decay=0.9)
     make = build(compression=codec, error_feedback=True, **kwargs)
@@ -139,7 +134,7 @@ def test_without_error_feedback_it_warns():
         )
 
 
-def test_sparseloco_form_through_a_custom_outer_optimizer(one_intra_op_thread):  # noqa: F811
+def test_sparseloco_form_through_a_custom_outer_optimizer(one_intra_op_thread):
     """``outer_optimizer=SGD(lr=alpha)`` steps ``x0 - alpha (x0 - avg)``: the same as
     ``slow_momentum=0, slow_lr=alpha`` up to the rounding of the 1/lr scaling; ranks identical."""
     codec = SparseCodec(**SETTINGS, ef_decay=0.95)

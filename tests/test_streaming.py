@@ -11,7 +11,6 @@ from reference_compression import pseudo_gradient_average
 from reference_streaming import reference_streaming, strided_fragments
 
 from hvd_slowmo import DistributedOptimizer
-from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.config import SlowMoConfig
 from hvd_slowmo.eager import LocalEstimate, NoEager, SharesEstimate
@@ -21,7 +20,6 @@ from hvd_slowmo.slow_state import ShardedSlowState
 from hvd_slowmo.slowmo import eager_anchor_, eager_landed_, local_anchor_, local_gradient
 
 from helpers import (
-    ForwardingCommunicator,
     assert_same_models,
     resume_in_fresh_workers,
     save_states,
@@ -29,8 +27,8 @@ from helpers import (
 from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
+from streaming_harness import SGD, InFlight, build, run
 
-SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
 #: The optimizer's eager= for the reference's flag (True, False or "local").
 EAGER_ARG = {True: "shares", False: None}
 
@@ -213,44 +211,6 @@ def test_the_sharded_layout_refuses_what_it_declares(feature):
 # --- the library on thread workers against the reference -------------------------------------
 
 
-class InFlight(ForwardingCommunicator):
-    """A transport whose averages stay in flight until ``wait()`` (reading early shows)."""
-
-    def average_start(self, tensors, name):
-        tensors = list(tensors)
-        return PendingAverage(lambda: self.inner.average_(tensors, name))
-
-
-def run(m, steps, models=None, **kwargs):
-    """Train ``m`` thread workers with lr_at; per rank: (model, the anchor after every step,
-    optimizer, the parameters after every step)."""
-    models = models or [make_model() for _ in range(m)]
-
-    def worker(comm):
-        model = models[comm.rank]
-        opt = DistributedOptimizer(
-            SGD(model.parameters()),
-            named_parameters=model.named_parameters(),
-            model_buffers=model.buffers(),
-            communicator=InFlight(comm),
-            **kwargs,
-        )
-        anchors, params = [], []
-        for k in range(steps):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(k)
-            opt.zero_grad()
-            loss_at(model, comm.rank, k).backward()
-            opt.step()
-            anchors.append([a.clone() for a in opt.slow_state.anchor or []])
-            params.append(params_of(model))
-        return model, anchors, opt, params
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_threads(m, worker)
-
-
 CASES = {  # tau, overlap, fragments, eager, alpha, beta, buffers, outer
     "p1-d2": (4, 2, 1, False, 0.7, 0.6, "reset", "heavyball"),
     "p2-d0": (4, 0, 2, False, 0.7, 0.6, "reset", "heavyball"),
@@ -265,17 +225,6 @@ CASES = {  # tau, overlap, fragments, eager, alpha, beta, buffers, outer
     "local-p2-d2-nesterov": (4, 2, 2, "local", 0.8, 0.5, "reset", "nesterov"),
     "local-p3-d2": (6, 2, 3, "local", 1.0, 0.6, "maintain", "heavyball"),
 }
-
-
-@pytest.fixture
-def one_intra_op_thread():
-    """Bitwise comparisons need one intra-op thread: with two, a matmul in the main thread (the
-    reference) may split its work differently from the same matmul in a worker thread (seen
-    here: MKL, 2 OpenMP threads), which changes its last bits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -345,21 +294,6 @@ def test_fragments_with_a_codec_equal_the_reference_bitwise(case, one_intra_op_t
     # A test of the test: the codes are lossy, and the reference sees it.
     plain, _ = reference_streaming(m, steps, tau, d, p, eager, 0.8, 0.6, SGD, "reset", lr_at)
     assert not torch.equal(want[0][0].weight, plain[0][0].weight)
-
-
-def build(**kwargs):
-    def make(comm, model):
-        return DistributedOptimizer(
-            SGD(model.parameters()),
-            named_parameters=model.named_parameters(),
-            model_buffers=model.buffers(),
-            communicator=InFlight(comm),
-            tau=6,
-            slow_momentum=0.6,
-            **kwargs,
-        )
-
-    return make
 
 
 RESUMES = {  # settings, the step to save at (a fragment in flight there), its fragment

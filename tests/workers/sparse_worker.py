@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from test_sparse import vector
+from reference_sparse import vector
 
 from hvd_slowmo.compression import PendingSparseMean, SparseCodec, sparse_mean
 
