@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: sets up the environment (idempotent), then runs every test.
-# Extra arguments go to pytest, e.g. ./test.sh -k slowmo
+# The test suite: sets up the environment (idempotent), then runs the default tier (in-process
+# tests and one launch per engine and feature). `--tier launches` runs the other launches,
+# `--tier full` everything (tests/conftest.py); other arguments go to pytest, e.g. -k slowmo
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_env.sh"

@@ -8,7 +8,6 @@ one; the recurrences are in :mod:`hvd_slowmo.fragments`, the arithmetic in
 :mod:`hvd_slowmo.slowmo`.
 """
 
-import abc
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -34,7 +33,7 @@ __all__ = [
 GroupSlice = tuple[float, list[int]]
 
 
-class EagerEstimate(abc.ABC):
+class EagerEstimate:
     """The provisional slow step of one fragment, and what it keeps between outer steps.
 
     Args:
@@ -59,7 +58,6 @@ class EagerEstimate(abc.ABC):
         """The fragment's anchor and slow buffer."""
         return self.slow_state.view(self.members)
 
-    @abc.abstractmethod
     def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
         """At the boundary: turn ``snapshot`` (``s_i``) into the provisional anchor ``x^0_i``.
 
@@ -71,6 +69,38 @@ class EagerEstimate(abc.ABC):
         Returns:
             Whether ``snapshot`` changed (the worker then continues from it).
         """
+        view = self.view()
+        slow = view.slow_buffer
+        for lr, pos in groups:
+            if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
+                continue
+            self._group_anchor_(
+                [snapshot[k] for k in pos],
+                [view.anchor[k] for k in pos],
+                None if slow is None else [slow[k] for k in pos],
+                pos,
+                lr,
+            )
+        return True
+
+    def _group_anchor_(
+        self,
+        snapshot: list[Tensor],
+        anchor: list[Tensor],
+        slow: list[Tensor] | None,
+        pos: list[int],
+        lr: float,
+    ) -> None:
+        """One param group's provisional anchor, in place of its ``snapshot`` slice.
+
+        Args:
+            snapshot: the group's snapshot tensors.
+            anchor: the group's anchor tensors.
+            slow: the group's slow buffers (None where beta = 0 keeps none).
+            pos: the group's positions in the fragment.
+            lr: the group's lr at the boundary (> 0).
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no provisional step")
 
     def landed_(
         self,
@@ -144,25 +174,25 @@ class SharesEstimate(EagerEstimate):
         return self._shares
 
     def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
-        cfg, view = self.config, self.view()
         if self._shares is None:  # no previous step: the others' shares are 0
-            self._shares = [torch.zeros_like(a) for a in view.anchor]
-        slow = view.slow_buffer
-        for lr, pos in groups:
-            if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
-                continue
-            eager_anchor_(
-                [snapshot[k] for k in pos],
-                [view.anchor[k] for k in pos],
-                None if slow is None else [slow[k] for k in pos],
-                [self._shares[k] for k in pos],
-                lr,
-                cfg.slow_lr,
-                cfg.slow_momentum,
-                self.comm.size,
-                nesterov=cfg.nesterov,
-            )
-        return True
+            self._shares = [torch.zeros_like(a) for a in self.view().anchor]
+        return super().provisional_(snapshot, groups)
+
+    def _group_anchor_(
+        self,
+        snapshot: list[Tensor],
+        anchor: list[Tensor],
+        slow: list[Tensor] | None,
+        pos: list[int],
+        lr: float,
+    ) -> None:
+        assert self._shares is not None  # set by provisional_
+        cfg = self.config
+        shares = [self._shares[k] for k in pos]
+        eager_anchor_(
+            snapshot, anchor, slow, shares, lr, cfg.slow_lr, cfg.slow_momentum, self.comm.size,
+            nesterov=cfg.nesterov,
+        )  # fmt: skip
 
     def landed_(
         self,
@@ -201,22 +231,18 @@ class LocalEstimate(EagerEstimate):
 
     kind = "local"
 
-    def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
-        cfg, view = self.config, self.view()
-        slow = view.slow_buffer
-        for lr, pos in groups:
-            if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
-                continue
-            local_anchor_(
-                [snapshot[k] for k in pos],
-                [view.anchor[k] for k in pos],
-                None if slow is None else [slow[k] for k in pos],
-                lr,
-                cfg.slow_lr,
-                cfg.slow_momentum,
-                nesterov=cfg.nesterov,
-            )
-        return True
+    def _group_anchor_(
+        self,
+        snapshot: list[Tensor],
+        anchor: list[Tensor],
+        slow: list[Tensor] | None,
+        pos: list[int],
+        lr: float,
+    ) -> None:
+        cfg = self.config
+        local_anchor_(
+            snapshot, anchor, slow, lr, cfg.slow_lr, cfg.slow_momentum, nesterov=cfg.nesterov
+        )
 
     def landed_(
         self,

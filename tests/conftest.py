@@ -1,10 +1,23 @@
-"""Run order: the fast in-process tier first, so that a failure shows within the first minutes.
+"""Test tiers and run order.
 
-pytest runs tests in collection order (file by file, alphabetically under ``pytest tests``). The
-tests that start real processes (horovodrun, mpirun, torchrun: marked ``horovod``/``torchdist``)
-and those allowed more than the default timeout (builds, Docker) are moved after all the others;
-the order inside each tier is kept. One pytest invocation still runs everything, so its closing
-line (``N passed``) counts every test.
+**Tiers** (README, "Tests"). A *launch* is a test that starts real processes (horovodrun, mpirun,
+torchrun: marked ``horovod``/``torchdist``) or is allowed more than the default timeout (builds,
+Docker, the main job). Launches cost 5-80 s each on 2 cores, most of it process start-up, and
+many repeat one check at another world size or engine.
+
+- ``./test.sh`` (``--tier default``): every in-process test, and one launch per engine and per
+  feature (:data:`DEFAULT_LAUNCHES`); about 15 minutes on 2 cores.
+- ``./test.sh --tier launches``: only the launches the default tier leaves out (the other world
+  sizes and engines, the whole fault matrix, torchrun restarts, the examples, the builds). CI
+  runs it after the default tier.
+- ``./test.sh --tier full``: both.
+
+The tier decides what is collected, never whether a collected test passes: a test left out is
+reported as *deselected* in pytest's closing line, so the count of what ran is always visible.
+
+**Order.** pytest runs tests in collection order (file by file, alphabetically). The in-process
+tests run first, so that a failure shows within the first minutes, then the launches; the order
+inside each group is kept.
 """
 
 import pytest
@@ -13,8 +26,44 @@ import torch
 MULTI_PROCESS_MARKERS = ("horovod", "torchdist")
 DEFAULT_TIMEOUT_S = 300  # pytest.ini's timeout
 
+# The launches of the default tier: per engine (Horovod over Gloo and MPI, torch.distributed,
+# plain mpirun) and per feature (the exact average, overlap, streaming, the int8 and sparse codecs,
+# gossip, gradient buckets, hierarchy, AMP, sharding, faults, restart), the cheapest test that
+# checks it against its reference across real processes. Their siblings at other world sizes and
+# engines are in the launch tier.
+DEFAULT_LAUNCHES = (
+    "tests/test_amp_horovod.py::test_overflow_on_one_rank_is_skipped_everywhere[np2-mpi]",
+    "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-gloo]",
+    "tests/test_faults.py::test_errors_raise_on_every_rank",
+    "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np2]",
+    "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[mpi-np2]",
+    "tests/test_grad_buckets_horovod.py::test_buckets_equal_the_reference[2]",
+    "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[localsgd-slowmo]",
+    "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-gloo]",
+    "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-mpi]",
+    "tests/test_horovod_core.py::test_configuration_mismatch_is_an_error_not_a_hang",
+    "tests/test_overlap_horovod.py::test_anchors_bitwise_equal_and_match_reference[np3-gloo]",
+    "tests/test_sharded.py::test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded[np2-gloo]",
+    "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np2-gloo]",
+    "tests/test_streaming_horovod.py::test_fragments_and_eager_match_the_reference_on_gloo",
+    "tests/test_torchdist.py::test_communicator_collectives_config_check_and_amp[3]",
+    "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
+)
+TIERS = ("default", "launches", "full")
 
-def _is_slow(item: pytest.Item) -> bool:
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default="default",
+        help="default: in-process tests and one launch per engine and feature; launches: the "
+        "other launches only; full: both (tests/conftest.py)",
+    )
+
+
+def is_launch(item: pytest.Item) -> bool:
+    """Whether ``item`` starts real processes or is allowed more than the default timeout."""
     if any(item.get_closest_marker(name) for name in MULTI_PROCESS_MARKERS):
         return True
     # Only the test's own timeout mark: a module-wide one also covers its fast tests.
@@ -22,8 +71,35 @@ def _is_slow(item: pytest.Item) -> bool:
     return any(float(m.args[0]) > DEFAULT_TIMEOUT_S for m in marks)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=_is_slow)  # stable: the order inside each tier is unchanged
+def _in_tier(item: pytest.Item, tier: str) -> bool:
+    if tier == "full":
+        return True
+    in_default = not is_launch(item) or item.nodeid in DEFAULT_LAUNCHES
+    return in_default == (tier == "default")
+
+
+def _check_default_launches(items: list[pytest.Item]) -> None:
+    """A renamed test must not leave the default tier silently: every listed launch must exist
+    when its file is collected."""
+    ids = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    missing = [n for n in DEFAULT_LAUNCHES if n.split("::")[0] in files and n not in ids]
+    if missing:
+        raise pytest.UsageError(
+            f"tests/conftest.py DEFAULT_LAUNCHES names tests that do not exist: {missing}; "
+            "rename them there"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _check_default_launches(items)
+    tier = config.getoption("--tier")
+    kept = [item for item in items if _in_tier(item, tier)]
+    left_out = [item for item in items if not _in_tier(item, tier)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+    kept.sort(key=is_launch)  # stable: the order inside each group is unchanged
+    items[:] = kept
 
 
 @pytest.fixture
