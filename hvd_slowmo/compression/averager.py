@@ -23,10 +23,17 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingAverage
 from .codecs import BLOCK_SIZE, check_codec
 from .exchange import PendingMean
+from .offload import CodecThread
 from .sparse import SparseCodec
 from .sparse_exchange import PendingSparseMean
 
 __all__ = ["PseudoGradientAverage"]
+
+
+def _copy(params: list[Tensor], values: list[Tensor]) -> None:
+    """The landing: each parameter takes its new value (on the training thread)."""
+    for p, v in zip(params, values):
+        p.copy_(v)
 
 
 class PseudoGradientAverage:
@@ -59,6 +66,7 @@ class PseudoGradientAverage:
         self.error_feedback = error_feedback
         self.block = block
         self.residual: Tensor | None = None
+        self.thread = CodecThread(comm.counter) if comm.collectives_any_thread else None
 
     def start(
         self,
@@ -89,6 +97,29 @@ class PseudoGradientAverage:
         if not params:
             return PendingAverage()
         mine = [anchor[j] for j in which]
+        if self.thread is None or self.comm.size == 1:
+            pending = self._begin(params, mine, which, anchor, name)
+            return PendingAverage(
+                lambda: _copy(params, self._land(pending, params, mine)), progress=pending.done
+            )
+        # Off the training thread: everything from the pseudo-gradient to the landing values
+        # (the inputs, snapshots or this step's parameters, do not change until the wait).
+        devices = {t.device for t in (*params, *mine) if t.is_cuda}
+        job = self.thread.submit(
+            lambda: self._land(self._begin(params, mine, which, anchor, name), params, mine),
+            devices,
+        )
+        return PendingAverage(lambda: _copy(params, job.wait()), progress=job.done)
+
+    def _begin(
+        self,
+        params: list[Tensor],
+        mine: list[Tensor],
+        which: list[int],
+        anchor: list[Tensor],
+        name: str,
+    ) -> "PendingMean | PendingSparseMean":
+        """The pseudo-gradient, its error feedback, and the codec's mean started."""
         flat = torch.cat([(a.float() - p.float()).reshape(-1) for p, a in zip(params, mine)])
         residual, segments = None, None
         if self.error_feedback:
@@ -98,13 +129,18 @@ class PseudoGradientAverage:
             assert self.residual is not None
             for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
                 self.residual.narrow(0, offset, size).copy_(part)
+        return pending
 
-        def finish() -> None:
-            mean = pending.wait()
-            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params])):
-                p.copy_(a.float() - d.view_as(p))
-
-        return PendingAverage(finish, progress=pending.done)
+    @staticmethod
+    def _land(
+        pending: "PendingMean | PendingSparseMean", params: list[Tensor], mine: list[Tensor]
+    ) -> list[Tensor]:
+        """Each parameter's new value ``anchor - mean``, once the mean is in."""
+        mean = pending.wait()
+        return [
+            a.float() - d.view_as(p)
+            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params]))
+        ]
 
     def _mean_start(
         self, flat: Tensor, name: str, residual: Tensor | None

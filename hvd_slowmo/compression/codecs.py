@@ -125,6 +125,8 @@ def _num_blocks(numel: int, block: int) -> int:
 def _blocked(x: Tensor, block: int) -> Tensor:
     """``x`` zero-padded to whole blocks, one row per block (zeros change no block's absmax)."""
     pad = _num_blocks(x.numel(), block) * block - x.numel()
+    if pad == 0 and x.is_contiguous():
+        return x.view(-1, block)  # whole blocks already: no copy
     return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
 
 

@@ -11,7 +11,8 @@ pseudo-gradient ``anchor - parameters`` in SlowMo's outer step, arXiv 1910.00643
 2. One all-gather hands every worker every packet (all of one size, in rank order).
 3. Every worker decodes the packets and adds them, in rank order, into a float32 vector of
    zeros (each packet's positions are distinct, so each addition is one float32 add per
-   entry), then divides by ``m``: the same operations on the same bits, so every worker holds
+   entry; :func:`~hvd_slowmo.compression.sparse.sparse_sum` decodes all ``m`` at once), then
+   divides by ``m``: the same operations on the same bits, so every worker holds
    the same average, bit for bit.
 
 Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communicator's
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
-from .sparse import SparseCodec, packet_nbytes, sparse_decode, sparse_decode_dense, sparse_encode
+from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
 
@@ -120,9 +121,5 @@ class PendingSparseMean:
                 f"sparse_mean: gathered {gathered.numel()} bytes, want {m} packets of {nbytes} "
                 "(the workers disagree on the vector's length or the codec)"
             )
-        padded = -(-n // codec.chunk) * codec.chunk
-        total = torch.zeros(padded, dtype=torch.float32, device=gathered.device)
-        for packet in gathered.split(nbytes):  # rank order: the same sum on every worker
-            index, values = sparse_decode(packet, n, codec)
-            total.index_add_(0, index, values)
-        self._result = total[:n].div_(m)
+        # One decode of every packet and one add in rank order: the same sum on every worker.
+        self._result = sparse_sum(gathered.view(m, nbytes), n, codec).div_(m)
