@@ -19,10 +19,10 @@ Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communica
 ``bytes_sent``): unlike an allreduce this grows with ``m``.
 """
 
-import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
+from .codecs import check_vector
 from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
@@ -70,18 +70,7 @@ class PendingSparseMean:
         name: str,
         residual: Tensor | None = None,
     ) -> None:
-        if flat.dtype != torch.float32 or flat.dim() != 1:
-            raise ValueError(
-                f"sparse_mean: flat must be a 1-D float32 tensor, got {flat.dtype} of shape "
-                f"{tuple(flat.shape)}"
-            )
-        if residual is not None and (
-            residual.dtype != torch.float32 or residual.shape != flat.shape
-        ):
-            raise ValueError(
-                f"sparse_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
-                f"{residual.dtype} of shape {tuple(residual.shape)}"
-            )
+        check_vector(flat, residual, "sparse_mean")
         self._comm, self._codec, self._numel = comm, codec, flat.numel()
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:
