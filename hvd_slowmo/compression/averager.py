@@ -67,6 +67,7 @@ class PseudoGradientAverage:
         self.block = block
         self.residual: Tensor | None = None
         self.thread = CodecThread(comm.counter) if comm.collectives_any_thread else None
+        self._buffers: dict[tuple[str, int, torch.device], Tensor] = {}
 
     def start(
         self,
@@ -120,11 +121,17 @@ class PseudoGradientAverage:
         name: str,
     ) -> "PendingMean | PendingSparseMean":
         """The pseudo-gradient, its error feedback, and the codec's mean started."""
-        flat = torch.cat([(a.float() - p.float()).reshape(-1) for p, a in zip(params, mine)])
+        flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
+        for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
+            torch.sub(a.float().reshape(-1), p.float().reshape(-1), out=part)
         residual, segments = None, None
         if self.error_feedback:
             residual, segments = self._residual_of(which, anchor, flat.device)
-        pending = self._mean_start(flat, name, residual)
+        # The sum's buffer is reused only where each mean is consumed before the next starts
+        # (one job at a time on the codec thread); in flight on the training thread, two
+        # fragments' means may coexist.
+        offloaded = self.thread is not None and self.comm.size > 1
+        pending = self._mean_start(flat, name, residual, offloaded)
         if residual is not None and segments is not None:  # a gathered copy: put it back
             assert self.residual is not None
             for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
@@ -143,13 +150,25 @@ class PseudoGradientAverage:
         ]
 
     def _mean_start(
-        self, flat: Tensor, name: str, residual: Tensor | None
+        self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
     ) -> "PendingMean | PendingSparseMean":
-        """Start the codec's mean of ``flat``: an all-gather of sparse packets, or the dense
-        codecs' exchange."""
+        """Start the codec's mean of ``flat``: an all-gather of sparse packets (summed into a
+        reused buffer with ``reuse``), or the dense codecs' exchange."""
         if isinstance(self.codec, SparseCodec):
-            return PendingSparseMean(self.comm, flat, self.codec, name, residual)
+            out = None
+            if reuse:
+                padded = -(-flat.numel() // self.codec.chunk) * self.codec.chunk
+                out = self._buffer("sum", padded, flat.device)
+            return PendingSparseMean(self.comm, flat, self.codec, name, residual, out=out)
         return PendingMean(self.comm, flat, self.codec, name, residual, self.block)
+
+    def _buffer(self, role: str, numel: int, device: torch.device) -> Tensor:
+        """A float32 buffer of ``numel`` elements kept across outer steps (one per role, size
+        and device: the fragments' sizes), so a step allocates nothing of the model's size."""
+        key = (role, numel, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._buffers[key]
 
     def _residual_of(
         self, which: list[int], anchor: list[Tensor], device: torch.device

@@ -58,8 +58,10 @@ def sparse_mean(
 class PendingSparseMean:
     """:func:`sparse_mean` in flight: the packet is encoded and the all-gather started on
     construction (the residual is updated there); the packets are summed once :meth:`poll`
-    finds the all-gather done, or at :meth:`wait`. Arguments as for :func:`sparse_mean`.
-    Collective.
+    finds the all-gather done, or at :meth:`wait`. Arguments as for :func:`sparse_mean`, and
+    ``out``: a float32 buffer of ``ceil(n / chunk) * chunk`` elements to sum into (the result
+    is a view of it; a caller that consumes each result before its next mean reuses it), None:
+    a new one. Collective.
     """
 
     def __init__(
@@ -69,9 +71,10 @@ class PendingSparseMean:
         codec: SparseCodec,
         name: str,
         residual: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> None:
         check_vector(flat, residual, "sparse_mean")
-        self._comm, self._codec, self._numel = comm, codec, flat.numel()
+        self._comm, self._codec, self._numel, self._out = comm, codec, flat.numel(), out
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:
             return
@@ -111,4 +114,4 @@ class PendingSparseMean:
                 "(the workers disagree on the vector's length or the codec)"
             )
         # One decode of every packet and one add in rank order: the same sum on every worker.
-        self._result = sparse_sum(gathered.view(m, nbytes), n, codec).div_(m)
+        self._result = sparse_sum(gathered.view(m, nbytes), n, codec, self._out).div_(m)
