@@ -52,6 +52,10 @@ class PseudoGradientAverage:
         residual: this worker's error-feedback residual, flat float32 over all the model's
             parameters in the optimizer's order (the same layout for any number of fragments),
             or None (no error feedback, or nothing lost yet).
+        thread: the :class:`~hvd_slowmo.compression.offload.CodecThread` that runs each
+            average's codec work and collectives off the training thread, where the
+            communicator allows it (``collectives_any_thread``); None: they run on the caller's
+            thread.
     """
 
     def __init__(
@@ -80,8 +84,9 @@ class PseudoGradientAverage:
         holds ``anchor - mean(anchor - params)``, bitwise the same on every worker. Collective.
 
         Args:
-            params: this worker's parameters (overwritten at ``wait()``; not read after this):
-                all of the model's, or those of ``indices``.
+            params: this worker's parameters (overwritten at ``wait()``, and read until then
+                on the codec thread: the caller must not change them before): all of the
+                model's, or those of ``indices``.
             anchor: the anchor of every parameter of the model, one tensor each, identical on
                 every worker.
             name: a label for the collectives.
