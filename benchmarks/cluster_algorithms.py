@@ -169,6 +169,28 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         {**_SLOWMO, "buffers": "reset", "overlap": 2},
         periodic=True,
     ),
+    # The codecs without overlap: one exact average each tau steps, its wire and its codec's
+    # CPU time exposed (the utilization table's rows beside localsgd_slowmo's fp32).
+    Algorithm(
+        "localsgd_slowmo_int8",
+        "Local SGD + SlowMo, int8",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "codec": "int8"},
+        periodic=True,
+        payload=0.25,
+    ),
+    Algorithm(
+        "localsgd_slowmo_sparse",
+        "Local SGD + SlowMo, sparse",
+        "slowmo",
+        "localsgd",
+        12,
+        {**_SLOWMO, "buffers": "reset", "codec": "sparse", "error_feedback": True},
+        periodic=True,
+        payload=0.019,
+    ),
     # Streaming (fragments=4: a quarter of the model per average, each overlapped by up to
     # tau // 4 = 3 steps; needs a workload of at least 4 layers, so not the one-layer synthetic
     # one) and the compressed exchange (int8 pseudo-gradients, overlap=2).
@@ -215,7 +237,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             "buffers": "reset",
             "fragments": 4,
             "overlap": 3,
-            "compression": "sparse",
+            "codec": "sparse",
             "error_feedback": True,
         },
         periodic=True,
@@ -230,7 +252,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         {
             **_SLOWMO,
             "buffers": "reset",
-            "compression": "sparse",
+            "codec": "sparse",
             "error_feedback": True,
             "overlap": 2,
         },
@@ -289,6 +311,8 @@ PEER_ROWS = (
             "localsgd_slowmo",
             "localsgd_slowmo_overlap1",
             "localsgd_slowmo_overlap2",
+            "localsgd_slowmo_int8",
+            "localsgd_slowmo_sparse",
             "localsgd_slowmo_stream4",
             "localsgd_slowmo_int8_overlap2",
             "localsgd_slowmo_stream4_int8",
@@ -320,6 +344,17 @@ ALGORITHM_SETS = {
         "localsgd_slowmo_int8_overlap2",
         "localsgd_slowmo_stream4_int8",
         "localsgd_slowmo_sparse_overlap2",
+        "localsgd_slowmo_stream4_sparse",
+    ),
+    # The utilization table (benchmarks/utilization.py): fp32, int8 and sparse, each without
+    # overlap and streamed (fragments=4, overlap=3), beside compute only.
+    "utilization": (
+        "compute",
+        "localsgd_slowmo",
+        "localsgd_slowmo_int8",
+        "localsgd_slowmo_sparse",
+        "localsgd_slowmo_stream4",
+        "localsgd_slowmo_stream4_int8",
         "localsgd_slowmo_stream4_sparse",
     ),
     # hvd_slowmo over torch.distributed beside PyTorch's own tools (same Gloo transport).

@@ -53,8 +53,7 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Args:
         repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
             ``rank_median_ms``, ``bytes_per_iter``, ``peak_bytes_per_step``, ``bytes_computed``
-            and, for hvd_slowmo,
-            ``phase_ms_per_iter``.
+            and, for hvd_slowmo, ``phase_ms_per_iter`` and ``bytes_per_outer_step``.
     """
     if not repeats:
         raise ValueError("pool_repeats needs at least one measurement")
@@ -75,6 +74,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "peak_bytes_per_step": max(r.get("peak_bytes_per_step", 0) for r in repeats),
         "bytes_computed": repeats[0]["bytes_computed"],
     }
+    if all("bytes_per_outer_step" in r for r in repeats):
+        out["bytes_per_outer_step"] = statistics.fmean(r["bytes_per_outer_step"] for r in repeats)
     if "phase_ms_per_iter" in repeats[0]:
         out["phase_ms_per_iter"] = {
             k: statistics.fmean(r["phase_ms_per_iter"][k] for r in repeats)

@@ -298,6 +298,7 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
         # Untimed: land what is still in flight, so the next row's collectives (same names) never
         # meet this row's, and its buffers are freed with the optimizer.
         opt.flush()
+    flushed = comm.bytes_sent if comm is not None else 0
     barrier()
     everyone = hvd.allgather_object(stamps, name=f"cluster.stamps.{algo.key}")
     merged = cluster_stamps(everyone)
@@ -308,6 +309,10 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if comm is not None:
         out["bytes_per_iter"] = (sent[-1] - bytes0) / n
+        # Whole averages: a collective's bytes may be counted when it completes (an all-gather),
+        # after the timed steps for the one still in flight, so the flush's are added here. The
+        # averages started in the n / tau timed periods (the first starts after the warm-up).
+        out["bytes_per_outer_step"] = (flushed - bytes0) / (n // tau)
         # hvd_slowmo has at most one exact average (or fragment's) in flight, so the most bytes
         # started in one step is the most in flight at once: what the link must carry per phase.
         out["peak_bytes_per_step"] = max(b - a for a, b in zip(sent, sent[1:]))

@@ -1,14 +1,18 @@
 """What each codec of a compressed exact average costs in arithmetic, per MB of float32 payload.
 
-For every codec (fp16, bf16, int8, fp8, and any other that :mod:`hvd_slowmo.compression` has,
-such as a sparse one: each is tried, and one that does not work says why) on the CPU and, where
-there is one, on the GPU, the median over repeats of:
-  - encode: :func:`~hvd_slowmo.compression.encode` of the whole vector and its wire packet;
-  - decode: the packet back to float32;
+For every codec (fp16, bf16, int8, fp8, the sparse one with its defaults, and any other that
+:mod:`hvd_slowmo.compression` has: each is tried, and one that does not work says why) on the
+CPU and, where there is one, on the GPU, the median over repeats of:
+  - encode: :func:`~hvd_slowmo.compression.encode` of the whole vector and its wire packet
+    (sparse: :func:`~hvd_slowmo.compression.sparse_encode`);
+  - decode: the packet back to float32 (sparse: ``sparse_decode_dense``);
   - mean: one worker's arithmetic in a compressed mean of ``--workers`` workers, without the
     wire: encode its vector in ``workers`` chunks, decode and sum ``workers`` received chunks
     of its own share, encode the mean, decode the ``workers`` gathered chunks (what
-    :class:`~hvd_slowmo.compression.PendingMean` computes around its all-to-all and all-gather).
+    :class:`~hvd_slowmo.compression.PendingMean` computes around its all-to-all and
+    all-gather); sparse: the error feedback's update, the encode, the residual's correction,
+    the decode and sum of ``workers`` gathered packets (what
+    :class:`~hvd_slowmo.compression.PendingSparseMean` computes around its all-gather).
 Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``). Printed as a
 Markdown table, and with ``--json PATH`` written as JSON (scripts/gpu_summary.py reads it).
 
@@ -18,14 +22,22 @@ Usage: python benchmarks/codec_cost.py [--mb 64] [--repeats 10] [--workers 4] [-
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_timing import median_ms  # benchmarks/, beside this script
 
-from hvd_slowmo.compression import CODECS, check_codec, decode, encode
+from hvd_slowmo.compression import (
+    CODECS,
+    SparseCodec,
+    check_codec,
+    decode,
+    encode,
+    sparse_decode_dense,
+    sparse_encode,
+)
 from hvd_slowmo.compression import codecs as codec_module
+from hvd_slowmo.compression.sparse import sparse_sum
 
 #: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
 #: codec at all, and is left out).
@@ -38,26 +50,8 @@ def codec_names() -> list[str]:
         c for c in CODECS if c not in PREFERRED and c != "fp32"
     ]
     if "sparse" not in names:
-        names.append("sparse")  # tried anyway: its row then says why it is not there
+        names.append("sparse")
     return names
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """The median wall time of ``fn`` in ms, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def local_mean(x: torch.Tensor, codec: str, workers: int) -> torch.Tensor:
@@ -75,29 +69,52 @@ def local_mean(x: torch.Tensor, codec: str, workers: int) -> torch.Tensor:
     )
 
 
+def sparse_local_mean(x: torch.Tensor, residual: torch.Tensor, codec: SparseCodec, workers: int):
+    """One worker's arithmetic in a sparse mean of ``workers`` with error feedback (the wire
+    left out; every worker assumed to send this one's packet): the residual's update and
+    encode, the residual's correction, the decode and sum of the gathered packets."""
+    contribution = residual.mul_(codec.ef_decay).add_(x)
+    packet = sparse_encode(contribution, codec)
+    residual.sub_(sparse_decode_dense(packet, x.numel(), codec))
+    gathered = packet.expand(workers, -1)
+    return sparse_sum(gathered, x.numel(), codec).div_(workers)
+
+
+def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callable, Callable, int]:
+    """The codec's encode, decode and mean of ``x`` as functions, and its packet's bytes."""
+    n = x.numel()
+    spec = check_codec(codec, x.device)
+    if isinstance(spec, SparseCodec):
+        packet = sparse_encode(x, spec)
+        residual = torch.zeros_like(x)
+        return (
+            lambda: sparse_encode(x, spec),
+            lambda: sparse_decode_dense(packet, n, spec),
+            lambda: sparse_local_mean(x, residual, spec, workers),
+            packet.numel(),
+        )
+    packet = codec_module.to_bytes(encode(x, codec))
+    return (
+        lambda: codec_module.to_bytes(encode(x, codec)),
+        lambda: decode(codec_module.from_bytes(packet, n, codec), codec),
+        lambda: local_mean(x, codec, workers),
+        packet.numel(),
+    )
+
+
 def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: int) -> dict:
     """One row: ms per MB of encode, decode and mean, or the error that stopped it."""
     row: dict = {"codec": codec, "device": device.type}
     try:
-        check_codec(codec, device)
         n = max(1, int(mb * 2**20 / 4))
         g = torch.Generator().manual_seed(0)
         x = torch.randn(n, generator=g).to(device)
-        packet = codec_module.to_bytes(encode(x, codec))
+        enc, dec, mean, nbytes = _steps(codec, x, workers)
         per_mb = n * 4 / 2**20
-        row["encode_ms_per_mb"] = (
-            median_ms(lambda: codec_module.to_bytes(encode(x, codec)), repeats, device) / per_mb
-        )
-        row["decode_ms_per_mb"] = (
-            median_ms(
-                lambda: decode(codec_module.from_bytes(packet, n, codec), codec), repeats, device
-            )
-            / per_mb
-        )
-        row["mean_ms_per_mb"] = (
-            median_ms(lambda: local_mean(x, codec, workers), repeats, device) / per_mb
-        )
-        row["wire_bytes_per_fp32_byte"] = packet.numel() / (n * 4)
+        row["encode_ms_per_mb"] = median_ms(enc, repeats, device) / per_mb
+        row["decode_ms_per_mb"] = median_ms(dec, repeats, device) / per_mb
+        row["mean_ms_per_mb"] = median_ms(mean, repeats, device) / per_mb
+        row["wire_bytes_per_fp32_byte"] = nbytes / (n * 4)
     except (ValueError, TypeError, RuntimeError, KeyError) as e:  # a codec this torch lacks
         row["error"] = f"{type(e).__name__}: {e}"
     return row

@@ -24,11 +24,11 @@ import gc
 import socket
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torchvision
+from bench_timing import median_ms, sync  # benchmarks/, beside this script
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -87,11 +87,6 @@ def build_model(tiny: bool, device: torch.device) -> nn.Module:
     return model.to(device, memory_format=torch.channels_last)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_optimizer(variant: str, model: nn.Module, tau: int) -> torch.optim.Optimizer:
     base = torch.optim.SGD(
         model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-5
@@ -112,18 +107,6 @@ def make_optimizer(variant: str, model: nn.Module, tau: int) -> torch.optim.Opti
         model_buffers=model.buffers(),
         communicator=comm,
     )
-
-
-def median_ms(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def run_variant(variant: str, args: argparse.Namespace, device: torch.device) -> dict[str, object]:

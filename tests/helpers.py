@@ -190,6 +190,27 @@ def train_steps(opt: Any, model: nn.Module, rank: int, start: int, stop: int) ->
         opt.step()
 
 
+def train_flushed(model: nn.Module, rank: int, communicator: Any = None, **options: Any) -> dict:
+    """SlowMo over Local SGD (``tau=4``, slow momentum 0.5, SGD lr 0.05 momentum 0.9) with
+    ``options`` (a codec, overlap, fragments...): 14 reference steps, flushed. Returns the
+    model's state and the anchor (``anchor.{i}``). Shared by the horovodrun workers and the
+    in-process runs they are compared with (no model buffers averaged: an allreduce of Gloo
+    rounds differently from the threads)."""
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        communicator=communicator,
+        tau=4,
+        slow_momentum=0.5,
+        **options,
+    )
+    train_steps(opt, model, rank, 0, 14)
+    opt.flush()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state.update({f"anchor.{i}": a.clone() for i, a in enumerate(opt.slow_state.anchor)})
+    return state
+
+
 class SlowArrivals(ForwardingCommunicator):
     """A thread communicator whose messages never look arrived to OSGP's opportunistic check
     (a ``done()`` called from ``_mix``), so OSGP mixes only what staleness forces: deterministic

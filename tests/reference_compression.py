@@ -99,11 +99,13 @@ def reference_compressed_mean(
     return [result.clone() for _ in range(m)], new_residuals, sent_bytes
 
 
-def pseudo_gradient_average(codec: str, error_feedback: bool, block: int = 256):
-    """A fragment's average for ``reference_streaming(average=...)``: ``x0 - mean_c(x0 - s_i)``
-    with ``mean_c`` the compressed average above, over the fragment's parameters concatenated
-    in order. With error feedback each worker keeps one residual per parameter (zero at first),
-    so what a parameter's codes lost is added to that parameter's next average."""
+def pseudo_gradient_replay(mean, error_feedback: bool):
+    """A fragment's average for ``reference_streaming(average=...)``: ``x0 - mean(x0 - s_i)``
+    over the fragment's parameters concatenated in order, ``mean(grads, carried) -> (means,
+    lost)`` a reference mean (the compressed one above, or the sparse one of
+    reference_sparse.py). With error feedback each worker keeps one residual per parameter
+    (zero at first), so what a parameter's codes lost is added to that parameter's next
+    average."""
     residuals: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> residual
 
     def average(members, snapshots, anchor):
@@ -117,7 +119,7 @@ def pseudo_gradient_average(codec: str, error_feedback: bool, block: int = 256):
                 torch.cat([residuals.get((i, j), torch.zeros(n)) for j, n in zip(members, sizes)])
                 for i in range(m)
             ]
-        means, lost, _ = reference_compressed_mean(grads, codec, block, carried)
+        means, lost = mean(grads, carried)
         if lost is not None:
             for i in range(m):
                 for j, part in zip(members, lost[i].split(sizes)):
@@ -125,6 +127,14 @@ def pseudo_gradient_average(codec: str, error_feedback: bool, block: int = 256):
         return [a - d.view_as(a) for a, d in zip(anchor, means[0].split(sizes))]
 
     return average
+
+
+def pseudo_gradient_average(codec: str, error_feedback: bool, block: int = 256):
+    """:func:`pseudo_gradient_replay` of the compressed average above."""
+    return pseudo_gradient_replay(
+        lambda grads, carried: reference_compressed_mean(grads, codec, block, carried)[:2],
+        error_feedback,
+    )
 
 
 def reference_slowmo_compressed(

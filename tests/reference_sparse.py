@@ -20,6 +20,7 @@ in rank order, to zeros and divides by ``m``.
 import struct
 
 import torch
+from reference_compression import pseudo_gradient_replay
 
 
 def kept_per_chunk(density: float, chunk: int) -> int:
@@ -137,29 +138,12 @@ def sparse_pseudo_gradient_average(
     density: float, bits: int, chunk: int, error_feedback: bool, decay: float = 1.0
 ):
     """A fragment's average for ``reference_streaming(average=...)``: ``x0 - mean_s(x0 - s_i)``
-    with ``mean_s`` the sparse average above, over the fragment's parameters concatenated in
-    order. With error feedback each worker keeps one residual per parameter (zero at first)."""
-    residuals: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> residual
-
-    def average(members, snapshots, anchor):
-        m = len(snapshots)
-        sizes = [a.numel() for a in anchor]
-        flat_anchor = torch.cat([a.reshape(-1) for a in anchor])
-        grads = [flat_anchor - torch.cat([s.reshape(-1) for s in snaps]) for snaps in snapshots]
-        carried = None
-        if error_feedback:
-            carried = [
-                torch.cat([residuals.get((i, j), torch.zeros(n)) for j, n in zip(members, sizes)])
-                for i in range(m)
-            ]
-        means, lost, _ = sparse_mean(grads, density, bits, chunk, carried, decay)
-        if lost is not None:
-            for i in range(m):
-                for j, part in zip(members, lost[i].split(sizes)):
-                    residuals[(i, j)] = part.clone()
-        return [a - d.view_as(a) for a, d in zip(anchor, means[0].split(sizes))]
-
-    return average
+    with ``mean_s`` the sparse average above (the replay of the pseudo-gradients and their
+    residuals: reference_compression.py's :func:`pseudo_gradient_replay`)."""
+    return pseudo_gradient_replay(
+        lambda grads, carried: sparse_mean(grads, density, bits, chunk, carried, decay)[:2],
+        error_feedback,
+    )
 
 
 def vector(rank: int, n: int, seed: int = 0) -> torch.Tensor:

@@ -222,6 +222,8 @@ _PEERS = [
     "localsgd_slowmo_overlap1",
     "localsgd_slowmo_overlap1_td",
     "localsgd_slowmo_overlap2",
+    "localsgd_slowmo_int8",
+    "localsgd_slowmo_sparse",
     "localsgd_slowmo_stream4",
     "localsgd_slowmo_stream4_int8",
     "localsgd_slowmo_int8_overlap2",
@@ -299,6 +301,7 @@ def test_pool_repeats():
             "iterations": iters,
             "rank_median_ms": [1.0, 2.0],
             "bytes_per_iter": sent,
+            "bytes_per_outer_step": 12 * sent,
             "peak_bytes_per_step": sent,
             "bytes_computed": False,
             "phase_ms_per_iter": {"average": phase},
@@ -315,6 +318,7 @@ def test_pool_repeats():
     assert pooled["repeat_median_ms"] == [30.0, 40.0]
     assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
     assert pooled["peak_bytes_per_step"] == 300.0  # the most of any repeat
+    assert pooled["bytes_per_outer_step"] == 2400.0
     with pytest.raises(ValueError, match="at least one"):
         cstats.pool_repeats([])
 
@@ -668,6 +672,9 @@ def test_end_to_end_two_hosts(tmp_path):
     stream = res["localsgd_slowmo_stream4"]
     assert stream["peak_bytes_per_step"] == pytest.approx(100_000, rel=0.01), stream
     assert stream["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
+    # Per outer step, the flushed averages of whole periods: the same with and without streaming.
+    for key in ("localsgd_slowmo", "localsgd_slowmo_stream4"):
+        assert res[key]["bytes_per_outer_step"] == pytest.approx(400_000, rel=0.01), key
     # hvd_slowmo over torch.distributed counts its own bytes, as over Horovod.
     assert res["localsgd_slowmo_td"]["bytes_per_iter"] == pytest.approx(400_000 / 12, rel=0.01)
     table = (tmp_path / "table.md").read_text()

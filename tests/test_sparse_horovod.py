@@ -50,6 +50,7 @@ def check_launch(tmp_path, np_: int, want_transports: set[str]) -> None:
             assert torch.equal(g[key], w[key]), f"optimizer run, rank {rank}: {key} differs"
             if key.startswith("anchor."):
                 assert torch.equal(g[key], got[0][key]), f"rank {rank}: anchor differs"
+    check_rounds(ranks, np_)
     transports = {key[0] for key in ranks[0]}
     assert transports == want_transports
     for (transport, case), (first, _, _) in ranks[0].items():
@@ -67,3 +68,34 @@ def check_launch(tmp_path, np_: int, want_transports: set[str]) -> None:
             assert nbytes == want_bytes[rank], f"{where}: {nbytes} bytes, want {want_bytes}"
             if feedback:
                 assert torch.equal(residual, want_residuals[rank]), f"{where}: residual"
+
+
+def check_rounds(ranks: list[dict], np_: int) -> None:
+    """The pseudo-gradient rounds of every transport (popped from ``ranks``): their codec's
+    work ran on the codec thread (not under torchrun: torch.distributed has one collective
+    order per process group), and they equal the same rounds on thread workers with the codec
+    on the training thread, bit for bit."""
+    from sparse_worker import ROUND_CODECS, pseudo_gradient_rounds
+
+    from hvd_slowmo.comm.local import ThreadCommunicator, run_threads
+
+    class Inline(ThreadCommunicator):
+        collectives_any_thread = False
+
+    keys = [k for k in ranks[0] if k[0] == "rounds"]
+    assert keys, "the worker ran no rounds"
+    for key in keys:
+        _, transport, name = key
+        codec = ROUND_CODECS[name]
+        want = run_threads(
+            np_, lambda comm, c=codec: pseudo_gradient_rounds(Inline(comm.world, comm.rank), c)
+        )
+        for rank, result in enumerate(ranks):
+            got = result.pop(key)
+            where = f"{transport} {name} rank {rank}"
+            assert got["offloaded"] == (transport != "torch"), where
+            assert not want[rank]["offloaded"]
+            for a, b in zip(got["params"], want[rank]["params"]):
+                assert torch.equal(a, b), f"{where}: parameters differ from the inline run"
+            assert torch.equal(got["residual"], want[rank]["residual"]), f"{where}: residual"
+            assert got["bytes"] == want[rank]["bytes"], f"{where}: bytes"

@@ -1,4 +1,4 @@
-"""DistributedOptimizer(compression=SparseCodec(...)) on thread workers: equal bit for bit to the
+"""DistributedOptimizer(codec=SparseCodec(...)) on thread workers: equal bit for bit to the
 hand-written replay (whole model, fragments, overlap, eager "local", SparseLoCo's form), the
 anchor identical on every rank, resumed bit for bit, and its argument checks."""
 
@@ -38,7 +38,7 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
     m, steps = 3, 15
     got = run(
         m, steps, tau=tau, overlap=d, fragments=p, eager=eager, slow_lr=alpha,
-        slow_momentum=beta, compression=codec, error_feedback=True,
+        slow_momentum=beta, codec=codec, error_feedback=True,
     )  # fmt: skip
     average = sparse_pseudo_gradient_average(**settings, error_feedback=True, decay=decay)
     want, anchors = reference_streaming(
@@ -68,7 +68,7 @@ RESUMES = {  # settings, the step to save at
 def test_resume_mid_run_is_bitwise(case, one_intra_op_thread):
     kwargs, stop = RESUMES[case]
     codec = SparseCodec(**SETTINGS, ef_decay=0.9)
-    make = build(compression=codec, error_feedback=True, **kwargs)
+    make = build(codec=codec, error_feedback=True, **kwargs)
 
     def check(opt):
         residual = opt.exchange.residual
@@ -90,7 +90,7 @@ def test_the_string_is_the_default_codec_and_a_change_of_workers_forgets_the_res
             named_parameters=model.named_parameters(),
             communicator=comm,
             tau=3,
-            compression="sparse",
+            codec="sparse",
             error_feedback=True,
         )
         train(opt, model, comm.rank, 0, 4)
@@ -106,11 +106,11 @@ def test_the_string_is_the_default_codec_and_a_change_of_workers_forgets_the_res
 
 BAD = {
     "sharded": (
-        dict(compression="sparse", error_feedback=True, shard_slow_state=True),
+        dict(codec="sparse", error_feedback=True, shard_slow_state=True),
         ValueError,
         "shard_slow_state=True is not supported",
     ),
-    "unknown-name": (dict(compression="topk"), ValueError, "'sparse' or a SparseCodec"),
+    "unknown-name": (dict(codec="topk"), ValueError, "'sparse' or a SparseCodec"),
 }
 
 
@@ -130,7 +130,7 @@ def test_without_error_feedback_it_warns():
         DistributedOptimizer(
             SGD(model.parameters()),
             communicator=ThreadWorld(1).communicator(0),
-            compression="sparse",
+            codec="sparse",
         )
 
 
@@ -138,7 +138,7 @@ def test_sparseloco_form_through_a_custom_outer_optimizer(one_intra_op_thread):
     """``outer_optimizer=SGD(lr=alpha)`` steps ``x0 - alpha (x0 - avg)``: the same as
     ``slow_momentum=0, slow_lr=alpha`` up to the rounding of the 1/lr scaling; ranks identical."""
     codec = SparseCodec(**SETTINGS, ef_decay=0.95)
-    common = dict(tau=4, compression=codec, error_feedback=True)
+    common = dict(tau=4, codec=codec, error_feedback=True)
     custom = run(3, 13, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7), **common)
     slow = run(3, 13, slow_lr=0.7, slow_momentum=0.0, **common)
     for per_rank in zip(*[r[1] for r in custom]):

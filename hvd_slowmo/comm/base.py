@@ -15,6 +15,7 @@ declares which optional operations it has (:attr:`Communicator.supports_sharding
 
 import abc
 import contextlib
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -97,30 +98,36 @@ class ByteCounter:
 
     def __init__(self) -> None:
         self.total = 0
-        self._paused = 0
+        # The pause is per thread (a codec thread's collectives run beside the training
+        # thread's, which may be inside ``uncounted()``), the total shared under a lock.
+        self._local = threading.local()
+        self._lock = threading.Lock()
 
     @property
     def counting(self) -> bool:
-        """False inside :meth:`paused`."""
-        return self._paused == 0
+        """False inside :meth:`paused` (on this thread)."""
+        return getattr(self._local, "paused", 0) == 0
 
-    def add(self, nbytes: float) -> None:
-        """Count ``nbytes`` (rounded down) unless paused.
+    def add(self, nbytes: float, always: bool = False) -> None:
+        """Count ``nbytes`` (rounded down) unless paused on this thread.
 
         Args:
             nbytes: the bytes an operation puts on the wire.
+            always: count even when paused (an operation whose start was counted, finished
+                on another thread).
         """
-        if self._paused == 0:
-            self.total += int(nbytes)
+        if always or self.counting:
+            with self._lock:
+                self.total += int(nbytes)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Inside the block nothing is counted (nests)."""
-        self._paused += 1
+        """Inside the block nothing started on this thread is counted (nests)."""
+        self._local.paused = getattr(self._local, "paused", 0) + 1
         try:
             yield
         finally:
-            self._paused -= 1
+            self._local.paused -= 1
 
 
 class PendingExchange(abc.ABC):
@@ -243,6 +250,10 @@ class Communicator(abc.ABC):
             collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
             gradient average starts each parameter's average as soon as its gradient is ready
             instead of waiting for a bucket of them (:mod:`hvd_slowmo.bases.gradient_buckets`).
+        collectives_any_thread: collectives may be started from a second thread of this
+            worker while its training thread starts others (the transport pairs them by name,
+            or gives them an order of their own): a codec's average then runs on a thread of
+            its own (:mod:`hvd_slowmo.compression.offload`).
         workers_share_process: the workers are threads of one process (thread workers,
             :mod:`hvd_slowmo.comm.local`), so they share autograd's device threads: the end of
             a backward pass, run there, must not wait for the other workers
@@ -255,6 +266,7 @@ class Communicator(abc.ABC):
     supports_alltoall: bool = False
     supports_exchange: bool = False
     fuses_averages: bool = False
+    collectives_any_thread: bool = False
     workers_share_process: bool = False
     _counter: ByteCounter | None = None
 
@@ -419,7 +431,7 @@ class Communicator(abc.ABC):
             out = pending.wait()
             if counted:
                 # Ring all-gather: each worker forwards everyone's shards but its successor's.
-                self.counter.total += int((self.size - 1) / self.size * _nbytes(out))
+                self.counter.add((self.size - 1) / self.size * _nbytes(out), always=True)
             return out
 
         return PendingTensors(finish, pending.done)

@@ -109,6 +109,7 @@ class HorovodCommunicator(Communicator):
     supports_alltoall = True
     supports_exchange = True
     fuses_averages = True
+    collectives_any_thread = True  # Horovod pairs collectives by name
 
     def __init__(
         self,

@@ -339,6 +339,7 @@ class ThreadCommunicator(Communicator):
     supports_sharding = True
     supports_alltoall = True
     supports_exchange = True
+    collectives_any_thread = True  # paired by kind and name
     workers_share_process = True
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:

@@ -170,6 +170,9 @@ class MPICommunicator(Communicator):
 
     supports_alltoall = True
     supports_exchange = True
+    # The all-to-alls and the all-gathers have communicators of their own, so a codec thread
+    # starting them (in its own order, the same on every rank) crosses no other collective.
+    collectives_any_thread = True
 
     def __init__(
         self, comm: Any = None, cuda_aware: bool = False, timeout: float | str | None = "env"
@@ -188,6 +191,8 @@ class MPICommunicator(Communicator):
         # collectives of one kind are started in the same order everywhere.
         self._first = {OBJECTS: self._comm, GATHER: self._comm.Dup()}
         self._late = {lane: self._comm.Dup() for lane in (OBJECTS, GATHER)}
+        # The all-to-alls: one stage, in start order, apart from the object collectives.
+        self._alltoall_comm = self._comm.Dup()
         self._queues: dict[str, deque[_Collective]] = {OBJECTS: deque(), GATHER: deque()}
         # Starting a collective and queueing its second stage is one step, whichever thread
         # starts it (a gradient hook may run on autograd's thread).
@@ -373,7 +378,7 @@ class MPICommunicator(Communicator):
         etype = self._elem_type(send.element_size())
         counts = [s.numel() for s in sends]
         with self._lock:
-            request = self._comm.Ialltoallv(
+            request = self._alltoall_comm.Ialltoallv(
                 [self._buffer(send), (counts, _offsets(counts)), etype],
                 [self._buffer(recv), (recv_numels, _offsets(recv_numels)), etype],
             )

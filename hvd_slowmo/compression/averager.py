@@ -23,10 +23,17 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingAverage
 from .codecs import BLOCK_SIZE, check_codec
 from .exchange import PendingMean
+from .offload import CodecThread
 from .sparse import SparseCodec
 from .sparse_exchange import PendingSparseMean
 
 __all__ = ["PseudoGradientAverage"]
+
+
+def _copy(params: list[Tensor], values: list[Tensor]) -> None:
+    """The landing: each parameter takes its new value (on the training thread)."""
+    for p, v in zip(params, values):
+        p.copy_(v)
 
 
 class PseudoGradientAverage:
@@ -45,6 +52,10 @@ class PseudoGradientAverage:
         residual: this worker's error-feedback residual, flat float32 over all the model's
             parameters in the optimizer's order (the same layout for any number of fragments),
             or None (no error feedback, or nothing lost yet).
+        thread: the :class:`~hvd_slowmo.compression.offload.CodecThread` that runs each
+            average's codec work and collectives off the training thread, where the
+            communicator allows it (``collectives_any_thread``); None: they run on the caller's
+            thread.
     """
 
     def __init__(
@@ -59,6 +70,8 @@ class PseudoGradientAverage:
         self.error_feedback = error_feedback
         self.block = block
         self.residual: Tensor | None = None
+        self.thread = CodecThread(comm.counter) if comm.collectives_any_thread else None
+        self._buffers: dict[tuple[str, int, torch.device], Tensor] = {}
 
     def start(
         self,
@@ -71,8 +84,9 @@ class PseudoGradientAverage:
         holds ``anchor - mean(anchor - params)``, bitwise the same on every worker. Collective.
 
         Args:
-            params: this worker's parameters (overwritten at ``wait()``; not read after this):
-                all of the model's, or those of ``indices``.
+            params: this worker's parameters (overwritten at ``wait()``, and read until then
+                on the codec thread: the caller must not change them before): all of the
+                model's, or those of ``indices``.
             anchor: the anchor of every parameter of the model, one tensor each, identical on
                 every worker.
             name: a label for the collectives.
@@ -89,31 +103,77 @@ class PseudoGradientAverage:
         if not params:
             return PendingAverage()
         mine = [anchor[j] for j in which]
-        flat = torch.cat([(a.float() - p.float()).reshape(-1) for p, a in zip(params, mine)])
+        if self.thread is None or self.comm.size == 1:
+            pending = self._begin(params, mine, which, anchor, name)
+            return PendingAverage(
+                lambda: _copy(params, self._land(pending, params, mine)), progress=pending.done
+            )
+        # Off the training thread: everything from the pseudo-gradient to the landing values
+        # (the inputs, snapshots or this step's parameters, do not change until the wait).
+        devices = {t.device for t in (*params, *mine) if t.is_cuda}
+        job = self.thread.submit(
+            lambda: self._land(self._begin(params, mine, which, anchor, name), params, mine),
+            devices,
+        )
+        return PendingAverage(lambda: _copy(params, job.wait()), progress=job.done)
+
+    def _begin(
+        self,
+        params: list[Tensor],
+        mine: list[Tensor],
+        which: list[int],
+        anchor: list[Tensor],
+        name: str,
+    ) -> "PendingMean | PendingSparseMean":
+        """The pseudo-gradient, its error feedback, and the codec's mean started."""
+        flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
+        for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
+            torch.sub(a.float().reshape(-1), p.float().reshape(-1), out=part)
         residual, segments = None, None
         if self.error_feedback:
             residual, segments = self._residual_of(which, anchor, flat.device)
-        pending = self._mean_start(flat, name, residual)
+        # The sum's buffer is reused only where each mean is consumed before the next starts
+        # (one job at a time on the codec thread); in flight on the training thread, two
+        # fragments' means may coexist.
+        offloaded = self.thread is not None and self.comm.size > 1
+        pending = self._mean_start(flat, name, residual, offloaded)
         if residual is not None and segments is not None:  # a gathered copy: put it back
             assert self.residual is not None
             for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
                 self.residual.narrow(0, offset, size).copy_(part)
+        return pending
 
-        def finish() -> None:
-            mean = pending.wait()
-            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params])):
-                p.copy_(a.float() - d.view_as(p))
-
-        return PendingAverage(finish, progress=pending.done)
+    @staticmethod
+    def _land(
+        pending: "PendingMean | PendingSparseMean", params: list[Tensor], mine: list[Tensor]
+    ) -> list[Tensor]:
+        """Each parameter's new value ``anchor - mean``, once the mean is in."""
+        mean = pending.wait()
+        return [
+            a.float() - d.view_as(p)
+            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params]))
+        ]
 
     def _mean_start(
-        self, flat: Tensor, name: str, residual: Tensor | None
+        self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
     ) -> "PendingMean | PendingSparseMean":
-        """Start the codec's mean of ``flat``: an all-gather of sparse packets, or the dense
-        codecs' exchange."""
+        """Start the codec's mean of ``flat``: an all-gather of sparse packets (summed into a
+        reused buffer with ``reuse``), or the dense codecs' exchange."""
         if isinstance(self.codec, SparseCodec):
-            return PendingSparseMean(self.comm, flat, self.codec, name, residual)
+            out = None
+            if reuse:
+                padded = -(-flat.numel() // self.codec.chunk) * self.codec.chunk
+                out = self._buffer("sum", padded, flat.device)
+            return PendingSparseMean(self.comm, flat, self.codec, name, residual, out=out)
         return PendingMean(self.comm, flat, self.codec, name, residual, self.block)
+
+    def _buffer(self, role: str, numel: int, device: torch.device) -> Tensor:
+        """A float32 buffer of ``numel`` elements kept across outer steps (one per role, size
+        and device: the fragments' sizes), so a step allocates nothing of the model's size."""
+        key = (role, numel, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._buffers[key]
 
     def _residual_of(
         self, which: list[int], anchor: list[Tensor], device: torch.device

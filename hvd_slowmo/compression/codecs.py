@@ -41,6 +41,7 @@ __all__ = [
     "CODECS",
     "Encoded",
     "check_codec",
+    "check_vector",
     "decode",
     "encode",
     "encoded_nbytes",
@@ -118,6 +119,30 @@ def check_codec(
     return codec
 
 
+def check_vector(flat: Tensor, residual: Tensor | None, what: str) -> None:
+    """Refuse the arguments of a compressed mean that are not a 1-D float32 vector and a
+    residual of its shape (the dense exchange's and the sparse one's).
+
+    Args:
+        flat: this worker's vector.
+        residual: its error-feedback residual, or None.
+        what: the function, for the message.
+
+    Raises:
+        ValueError: naming the argument, what it is and what it must be.
+    """
+    if flat.dtype != torch.float32 or flat.dim() != 1:
+        raise ValueError(
+            f"{what}: flat must be a 1-D float32 tensor, got {flat.dtype} of shape "
+            f"{tuple(flat.shape)}"
+        )
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != flat.shape):
+        raise ValueError(
+            f"{what}: residual must be float32 of shape {tuple(flat.shape)}, got "
+            f"{residual.dtype} of shape {tuple(residual.shape)}"
+        )
+
+
 def _num_blocks(numel: int, block: int) -> int:
     return math.ceil(numel / block)
 
@@ -125,6 +150,8 @@ def _num_blocks(numel: int, block: int) -> int:
 def _blocked(x: Tensor, block: int) -> Tensor:
     """``x`` zero-padded to whole blocks, one row per block (zeros change no block's absmax)."""
     pad = _num_blocks(x.numel(), block) * block - x.numel()
+    if pad == 0 and x.is_contiguous():
+        return x.view(-1, block)  # whole blocks already: no copy
     return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
 
 

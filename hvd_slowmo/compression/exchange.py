@@ -24,7 +24,15 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
-from .codecs import BLOCK_SIZE, decode, encode, encoded_nbytes, from_bytes, to_bytes
+from .codecs import (
+    BLOCK_SIZE,
+    check_vector,
+    decode,
+    encode,
+    encoded_nbytes,
+    from_bytes,
+    to_bytes,
+)
 
 __all__ = ["PendingMean", "compressed_mean"]
 
@@ -75,18 +83,7 @@ class PendingMean:
         residual: Tensor | None = None,
         block: int = BLOCK_SIZE,
     ) -> None:
-        if flat.dtype != torch.float32 or flat.dim() != 1:
-            raise ValueError(
-                f"compressed_mean: flat must be a 1-D float32 tensor, got {flat.dtype} "
-                f"of shape {tuple(flat.shape)}"
-            )
-        if residual is not None and (
-            residual.dtype != torch.float32 or residual.shape != flat.shape
-        ):
-            raise ValueError(
-                f"compressed_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
-                f"{residual.dtype} of shape {tuple(residual.shape)}"
-            )
+        check_vector(flat, residual, "compressed_mean")
         if comm.size > 1 and not comm.supports_alltoall:
             raise ValueError(
                 f"a compressed average needs alltoall_flat and allgather_flat, which "

@@ -54,6 +54,7 @@ __all__ = [
     "sparse_decode",
     "sparse_decode_dense",
     "sparse_encode",
+    "sparse_sum",
     "unpack_bits",
 ]
 
@@ -79,7 +80,7 @@ def _integer(name: str, value: Any, what: str) -> int:
 
 @dataclass(frozen=True)
 class SparseCodec:
-    """The sparse codec's settings: pass it as ``compression=SparseCodec(...)`` (the string
+    """The sparse codec's settings: pass it as ``codec=SparseCodec(...)`` (the string
     ``"sparse"`` is ``SparseCodec()``).
 
     Args:
@@ -178,21 +179,23 @@ def pack_bits(values: Tensor, width: int) -> Tensor:
 
 
 def unpack_bits(packed: Tensor, count: int, width: int) -> Tensor:
-    """The first ``count`` values :func:`pack_bits` packed (int64).
+    """The first ``count`` values :func:`pack_bits` packed (int64), along the last dimension:
+    ``packed`` of shape ``(..., nbytes)`` gives ``(..., count)`` (several packets at once).
 
     Args:
-        packed: 1-D uint8.
+        packed: uint8, the packed bytes along the last dimension.
         count: how many values.
         width: their width in bits, 1 to 8.
     """
     packed = packed.to(torch.int64)
+    lead = packed.shape[:-1]
     mask = (1 << width) - 1
     if 8 % width == 0:
         shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.int64)
-        return ((packed[:, None] >> shifts) & mask).reshape(-1)[:count]
-    stream = ((packed[:, None] >> torch.arange(8, device=packed.device)) & 1).reshape(-1)
-    stream = stream[: count * width].view(count, width)
-    return (stream << torch.arange(width, device=packed.device)).sum(dim=1)
+        return ((packed[..., None] >> shifts) & mask).reshape(*lead, -1)[..., :count]
+    stream = ((packed[..., None] >> torch.arange(8, device=packed.device)) & 1).reshape(*lead, -1)
+    stream = stream[..., : count * width].reshape(*lead, count, width)
+    return (stream << torch.arange(width, device=packed.device)).sum(dim=-1)
 
 
 def _pack_index(index: Tensor, width: int) -> Tensor:
@@ -210,10 +213,11 @@ def _index_nbytes(count: int, width: int) -> int:
 
 
 def _unpack_index(packed: Tensor, count: int, width: int) -> Tensor:
+    """:func:`_pack_index` undone along the last dimension (several packets at once)."""
     if width <= 8:
         return unpack_bits(packed, count, width)
-    low = packed[:count].to(torch.int64)
-    return low | (unpack_bits(packed[count:], count, width - 8) << 8)
+    low = packed[..., :count].to(torch.int64)
+    return low | (unpack_bits(packed[..., count:], count, width - 8) << 8)
 
 
 def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
@@ -260,9 +264,40 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
 
 def _view_f32(buf: Tensor) -> Tensor:
     # A packet received at an offset of a larger buffer may be misaligned for float32.
-    if buf.storage_offset() % 4:
-        buf = buf.clone()
+    # (A slice of several packets' scales is not contiguous either.)
+    if buf.storage_offset() % 4 or not buf.is_contiguous():
+        buf = buf.clone(memory_format=torch.contiguous_format)
     return buf.view(torch.float32)
+
+
+def _check_packets(packets: Tensor, numel: int, codec: SparseCodec, what: str) -> None:
+    want = packet_nbytes(numel, codec)
+    if packets.dtype != torch.uint8 or packets.dim() != 2 or packets.shape[1] != want:
+        raise ValueError(
+            f"{what}: a packet of {numel} elements with {codec} has {want} bytes, got "
+            f"{tuple(packets.shape)} of {packets.dtype}"
+        )
+
+
+def _decode_rows(packets: Tensor, numel: int, codec: SparseCodec) -> tuple[Tensor, Tensor]:
+    """:func:`sparse_decode` of ``m`` packets at once (``packets`` of shape ``(m, nbytes)``):
+    positions and values of shape ``(m, C * k)``, row ``r`` those of packet ``r``."""
+    m = packets.shape[0]
+    c, k, b, w = codec.chunk, codec.k, codec.bits, codec.index_bits
+    n_chunks = _chunks(numel, c)
+    entries = n_chunks * k
+    scales = _view_f32(packets[:, : 8 * n_chunks]).view(m, 2, n_chunks, 1)
+    lo, step = scales[:, 0], scales[:, 1]
+    start = 8 * n_chunks
+    index_bytes = _index_nbytes(entries, w)
+    index = _unpack_index(packets[:, start : start + index_bytes], entries, w)
+    codes = unpack_bits(packets[:, start + index_bytes :], entries, b).reshape(m, n_chunks, k)
+    level = (codes & ((1 << (b - 1)) - 1)).to(torch.float32)
+    size = level.mul_(step).add_(lo)  # lo + q * step: one rounding each, as the reference's
+    values = torch.where((codes >> (b - 1)) == 1, -size, size)
+    offsets = torch.arange(0, n_chunks * c, c, device=packets.device, dtype=torch.int64)
+    index = index.reshape(m, n_chunks, k) + offsets[:, None]
+    return index.view(m, entries), values.view(m, entries)
 
 
 def sparse_decode(packet: Tensor, numel: int, codec: SparseCodec) -> tuple[Tensor, Tensor]:
@@ -277,26 +312,46 @@ def sparse_decode(packet: Tensor, numel: int, codec: SparseCodec) -> tuple[Tenso
     Raises:
         ValueError: the packet's length is not :func:`packet_nbytes`.
     """
-    want = packet_nbytes(numel, codec)
-    if packet.dtype != torch.uint8 or packet.dim() != 1 or packet.numel() != want:
-        raise ValueError(
-            f"sparse_decode: a packet of {numel} elements with {codec} has {want} bytes, got "
-            f"{packet.numel()} of {packet.dtype}"
-        )
-    c, k, b, w = codec.chunk, codec.k, codec.bits, codec.index_bits
-    n_chunks = _chunks(numel, c)
-    entries = n_chunks * k
-    lo = _view_f32(packet[: 4 * n_chunks])
-    step = _view_f32(packet[4 * n_chunks : 8 * n_chunks])
-    start = 8 * n_chunks
-    index_bytes = _index_nbytes(entries, w)
-    index = _unpack_index(packet[start : start + index_bytes], entries, w).view(n_chunks, k)
-    codes = unpack_bits(packet[start + index_bytes :], entries, b).view(n_chunks, k)
-    level = (codes & ((1 << (b - 1)) - 1)).to(torch.float32)
-    size = level * step[:, None] + lo[:, None]
-    values = torch.where((codes >> (b - 1)) == 1, -size, size)
-    offsets = torch.arange(n_chunks, device=packet.device, dtype=torch.int64) * c
-    return (index + offsets[:, None]).reshape(-1), values.reshape(-1)
+    if packet.dim() != 1:
+        raise ValueError(f"sparse_decode: need a 1-D packet, got shape {tuple(packet.shape)}")
+    _check_packets(packet.view(1, -1), numel, codec, "sparse_decode")
+    index, values = _decode_rows(packet.view(1, -1), numel, codec)
+    return index.view(-1), values.view(-1)
+
+
+def sparse_sum(
+    packets: Tensor, numel: int, codec: SparseCodec, out: Tensor | None = None
+) -> Tensor:
+    """The sum of the vectors of ``m`` packets, added in row order into float32 zeros: element
+    by element ``((0 + v_0) + v_1) + ...`` over the packets that keep it, so every worker that
+    sums the same packets gets the same bits.
+
+    One decode of all packets and one ``index_add_`` in row order (torch's CPU ``index_add_``
+    adds the entries of its index one after the other; on CUDA the order of the adds into one
+    element is not fixed, so the sum is then made packet by packet).
+
+    Args:
+        packets: uint8 of shape ``(m, packet_nbytes(numel, codec))``, one packet a row.
+        numel: the encoded vectors' length.
+        codec: their settings.
+        out: a float32 buffer of ``ceil(numel / chunk) * chunk`` elements to sum into (zeroed
+            here); None: a new one.
+
+    Returns:
+        The first ``numel`` elements of the sum (a view of ``out``).
+    """
+    _check_packets(packets, numel, codec, "sparse_sum")
+    padded = _chunks(numel, codec.chunk) * codec.chunk
+    if out is None:
+        out = torch.empty(padded, dtype=torch.float32, device=packets.device)
+    out.zero_()
+    index, values = _decode_rows(packets, numel, codec)
+    if packets.is_cuda:
+        for i, v in zip(index, values):  # a fixed order of the adds into one element
+            out.index_add_(0, i, v)
+    else:
+        out.index_add_(0, index.view(-1), values.view(-1))
+    return out[:numel]
 
 
 def sparse_decode_dense(packet: Tensor, numel: int, codec: SparseCodec) -> Tensor:
@@ -308,6 +363,9 @@ def sparse_decode_dense(packet: Tensor, numel: int, codec: SparseCodec) -> Tenso
         numel: the encoded vector's length.
         codec: its settings.
     """
-    index, values = sparse_decode(packet, numel, codec)
+    if packet.dim() != 1:
+        raise ValueError(f"sparse_decode_dense: need a 1-D packet, got {tuple(packet.shape)}")
+    _check_packets(packet.view(1, -1), numel, codec, "sparse_decode_dense")
+    index, values = _decode_rows(packet.view(1, -1), numel, codec)
     dense = torch.zeros(_chunks(numel, codec.chunk) * codec.chunk, device=packet.device)
-    return dense.index_put_((index,), values)[:numel]
+    return dense.index_put_((index.view(-1),), values.view(-1))[:numel]

@@ -11,18 +11,19 @@ pseudo-gradient ``anchor - parameters`` in SlowMo's outer step, arXiv 1910.00643
 2. One all-gather hands every worker every packet (all of one size, in rank order).
 3. Every worker decodes the packets and adds them, in rank order, into a float32 vector of
    zeros (each packet's positions are distinct, so each addition is one float32 add per
-   entry), then divides by ``m``: the same operations on the same bits, so every worker holds
+   entry; :func:`~hvd_slowmo.compression.sparse.sparse_sum` decodes all ``m`` at once), then
+   divides by ``m``: the same operations on the same bits, so every worker holds
    the same average, bit for bit.
 
 Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communicator's
 ``bytes_sent``): unlike an allreduce this grows with ``m``.
 """
 
-import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
-from .sparse import SparseCodec, packet_nbytes, sparse_decode, sparse_decode_dense, sparse_encode
+from .codecs import check_vector
+from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
 
@@ -57,8 +58,10 @@ def sparse_mean(
 class PendingSparseMean:
     """:func:`sparse_mean` in flight: the packet is encoded and the all-gather started on
     construction (the residual is updated there); the packets are summed once :meth:`poll`
-    finds the all-gather done, or at :meth:`wait`. Arguments as for :func:`sparse_mean`.
-    Collective.
+    finds the all-gather done, or at :meth:`wait`. Arguments as for :func:`sparse_mean`, and
+    ``out``: a float32 buffer of ``ceil(n / chunk) * chunk`` elements to sum into (the result
+    is a view of it; a caller that consumes each result before its next mean reuses it), None:
+    a new one. Collective.
     """
 
     def __init__(
@@ -68,20 +71,10 @@ class PendingSparseMean:
         codec: SparseCodec,
         name: str,
         residual: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> None:
-        if flat.dtype != torch.float32 or flat.dim() != 1:
-            raise ValueError(
-                f"sparse_mean: flat must be a 1-D float32 tensor, got {flat.dtype} of shape "
-                f"{tuple(flat.shape)}"
-            )
-        if residual is not None and (
-            residual.dtype != torch.float32 or residual.shape != flat.shape
-        ):
-            raise ValueError(
-                f"sparse_mean: residual must be float32 of shape {tuple(flat.shape)}, got "
-                f"{residual.dtype} of shape {tuple(residual.shape)}"
-            )
-        self._comm, self._codec, self._numel = comm, codec, flat.numel()
+        check_vector(flat, residual, "sparse_mean")
+        self._comm, self._codec, self._numel, self._out = comm, codec, flat.numel(), out
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:
             return
@@ -120,9 +113,5 @@ class PendingSparseMean:
                 f"sparse_mean: gathered {gathered.numel()} bytes, want {m} packets of {nbytes} "
                 "(the workers disagree on the vector's length or the codec)"
             )
-        padded = -(-n // codec.chunk) * codec.chunk
-        total = torch.zeros(padded, dtype=torch.float32, device=gathered.device)
-        for packet in gathered.split(nbytes):  # rank order: the same sum on every worker
-            index, values = sparse_decode(packet, n, codec)
-            total.index_add_(0, index, values)
-        self._result = total[:n].div_(m)
+        # One decode of every packet and one add in rank order: the same sum on every worker.
+        self._result = sparse_sum(gathered.view(m, nbytes), n, codec, self._out).div_(m)

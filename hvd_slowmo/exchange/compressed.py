@@ -44,8 +44,8 @@ class CompressedExchange(PlainExchange):
     ) -> None:
         if comm.size > 1 and not comm.supports_alltoall:
             raise ValueError(
-                f"compression={codec!r} needs a communicator with alltoall_flat and "
-                f"allgather_flat; {type(comm).__name__} has none: use compression=None"
+                f"codec={codec!r} needs a communicator with alltoall_flat and "
+                f"allgather_flat; {type(comm).__name__} has none: use codec=None"
             )
         super().__init__(comm)
         self.slow_state = slow_state

@@ -37,31 +37,12 @@ def vector_length(m: int) -> int:
 
 
 def train_compressed(model, rank: int, communicator=None):
-    """SlowMo with int8 pseudo-gradients, error feedback and ``overlap=2``: 14 steps, flushed
-    (no model buffers averaged: an allreduce of Gloo rounds differently from the threads).
-    Shared with the in-process test, which runs it on thread workers."""
-    from hvd_slowmo import DistributedOptimizer
+    """SlowMo with int8 pseudo-gradients, error feedback and ``overlap=2``
+    (:func:`helpers.train_flushed`). Shared with the in-process test, which runs it on thread
+    workers."""
+    from helpers import train_flushed
 
-    from reference import loss_at, lr_at
-
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(),
-        communicator=communicator,
-        tau=4,
-        overlap=2,
-        slow_momentum=0.5,
-        codec="int8",
-        error_feedback=True,
-    )
-    for k in range(14):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k)
-        opt.zero_grad()
-        loss_at(model, rank, k).backward()
-        opt.step()
-    opt.flush()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return train_flushed(model, rank, communicator, overlap=2, codec="int8", error_feedback=True)
 
 
 def main(out: str) -> None:

@@ -40,36 +40,56 @@ def codec_of(case: str) -> SparseCodec:
 
 
 def train_sparse(model, rank: int, communicator=None):
-    """Streaming SlowMo with the sparse codec: 2 fragments, ``overlap=1``, eager ``"local"``,
-    decaying error feedback, 14 steps, flushed (no model buffers averaged: an allreduce of Gloo
-    rounds differently from the threads). Shared with the in-process test, which runs it on
-    thread workers. Returns the model's state and the anchor."""
-    from hvd_slowmo import DistributedOptimizer
+    """Streaming SlowMo with the sparse codec (:func:`helpers.train_flushed`): 2 fragments,
+    ``overlap=1``, eager ``"local"``, decaying error feedback. Shared with the in-process test,
+    which runs it on thread workers. Returns the model's state and the anchor."""
+    from helpers import train_flushed
 
-    from reference import loss_at, lr_at
-
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(),
-        communicator=communicator,
-        tau=4,
-        overlap=1,
-        fragments=2,
-        eager="local",
-        slow_momentum=0.5,
-        compression=SparseCodec(density=0.2, bits=2, chunk=16, ef_decay=0.9),
+    codec = SparseCodec(density=0.2, bits=2, chunk=16, ef_decay=0.9)
+    return train_flushed(
+        model, rank, communicator, overlap=1, fragments=2, eager="local", codec=codec,
         error_feedback=True,
-    )
-    for k in range(14):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(k)
-        opt.zero_grad()
-        loss_at(model, rank, k).backward()
-        opt.step()
-    opt.flush()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    state.update({f"anchor.{i}": a.clone() for i, a in enumerate(opt.slow_state.anchor)})
-    return state
+    )  # fmt: skip
+
+
+#: The codecs of :func:`pseudo_gradient_rounds`: the sparse one and a dense one (int8).
+ROUND_CODECS = {
+    "sparse": SparseCodec(density=0.2, bits=2, chunk=16, ef_decay=0.9),
+    "int8": "int8",
+}
+
+
+def pseudo_gradient_rounds(comm, codec) -> dict:
+    """Three outer steps of :class:`~hvd_slowmo.compression.averager.PseudoGradientAverage`
+    with error feedback, over two fragments of three tensors (the first fragment's parameters
+    not consecutive), each started, polled and waited as an overlapped outer step does: on a
+    transport with ``collectives_any_thread`` the codec's work runs on the codec thread. Shared
+    with the in-process tests. Returns the parameters, the residual, the bytes sent and
+    whether the codec thread ran."""
+    from hvd_slowmo.compression.averager import PseudoGradientAverage
+
+    average = PseudoGradientAverage(comm, codec, error_feedback=True)
+    g = torch.Generator().manual_seed(comm.rank)
+    anchor = [torch.linspace(-1, 1, 40).view(5, 8), torch.ones(70), torch.zeros(3, 11)]
+    before = comm.bytes_sent
+    for step in range(3):
+        for indices in ([0, 2], [1]):
+            params = [anchor[j] + 0.1 * torch.randn(anchor[j].shape, generator=g) for j in indices]
+            pending = average.start(params, anchor, f"rounds.{step}.{indices[0]}", indices)
+            deadline = time.monotonic() + 60
+            while not pending.done():  # completes by polling, as an overlapped outer step
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {comm.rank}: step {step} never completed")
+                time.sleep(0.001)
+            pending.wait()
+            for j, p in zip(indices, params):
+                anchor[j] = p
+    return {
+        "params": [a.clone() for a in anchor],
+        "residual": average.residual.clone(),
+        "bytes": comm.bytes_sent - before,
+        "offloaded": average.thread is not None,
+    }
 
 
 def main(out: str, engine: str) -> None:
@@ -101,6 +121,9 @@ def main(out: str, engine: str) -> None:
             before = comm.bytes_sent
             average = sparse_mean(comm, vector(rank, n), codec_of(case), f"sparse.{case}", residual)
             results[(transport, case)] = (average, residual, comm.bytes_sent - before)
+    for transport, comm in comms.items():
+        for name, codec in ROUND_CODECS.items():
+            results[("rounds", transport, name)] = pseudo_gradient_rounds(comm, codec)
     comm = first
     for case, (n, *_, feedback, _) in CASES.items():
         residual = 0.1 * vector(rank, n, seed=1) if feedback else None
