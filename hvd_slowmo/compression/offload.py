@@ -19,6 +19,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -94,7 +95,9 @@ class CodecThread:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, fn: Callable[[], Any], devices: set[torch.device] = frozenset()) -> CodecJob:
+    def submit(
+        self, fn: Callable[[], Any], devices: AbstractSet[torch.device] = frozenset()
+    ) -> CodecJob:
         """Queue ``fn`` to run on the codec thread; never blocks.
 
         Args:
