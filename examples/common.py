@@ -140,6 +140,13 @@ def add_common_args(
         "passed as the optimizer's eager=",
     )
     g.add_argument(
+        "--mix",
+        type=float,
+        default=0.0,
+        help="Streaming DiLoCo's mixing factor in [0, 1) at each overlapped landing (needs "
+        "--overlap >= 1; 0: no mixing); passed as the optimizer's mix=",
+    )
+    g.add_argument(
         "--no-average",
         action="store_true",
         help="skip the exact average (SGP-SlowMo-noaverage; gossip bases only)",
@@ -296,6 +303,7 @@ def build_optimizer(
         overlap=args.overlap,
         fragments=args.fragments,
         eager=args.eager,
+        mix=args.mix,
     )
     if args.codec != "none":
         kwargs.update(codec=args.codec, error_feedback=args.error_feedback)
@@ -346,6 +354,7 @@ def run_name(args: argparse.Namespace) -> str:
         + ("_ef" if args.error_feedback else "")
         + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
         + ({None: "", "shares": "_eager", "local": "_eager-local"}[args.eager])
+        + (f"_mix{args.mix:g}" if args.mix else "")
     )
 
 

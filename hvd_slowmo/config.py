@@ -120,6 +120,13 @@ class SlowMoConfig:
             ``"local"``: the worker's own fresh outer gradient alone (no copy). None: off.
             Needs ``overlap >= 1``. The old spellings True (``"shares"``) and False (None) are
             accepted with a ``DeprecationWarning`` and stored as the new ones.
+        mix: the mixing factor of Streaming DiLoCo (arXiv 2501.18512), in ``[0, 1)``: at an
+            overlapped outer step's landing each worker's parameters become ``mix x_i + (1 -
+            mix) (x0 + (x_i - s_i))``, i.e. they keep the progress since the boundary snapshot
+            ``s_i`` and a fraction ``mix`` of the worker's own difference ``s_i - x0`` from the
+            new anchor (:func:`hvd_slowmo.slowmo.land_`); the anchor and slow buffer are not
+            touched (identical on every worker). Needs ``overlap >= 1``. 0 (default): the
+            landing without mixing, bit for bit.
     """
 
     base: Any = "localsgd"
@@ -137,6 +144,7 @@ class SlowMoConfig:
     error_feedback: bool = False
     fragments: int = 1
     eager: str | None = None
+    mix: float = 0.0
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -247,6 +255,22 @@ class SlowMoConfig:
             raise ValueError(
                 f"eager={self.eager!r} needs overlap >= 1 (it acts while the average is in "
                 f"flight); e.g. overlap=1, eager={self.eager!r}"
+            )
+        self._put(
+            "mix",
+            check_number(
+                "mix",
+                self.mix,
+                low=0.0,
+                high=1.0,
+                high_open=True,
+                fix="mix=0 lands without mixing; Streaming DiLoCo's mixing factor, e.g. 0.5",
+            ),
+        )
+        if self.mix and not self.overlap:
+            raise ValueError(
+                f"mix={self.mix!r} needs overlap >= 1 (it mixes the worker's progress made "
+                f"while the average was in flight); e.g. overlap=1, mix={self.mix!r}, or mix=0"
             )
 
     def _check_average(self, base: Any) -> None:
@@ -402,6 +426,7 @@ class SlowMoConfig:
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
             "eager": self.eager,
+            "mix": self.mix,
         }
 
 

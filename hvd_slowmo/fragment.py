@@ -30,6 +30,8 @@ parameters themselves, and no copy is made. For the outer step whose boundary is
       u     <- beta u + (x0 - avg) / gamma
       x0    <- x0 - alpha gamma u
       x_i   <- x0 + (x_i - s_i)             each worker keeps its progress since the snapshot
+               + mix (s_i - x0)             and, with ``mix > 0``, part of its own difference
+                                            from the new anchor (:func:`hvd_slowmo.slowmo.land_`)
 
 What is stale with ``d >= 1``: the ``d`` steps after a boundary start from the worker's own,
 un-averaged parameters, and the next pseudo-gradient (measured from the new anchor) includes
@@ -57,6 +59,7 @@ from .exchange import Exchange, Payload
 from .fragments import boundaries
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
+from .slowmo import land_
 from .timing import PhaseTimer
 
 __all__ = ["Fragment", "InFlight", "OuterParts", "make_fragments"]
@@ -389,8 +392,7 @@ class Fragment:
                 (f.state_live, f.state_sent, f.state_snapshot),
             ):
                 if now and snap is not None:
-                    torch._foreach_sub_(now, snap)
-                    torch._foreach_add_(now, avg)
+                    land_(now, snap, avg, cfg.mix)
         if cfg.buffers == "reset":
             reset_buffers(parts.optimizer.state, [parts.params[j] for j in self.members])
         if not f.in_place and cfg.average:

@@ -83,10 +83,24 @@ own (``d = 0``, or AR-SGD, whose workers are identical throughout). ``c_i`` is p
 ``alpha = 1, beta = 0``, ``m = 1`` (``"local"``: any ``m``): ``x^0 = s`` (to rounding), eager
 changes nothing.
 
+**Mixing factor** (``mix``; Streaming DiLoCo's alpha, arXiv 2501.18512, there ``x_i <- alpha
+x_i + (1 - alpha) x0``, which drops ``1 - alpha`` of the progress made while the average was in
+flight): here the landed value is the one above, which keeps that progress, and the worker's
+fragment is mixed with it. With ``b_i`` the tensor the worker continued from (``s_i``, or
+``x^0_i`` with eager updates)::
+
+    x_i <- mix x_i + (1 - mix) (x0 + (x_i - b_i))  =  x0 + (x_i - b_i) + mix (b_i - x0)
+
+so the progress since ``b_i`` is kept whole, and a fraction ``mix`` of the worker's own
+difference from the new anchor at the boundary survives the landing (the paper's alpha mixes
+both). ``x0`` and ``u`` are untouched (bitwise identical on every worker); the model buffers, and
+the base optimizer's with ``buffers="average"``, mix the same way with their average in place of
+``x0``. ``mix = 0`` is the landing above, bit for bit; ``d = 0`` has no landing to mix
+(refused).
+
 ``P = 1`` is the whole model: the recurrences above with one fragment are today's
 ``overlap=d`` (and with ``d = 0`` the paper's Algorithm 1), bit for bit. Not implemented: the
-paper's mixing of the received fragment with the local one by a factor (here the local
-progress is kept, as in ``overlap``); the eager paper's uncorrected outer state.
+eager paper's uncorrected outer state.
 """
 
 from collections.abc import Sequence

@@ -67,8 +67,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         base: the base algorithm; it and the other settings of the algorithm (``tau``,
             ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
             ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
-            ``base_options``: the base algorithm's own keyword options, e.g. a gossip topology)
-            are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
+            ``mix``, ``base_options``: the base algorithm's own keyword options, e.g. a gossip
+            topology) are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
@@ -135,6 +135,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         overlap: int = 0,
         fragments: int = 1,
         eager: str | None = None,
+        mix: float = 0.0,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
@@ -159,6 +160,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             error_feedback=error_feedback,
             fragments=fragments,
             eager=eager,
+            mix=mix,
         )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)

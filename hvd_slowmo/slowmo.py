@@ -1,6 +1,7 @@
-"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), and the
-provisional step of eager updates (arXiv 2502.12996; recurrences in :mod:`hvd_slowmo.fragments`),
-as pure tensor math.
+"""The slow momentum update of SlowMo (Algorithm 1, lines 7-8; arXiv 1910.00643), the
+provisional step of eager updates (arXiv 2502.12996; recurrences in :mod:`hvd_slowmo.fragments`)
+and the landing of an overlapped outer step with its mixing factor (arXiv 2501.18512), as pure
+tensor math.
 
 No communication happens here: the caller has already put the exact average into ``params``.
 """
@@ -11,6 +12,7 @@ from torch import Tensor
 __all__ = [
     "eager_anchor_",
     "eager_landed_",
+    "land_",
     "local_anchor_",
     "local_gradient",
     "slow_momentum_step_",
@@ -206,3 +208,32 @@ def eager_landed_(
     exact = torch._foreach_sub(anchor, average)
     torch._foreach_mul_(exact, 1.0 / lr)
     torch._foreach_add_(others, exact)
+
+
+def land_(live: list[Tensor], snapshot: list[Tensor], landed: list[Tensor], mix: float) -> None:
+    """The landing of an overlapped outer step (``overlap >= 1``), in place: each worker keeps
+    its progress since the snapshot and, with the mixing factor ``mix``, a fraction of its own
+    difference from the landed value at the boundary (Streaming DiLoCo, arXiv 2501.18512)::
+
+        x_i <- x0 + (x_i - s_i) + mix (s_i - x0)
+             = mix x_i + (1 - mix) (x0 + (x_i - s_i))
+
+    the paper's ``alpha * local + (1 - alpha) * global`` with ``global`` the landed value as this
+    library lands it without mixing (the worker's progress since ``s_i`` carried over). ``mix =
+    0`` is that landing, with the same two operations, bit for bit.
+
+    Args:
+        live: ``x_i``, the worker's current tensors; the landed ones on return.
+        snapshot: ``s_i``, the worker's tensors at the boundary (with eager updates, the
+            provisional anchor it continued from); used as scratch space when ``mix > 0``.
+        landed: ``x0``, the new anchor (for the model's and the base optimizer's buffers: their
+            average at the boundary).
+        mix: the mixing factor, in ``[0, 1)``.
+    """
+    if not live:
+        return
+    torch._foreach_sub_(live, snapshot)
+    torch._foreach_add_(live, landed)
+    if mix:
+        torch._foreach_sub_(snapshot, landed)  # s_i - x0: the snapshot is not used after this
+        torch._foreach_add_(live, snapshot, alpha=mix)

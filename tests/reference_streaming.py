@@ -17,7 +17,10 @@ and lands it at ``n + d``. Model buffers travel with fragment ``P - 1``. For one
                  else:   base_i = s_i
     landing n+d: eager=True:  c_i <- c_i + (x0 - avg) / gamma
                  u <- beta u + (x0 - avg) / gamma ;  x0 <- x0 - alpha gamma u  (Nesterov likewise)
-                 x_i <- x0 + (x_i - base_i) ;  buffers="reset": the fragment's optimizer state goes
+                 x_i <- x0 + (x_i - base_i) + mix (base_i - x0)
+                       (= mix x_i + (1 - mix) (x0 + (x_i - base_i)): Streaming DiLoCo's mixing
+                       of the worker's fragment with the landed one; mix = 0: no mixing)
+                 buffers="reset": the fragment's optimizer state goes
 
 The float operations are spelled in the order a fused implementation would use (``avg - x0``
 scaled by ``-1/gamma``; ``torch.add(..., alpha=...)``), so the library can be compared bit
@@ -63,6 +66,7 @@ def reference_streaming(
     nesterov: bool = False,
     model_fn: Callable[[], nn.Module] = make_model,
     average: Average | None = None,
+    mix: float = 0.0,
 ) -> tuple[list[nn.Module], list[list[torch.Tensor]]]:
     """Replay streaming (and eager) SlowMo over Local SGD for ``m`` workers.
 
@@ -72,7 +76,8 @@ def reference_streaming(
     the average every worker receives, in the same order (the model buffers keep the plain mean).
 
     ``eager``: False, True (the estimate with the other workers' previous shares ``c_i``) or
-    ``"local"`` (the worker's own outer gradient alone).
+    ``"local"`` (the worker's own outer gradient alone). ``mix``: the mixing factor at each
+    landing (the model buffers mix the same way, with their average in place of ``x0``).
 
     Returns:
         Each worker's model, and the anchor (all parameters) after every landing, in order.
@@ -111,13 +116,19 @@ def reference_streaming(
                 else:
                     anchor[j] = torch.add(anchor[j], slow[j], alpha=-slow_lr * gamma)
             for i in range(m):
-                params[i][j].copy_((params[i][j] - bases[i][j]) + anchor[j])
+                landed = (params[i][j] - bases[i][j]) + anchor[j]
+                if mix:
+                    landed = torch.add(landed, bases[i][j] - anchor[j], alpha=mix)
+                params[i][j].copy_(landed)
                 if buffers == "reset":
                     opts[i].state.pop(params[i][j], None)
         if avg_b is not None:
             for i in range(m):
                 for j, b in enumerate(bufs[i]):
-                    b.copy_((b - snap_b[i][j]) + avg_b[j])
+                    landed = (b - snap_b[i][j]) + avg_b[j]
+                    if mix:
+                        landed = torch.add(landed, snap_b[i][j] - avg_b[j], alpha=mix)
+                    b.copy_(landed)
         anchors.append([a.clone() for a in anchor])
 
     def start(f: int, n: int) -> None:
