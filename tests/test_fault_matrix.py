@@ -92,7 +92,10 @@ def run_in_netns(tmp_path, engine: str, config: str) -> tuple[int, str, float]:
     why = missing_requirements()
     if why:
         pytest.skip(f"the link-down cells need the emulated network: {why}")
-    cluster = Cluster(plan_cluster(2, prefix="hsmfm", subnet="10.77.29"))
+    # Names and subnet of this process's own: two test processes at once must not tear down
+    # each other's namespaces (clean_stale removes everything with the prefix).
+    pid = os.getpid()
+    cluster = Cluster(plan_cluster(2, prefix=f"fm{pid % 100000}", subnet=f"10.79.{pid % 250}"))
     argv = [sys.executable, WORKER, str(tmp_path), engine.split("-")[0], config, "link_down"]
     env = launch_env({**ENGINE_ENV, "MASTER_PORT": "29529"})
     logs = [open(tmp_path / f"out.{r}.log", "w") for r in (0, 1)]
