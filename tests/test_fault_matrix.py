@@ -50,8 +50,8 @@ RECORD = os.environ.get("HVD_SLOWMO_FAULT_MATRIX_JSON")
 DEFAULT = {
     ("horovod-gloo", "plain", "kill"),
     ("horovod-gloo", "overlap2", "raise"),
-    ("horovod-gloo", "frag4", "kill"),
-    ("horovod-gloo", "int8", "raise"),
+    ("horovod-gloo", "frag4", "raise"),
+    ("horovod-gloo", "int8", "kill"),
 }
 #: Why a cell cannot run here (it is reported as skipped with this reason).
 NOT_HERE = {
