@@ -2,16 +2,18 @@
 own output, so the page shows what a run of the code gave (nothing typed by hand).
 
 Inputs:
-    --matrix: the JSON lines that ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH`` makes
-        tests/test_fault_matrix.py write (one object per cell run).
-    --matrix-run: a JSON object describing that run ({"command", "commit", "start", "end",
-        "machine"}; start and end in Unix seconds).
+    --matrix: one or more files of the JSON lines that ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH``
+        makes tests/test_fault_matrix.py write (one object per cell run), in run order: a cell
+        found again in a later file (a rerun) shows the later outcome, marked, with the earlier
+        one listed under the table.
+    --matrix-run: a JSON object describing the runs: {"machine": str, "runs": [{"command",
+        "commit", "start", "end"}, ...]} (start and end in Unix seconds).
     --chaos: scripts/chaos.py's output files (its final JSON report is read), with
-        --chaos-run describing that run as above.
+        --chaos-run describing those runs as above.
     --docs: the page; the text between ``<!-- begin: NAME -->`` and ``<!-- end: NAME -->``
         (NAME: fault-matrix, chaos) is replaced. Without it the tables go to stdout.
 
-Usage: python scripts/reliability_tables.py --matrix m.jsonl --matrix-run m.json
+Usage: python scripts/reliability_tables.py --matrix m1.jsonl [m2.jsonl ...] --matrix-run m.json
        [--chaos c1.log c2.log --chaos-run c.json] [--docs docs/reliability.md]
 """
 
@@ -26,40 +28,76 @@ CONFIGS = ("plain", "overlap2", "frag4", "int8")
 FAULTS = ("kill", "freeze", "raise", "late_join", "link_down")
 
 
-def _when(run: dict) -> str:
-    start = time.strftime("%Y-%m-%d %H:%M", time.gmtime(run["start"]))
-    minutes = (run["end"] - run["start"]) / 60
-    return (
-        f"Run {start} UTC, wall time {minutes:.0f} min, commit `{run['commit'][:7]}`, "
-        f"{run['machine']}:\n\n```\n{run['command']}\n```\n"
-    )
+def _when(info: dict) -> str:
+    lines = [f"On {info['machine']}:\n"]
+    for run in info["runs"]:
+        start = time.strftime("%Y-%m-%d %H:%M", time.gmtime(run["start"]))
+        minutes = (run["end"] - run["start"]) / 60
+        lines.append(
+            f"- {start} UTC, wall time {minutes:.0f} min, commit `{run['commit'][:7]}`: "
+            f"`{run['command']}`"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _cell_text(cell: dict | None) -> str:
     if cell is None:
         return "not run"
     if cell["outcome"] in ("not run", "skipped"):
-        return f"not run [{cell['why'][:60]}...]" if cell.get("why") else "not run"
+        return "not run (below)" if cell.get("why") else "not run"
     if cell["outcome"] == "FAILED":
-        return f"**FAILED** ({cell.get('why', '')[:80]})"
+        return f"**FAILED** ({cell.get('why', '')[:80]})".replace("|", "/")
     text = cell["outcome"]
     if cell["outcome"] == "stops":
         if cell.get("named_by") == "launcher":
             text += ", launcher"
         else:
             text += f", {cell['error']}, {cell['after_fault']:.0f} s after"
-    return f"{text} ({cell['seconds']:.0f} s)"
+    return f"{text} ({cell['seconds']:.0f} s)" + (" (rerun)" if cell.get("rerun") else "")
 
 
-def matrix_tables(cells: list[dict], run: dict) -> str:
+def _error_lines(last: dict) -> list[str]:
+    """One line per (engine, error type): the error's first line and hvd_slowmo's note."""
+    lines = []
+    seen = set()
+    for c in sorted(last.values(), key=lambda c: (c["engine"], c["fault"], c["config"])):
+        if c["outcome"] != "stops":
+            continue
+        key = (c["engine"], c.get("error"))
+        if key in seen:
+            continue
+        seen.add(key)
+        msg = c.get("message") or c.get("error", "")
+        first, *rest = msg.splitlines() or [""]
+        note = next((r for r in rest if r.startswith("hvd_slowmo:")), "")
+        first = first if len(first) <= 220 else first[:217] + "..."
+        where = f"{c['engine']} {c['config']} {c['fault']}"
+        lines.append(f"- {where}: `{first}`" + (f" / `{note}`" if note else ""))
+    return lines
+
+
+def matrix_tables(runs: list[list[dict]], info: dict) -> str:
     """The outcome table (engine x configuration, one column per fault), the counts, and the
-    distinct error texts (the first line and hvd_slowmo's note of each error type per engine)."""
-    last = {(c["engine"], c["config"], c["fault"]): c for c in cells}  # a rerun cell: the last
+    distinct error texts (the first line and hvd_slowmo's note of each error type per engine).
+
+    Args:
+        runs: each run's cells, in run order (a later run's cell replaces an earlier one's).
+        info: the runs' description (see the module's docstring).
+    """
+    last: dict[tuple[str, str, str], dict] = {}
+    earlier: dict[tuple[str, str, str], list[dict]] = {}
+    for cells in runs:
+        for c in cells:
+            key = (c["engine"], c["config"], c["fault"])
+            if key in last:
+                earlier.setdefault(key, []).append(last[key])
+                c = {**c, "rerun": True}
+            last[key] = c
     counts: dict[str, int] = {}
     for c in last.values():
         counts[c["outcome"]] = counts.get(c["outcome"], 0) + 1
     checkpoints = sum(c.get("checkpoints", 0) for c in last.values())
-    lines = [_when(run)]
+    lines = [_when(info)]
     lines.append(
         f"{len(last)} cells: "
         + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
@@ -79,21 +117,13 @@ def matrix_tables(cells: list[dict], run: dict) -> str:
         "rank) and the seconds from the fault to the last error; in brackets, the seconds from "
         "launch to the end of the launch.\n"
     )
+    for key, before in earlier.items():
+        was = "; ".join(f"{b['outcome']}: {b.get('why', b.get('error', ''))}" for b in before)
+        lines.append(f"- rerun {' '.join(key)}: the earlier run gave {was}")
+    if earlier:
+        lines.append("")
     lines.append("The errors (first line, then hvd_slowmo's note), one of each type per engine:\n")
-    seen = set()
-    for c in sorted(last.values(), key=lambda c: (c["engine"], c["fault"], c["config"])):
-        if c["outcome"] != "stops":
-            continue
-        key = (c["engine"], c.get("error"))
-        if key in seen:
-            continue
-        seen.add(key)
-        msg = c.get("message") or c.get("error", "")
-        first, *rest = msg.splitlines() or [""]
-        note = next((r for r in rest if r.startswith("hvd_slowmo:")), "")
-        first = first if len(first) <= 220 else first[:217] + "..."
-        where = f"{c['engine']} {c['config']} {c['fault']}"
-        lines.append(f"- {where}: `{first}`" + (f" / `{note}`" if note else ""))
+    lines += _error_lines(last)
     why = {c["why"] for c in last.values() if c["outcome"] in ("not run", "skipped")}
     for w in sorted(why):
         lines.append(f"- not run: {w}")
@@ -107,8 +137,8 @@ def chaos_report(path: str) -> dict:
     return json.loads(text[start:])
 
 
-def chaos_table(reports: list[dict], run: dict) -> str:
-    lines = [_when(run)]
+def chaos_table(reports: list[dict], info: dict) -> str:
+    lines = [_when(info)]
     lines.append(
         "| Engine | Kills | Recovered (bit for bit) | Stopped cleanly | Hung | Lost state "
         "| Partial checkpoint | Mean seconds per kill |"
@@ -141,7 +171,7 @@ def replace_block(page: str, name: str, body: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--matrix")
+    parser.add_argument("--matrix", nargs="*", default=[])
     parser.add_argument("--matrix-run")
     parser.add_argument("--chaos", nargs="*", default=[])
     parser.add_argument("--chaos-run")
@@ -149,8 +179,8 @@ def main() -> None:
     args = parser.parse_args()
     blocks = {}
     if args.matrix:
-        cells = [json.loads(line) for line in open(args.matrix) if line.strip()]
-        blocks["fault-matrix"] = matrix_tables(cells, json.load(open(args.matrix_run)))
+        runs = [[json.loads(line) for line in open(p) if line.strip()] for p in args.matrix]
+        blocks["fault-matrix"] = matrix_tables(runs, json.load(open(args.matrix_run)))
     if args.chaos:
         reports = [chaos_report(p) for p in args.chaos]
         blocks["chaos"] = chaos_table(reports, json.load(open(args.chaos_run)))
