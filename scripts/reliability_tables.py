@@ -88,6 +88,8 @@ def matrix_tables(runs: list[list[dict]], info: dict) -> str:
     earlier: dict[tuple[str, str, str], list[dict]] = {}
     for cells in runs:
         for c in cells:
+            if c["outcome"] == "FAILED" and c.get("why") == "KeyboardInterrupt":
+                continue  # the run was stopped (Ctrl-C) inside this cell: no outcome
             key = (c["engine"], c["config"], c["fault"])
             if key in last:
                 earlier.setdefault(key, []).append(last[key])
