@@ -76,14 +76,8 @@ def _error_lines(last: dict) -> list[str]:
     return lines
 
 
-def matrix_tables(runs: list[list[dict]], info: dict) -> str:
-    """The outcome table (engine x configuration, one column per fault), the counts, and the
-    distinct error texts (the first line and hvd_slowmo's note of each error type per engine).
-
-    Args:
-        runs: each run's cells, in run order (a later run's cell replaces an earlier one's).
-        info: the runs' description (see the module's docstring).
-    """
+def _merge(runs: list[list[dict]]) -> tuple[dict, dict]:
+    """Each cell's last outcome (a rerun marked), and the earlier outcomes of rerun cells."""
     last: dict[tuple[str, str, str], dict] = {}
     earlier: dict[tuple[str, str, str], list[dict]] = {}
     for cells in runs:
@@ -95,6 +89,18 @@ def matrix_tables(runs: list[list[dict]], info: dict) -> str:
                 earlier.setdefault(key, []).append(last[key])
                 c = {**c, "rerun": True}
             last[key] = c
+    return last, earlier
+
+
+def matrix_tables(runs: list[list[dict]], info: dict) -> str:
+    """The outcome table (engine x configuration, one column per fault), the counts, and the
+    distinct error texts (the first line and hvd_slowmo's note of each error type per engine).
+
+    Args:
+        runs: each run's cells, in run order (a later run's cell replaces an earlier one's).
+        info: the runs' description (see the module's docstring).
+    """
+    last, earlier = _merge(runs)
     counts: dict[str, int] = {}
     for c in last.values():
         counts[c["outcome"]] = counts.get(c["outcome"], 0) + 1
