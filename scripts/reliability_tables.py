@@ -109,8 +109,8 @@ def matrix_tables(runs: list[list[dict]], info: dict) -> str:
     lines.append(
         f"{len(last)} cells: "
         + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        + f". Every cell that ran left no temporary file, and all {checkpoints} checkpoints "
-        "it left load (no partial checkpoint).\n"
+        + ". Every cell with an outcome was checked: no temporary file, and all "
+        f"{checkpoints} checkpoints left load (no partial checkpoint).\n"
     )
     lines.append("| Engine | Configuration | " + " | ".join(FAULTS) + " |")
     lines.append("|---|---|" + "---|" * len(FAULTS))
