@@ -29,20 +29,27 @@ Actions:
         start.
     ``late_join``: nothing at run time: :meth:`Fault.join_delay` is the seconds the worker waits
         before it initializes the engine.
+    ``link_down``: ``ip link set dev LINK down`` in the worker's own network namespace (the
+        process goes on with its link gone: a pulled cable). Only in an emulated host
+        (``slowmo_lab.netns``: the worker runs under ``ip netns exec``, as root); downing the
+        machine's own link would cut every other job off.
 
 Each firing writes ``{"rank", "num_steps", "inner_step", "phase", "action", "t"}`` to
-``record`` (a JSON path) first, so a test can time the outcome from the fault.
+``record`` (a JSON path), so a test can time the outcome from the fault: before the fault
+fires, except for ``link_down``, whose record is written once the link is down (it proves the
+command worked).
 """
 
 import json
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("before_start", "in_flight", "landing", "compressed")
-ACTIONS = ("kill", "freeze", "raise", "late_join")
+ACTIONS = ("kill", "freeze", "raise", "late_join", "link_down")
 
 
 class InjectedFault(RuntimeError):
@@ -59,6 +66,7 @@ class Fault:
         phase: one of :data:`PHASES`.
         record: a JSON path written when it fires (None: nothing written).
         delay: ``late_join``'s wait in seconds.
+        link: ``link_down``'s interface (``eth0`` in every ``slowmo_lab.netns`` host).
     """
 
     action: str
@@ -66,6 +74,7 @@ class Fault:
     phase: str = "before_start"
     record: str | None = None
     delay: float = 5.0
+    link: str = "eth0"
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -127,9 +136,11 @@ class Fault:
     def _fire(self) -> None:
         self._fired = True
         opt = self._opt
+        info = {"rank": self._rank, "num_steps": opt.num_steps, "inner_step": opt.inner_step,
+                "phase": self.phase, "action": self.action, "t": time.time()}  # fmt: skip
+        if self.action == "link_down":
+            self._link_down()
         if self.record:
-            info = {"rank": self._rank, "num_steps": opt.num_steps, "inner_step": opt.inner_step,
-                    "phase": self.phase, "action": self.action, "t": time.time()}  # fmt: skip
             with open(self.record, "w") as f:
                 json.dump(info, f)
                 f.flush()
@@ -143,6 +154,16 @@ class Fault:
             raise InjectedFault(f"injected collective failure on {where}")
         elif self.action == "raise":
             self._fail_next_average()
+
+    def _link_down(self) -> None:
+        # Refuse outside a named namespace (ip netns exec): the root namespace's link is everyone's.
+        where = subprocess.run(["ip", "netns", "identify"], capture_output=True, text=True)
+        if where.returncode != 0 or not where.stdout.strip():
+            raise RuntimeError("Fault('link_down') runs only in an emulated host (ip netns exec)")
+        cmd = ["ip", "link", "set", "dev", self.link, "down"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
 
     def _fail_next_average(self) -> None:
         """The communicator's next average start raises (the collective fails on this rank)."""

@@ -2,8 +2,10 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,6 +73,48 @@ def horovodrun(
             f"--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def run_bounded(cmd: list[str], timeout: float, env=None) -> tuple[int, str, float]:
+    """Run a launch whose failure is an expected outcome (a fault test): in its own process
+    group, output and errors together; returns (exit code, output, seconds).
+
+    A launch past ``timeout`` is a hang: its group is ended and the test fails. The group is
+    ended when the launch returns too, so no worker (a frozen one included) outlives its test.
+
+    Args:
+        cmd: the launcher's command line (e.g. from :func:`horovodrun_command`).
+        timeout: seconds before the launch counts as hung.
+        env: extra environment variables (over :func:`launch_env`).
+    """
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=launch_env(env), text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        out, _ = proc.communicate()
+        pytest.fail(f"hang: the launch did not end within {timeout:g}s\n{out[-4000:]}")
+    finally:
+        kill_group(proc.pid)
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def kill_group(pgid: int) -> None:
+    """End a process group, stopped members included.
+
+    Args:
+        pgid: the group's id (the pid of a process started with ``start_new_session=True``).
+    """
+    # A SIGSTOPped process ignores SIGTERM until continued: SIGCONT, then SIGKILL.
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
 
 
 def needs_horovod() -> None:

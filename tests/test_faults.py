@@ -10,9 +10,6 @@ test ends, so a frozen worker never outlives its test. The worker: tests/workers
 import json
 import logging
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
 from helpers import ForwardingCommunicator
-from horovod_launch import ROOT, horovodrun_command, launch_env
+from horovod_launch import horovodrun_command, run_bounded
 from reference import loss_at, make_model, params_of
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "fault_worker.py")
@@ -311,48 +308,15 @@ def test_uneven_steps_fail_on_every_rank_in_finish():
 
 
 # --- Horovod tier -----------------------------------------------------------------------------
-def launch(
-    tmp_path, mode: str, controller: str = "gloo", timeout: float = 240
-) -> tuple[int, str, float]:
-    """Run fault_worker.py MODE under horovodrun -np 2; returns (exit code, output, seconds).
-
-    Unlike horovod_launch.horovodrun, a non-zero exit is an expected outcome here.
-    """
+def launch(tmp_path, mode: str, controller: str = "gloo") -> tuple[int, str, float]:
+    """Run fault_worker.py MODE under horovodrun -np 2; returns (exit code, output, seconds)
+    (a non-zero exit is an expected outcome here; a launch past 240 s fails as a hang)."""
     cmd = horovodrun_command(2, controller, [WORKER, str(tmp_path), mode])
-    env = launch_env(
-        {
-            "HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT),
-            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT),
-        }
-    )
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, _ = proc.communicate()
-        pytest.fail(f"{mode}: the launch did not end within {timeout}s (a hang)\n{out[-4000:]}")
-    finally:
-        _kill_group(proc)
-    return proc.returncode, out, time.monotonic() - t0
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    # A SIGSTOPped worker ignores SIGTERM until continued; SIGCONT then SIGKILL ends the group.
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+    env = {
+        "HVD_SLOWMO_GOSSIP_TIMEOUT": str(GOSSIP_TIMEOUT),
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT),
+    }
+    return run_bounded(cmd, 240, env)
 
 
 def results(tmp_path, mode: str, ranks: list[int]) -> dict[int, dict]:

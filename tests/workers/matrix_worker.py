@@ -5,7 +5,10 @@ saves an atomic checkpoint every 4 steps.
 Usage: matrix_worker.py OUT_DIR ENGINE CONFIG FAULT
   ENGINE: horovod (under horovodrun, Gloo or MPI) or torchdist (under torchrun, Gloo).
   CONFIG: plain | overlap2 | frag4 | int8 (see CONFIGS; each has the phase it is faulted in).
-  FAULT:  kill | freeze | raise | late_join.
+  FAULT:  kill | freeze | raise | late_join | link_down.
+In an emulated host (``slowmo_lab.netns``, the link_down cells) there is no launcher: Horovod's
+variables come from the namespace's worker environment, and torch.distributed takes its rank and
+world size from them.
 Each rank writes OUT_DIR/result.RANK.json: {"error": type or None, "message": str with the
 notes, "num_steps", "anchor": the anchor's values}; rank 1 writes OUT_DIR/fault.json when the
 fault fires. A rank that caught an error ends with os._exit(1) (a collective may still be in
@@ -57,6 +60,9 @@ def init(engine: str, delay: float) -> tuple[int, int]:
         return hvd.rank(), hvd.size()
     import torch.distributed as dist
 
+    if "RANK" not in os.environ:  # an emulated host: no torchrun, the cluster's variables
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = (
+            os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"])  # fmt: skip
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
     return dist.get_rank(), dist.get_world_size()
 
