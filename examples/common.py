@@ -381,6 +381,11 @@ def run_config(
         "average": not args.no_average,
         "codec": args.codec,
         "error_feedback": args.error_feedback,
+        # Streaming settings: runs that differ only in these are different settings, not repeats.
+        "overlap": args.overlap,
+        "fragments": args.fragments,
+        "eager": args.eager,
+        "mix": args.mix,
         "optimizer": optimizer_name,
         "workers": world_size,
         "batch_size": args.batch_size,

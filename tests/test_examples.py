@@ -70,7 +70,7 @@ def test_run_names_encode_settings():
         settings = dict(run_name=None, algo="sgp", slowmo=True, tau=48, slow_lr=1.0,
                         slow_momentum=0.6, buffers="reset", no_average=False,
                         overlap=0, codec="none", error_feedback=False, fragments=1,
-                        eager=None)  # fmt: skip
+                        eager=None, mix=0.0)  # fmt: skip
         return SimpleNamespace(**{**settings, **kw})
 
     assert common.run_name(ns()) == "sgp-slowmo_tau48_a1_b0.6_reset"
@@ -87,6 +87,7 @@ def test_run_names_encode_settings():
         "_overlap2_fragments4_eager"
     )
     assert common.run_name(ns(overlap=1, eager="local")).endswith("_overlap1_eager-local")
+    assert common.run_name(ns(overlap=2, fragments=4, mix=0.25)).endswith("_fragments4_mix0.25")
 
 
 def test_translation_tokenizer_vocab_and_batches():
