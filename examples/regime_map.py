@@ -5,11 +5,14 @@ on thread workers of this one process (``launch.run_in_threads``: no launcher).
     python examples/regime_map.py run --out runs/regime.jsonl --cells 16x96,16x48
     python examples/regime_map.py report runs/regime.jsonl --png docs/figures/regime_map.png
 
-Per cell, SlowMo's beta is tuned on the validation split (seeds 100-102, beta in 0.4..0.8,
-alpha = 1, the base's lr, buffers reset) with docs/mnist1d_tuning.md's rule: a setting with a
-failing seed is rejected (diverged, fell back > 5 points from its best, or trails its siblings
-by > 5 points), the best mean among the rest is chosen. Then every method runs the test seeds.
-One JSON line per finished run, so an interrupted map keeps what finished.
+Every method at every worker count trains with the same peak lr (``--peak-lr``, 0.1: the
+value tuned at 4 workers), not the linearly scaled one: at 8 and 16 workers the scaled peak
+(0.2, 0.4) left AR-SGD itself unstable in the map's 576 steps. Per cell, SlowMo's beta is tuned
+on the validation split (seeds 100-102, beta from ``--betas``, default the paper's grid
+0.4..0.8, alpha = 1, the base's lr, buffers reset) with docs/mnist1d_tuning.md's rule: a
+setting with a failing seed is rejected (diverged, fell back > 5 points from its best, or
+trails its siblings by > 5 points), the best mean among the rest is chosen. Then every method
+runs the test seeds. One JSON line per finished run, so an interrupted map keeps what finished.
 """
 
 import argparse
@@ -20,20 +23,56 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_in_threads
-from mnist1d_cnn import BETA_GRID, TUNED
+from mnist1d_cnn import BETA_GRID, LR_BATCH
 from mnist1d_cnn import main as mnist1d_main
 
 #: The margin of the tuning rule (points), as slowmo_lab.report.FAIL_MARGIN.
 FAIL_MARGIN = 5.0
 TUNING_SEEDS = (100, 101, 102)
+#: The per-worker batch of examples/mnist1d_cnn.py (its default, which the map keeps).
+BATCH = 32
+
+
+def lr_flag(peak_lr: float, workers: int) -> float:
+    """The ``--lr`` that gives examples/mnist1d_cnn.py this peak lr at this worker count.
+
+    The example scales its ``--lr`` by the global batch (``lr x 32 x workers / 128``); the map
+    undoes that scaling so that every worker count trains at the same peak lr.
+
+    Args:
+        peak_lr: the peak learning rate wanted.
+        workers: the worker count.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers}: needs at least one worker")
+    return peak_lr * LR_BATCH / (BATCH * workers)
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """``"4x12,8x96"`` -> ``[(4, 12), (8, 96)]`` (workers x tau).
+
+    Args:
+        text: comma-separated ``WORKERSxTAU`` cells.
+    """
+    cells = []
+    for cell in text.split(","):
+        try:
+            w, t = (int(v) for v in cell.strip().split("x"))
+        except ValueError:
+            raise ValueError(f"--cells: {cell!r} is not WORKERSxTAU (e.g. 4x96)") from None
+        if w < 1 or t < 1:
+            raise ValueError(f"--cells: {cell!r} needs workers >= 1 and tau >= 1")
+        cells.append((w, t))
+    return cells
 
 
 def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, args) -> dict:
-    flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(TUNED["localsgd"]["lr"])]
-    flags += ["--epoch-steps", str(args.epoch_steps), "--epochs", str(args.epochs)]
+    flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(lr_flag(args.peak_lr, workers))]
+    flags += ["--batch-size", str(BATCH), "--epoch-steps", str(args.epoch_steps)]
+    flags += ["--epochs", str(args.epochs)]
     flags += ["--no-progress", "--log-every", "1000000", "--logdir", args.logdir]
     if method == "allreduce":
-        flags += ["--algo", "allreduce", "--no-slowmo", "--lr", str(TUNED["allreduce"]["lr"])]
+        flags += ["--algo", "allreduce", "--no-slowmo"]
     elif method == "localsgd":
         flags += ["--algo", "localsgd", "--no-slowmo", "--buffers", "maintain"]
     else:
@@ -45,6 +84,7 @@ def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, 
     name = f"w{workers}_tau{tau}_{method}_b{beta}_s{seed}"
     summary = run_in_threads(workers, lambda: mnist1d_main(flags + ["--run-name", name]))[0]
     row = dict(workers=workers, tau=tau, method=method, beta=beta, seed=seed, split=split)
+    row.update(peak_lr=args.peak_lr)
     row.update({k: summary[k] for k in ("val_accuracy", "best_val_accuracy", "train_loss")})
     row.update(train_full_loss=summary.get("train_full_loss"), steps=summary["steps"])
     row.update(diverged=summary["diverged"], wall_s=summary["wall_s"])
@@ -76,16 +116,20 @@ def _done(out: str) -> list[dict]:
 
 def run(args) -> None:
     done = _done(args.out)
-    key = lambda r: (r["workers"], r["tau"], r["method"], r["beta"], r["seed"])  # noqa: E731
-    have = {key(r): r for r in done}
+
+    def key(r: dict) -> tuple:
+        return (r["workers"], r["tau"], r["method"], r["beta"], r["seed"], r["peak_lr"])
+
+    have = {key(r): r for r in done if "peak_lr" in r}
+    betas = [float(b) for b in args.betas.split(",")]
 
     def get(w, t, m, s, b=0.0):
-        return have.get((w, t, m, b, s)) or _run(args.out, w, t, m, s, b, args)
+        return have.get((w, t, m, b, s, args.peak_lr)) or _run(args.out, w, t, m, s, b, args)
 
-    for cell in args.cells.split(","):
-        w, t = (int(v) for v in cell.split("x"))
+    for w, t in parse_cells(args.cells):
+        cell = f"{w}x{t}"
         tuned: dict[float, float] = {}
-        for b in [] if args.beta is not None else BETA_GRID:
+        for b in [] if args.beta is not None else betas:
             rows = [get(w, t, "slowmo", s, b) for s in TUNING_SEEDS]
             if not _fails(rows):
                 tuned[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
@@ -195,6 +239,14 @@ def main(argv=None) -> int:
     r.add_argument("--epoch-steps", type=int, default=36)
     r.add_argument("--epochs", type=int, default=16)
     r.add_argument("--logdir", default="runs/regime")
+    r.add_argument(
+        "--peak-lr", type=float, default=0.1, help="the peak lr of every method and worker count"
+    )
+    r.add_argument(
+        "--betas",
+        default=",".join(str(b) for b in BETA_GRID),
+        help="SlowMo's tuning grid (comma-separated; default the paper's 0.4..0.8)",
+    )
     r.add_argument(
         "--beta",
         type=float,
