@@ -52,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import digits  # noqa: E402
 import mnist1d_cnn  # noqa: E402
+import regime_map  # noqa: E402
 from common import ALGOS, parse_event  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
@@ -491,6 +492,42 @@ def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], l
     print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
 
 
+#: The regime map's recorded runs (docs/regimes.md): compare.py prints its clearest cell.
+REGIME_JSONL = os.path.join(HERE, os.pardir, "docs", "regime_runs.jsonl")
+
+
+def recorded_regime_cell(path: str = REGIME_JSONL) -> str | None:
+    """The regime map's clearest cell (:func:`regime_map.clearest_cell`), read from its
+    recorded runs and labelled as recorded, with the commands that reproduce it; None where
+    the file is missing or holds no complete cell.
+
+    Args:
+        path: the driver's JSON lines (default: the committed docs/regime_runs.jsonl).
+    """
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    cell = regime_map.clearest_cell(rows)
+    if cell is None:
+        return None
+    st = regime_map.cell_stats(rows)[cell]
+    w, t = cell
+    peak = rows[0].get("peak_lr", 0.1)
+    return (
+        f"Recorded, not run now ({os.path.relpath(path)}; docs/regimes.md): the regime map's "
+        f"cell where SlowMo's change is clearest, {w} workers x tau {t}, MNIST-1D test split, "
+        f"{rows[0]['steps']} steps per worker, {len(st['seeds'])} paired seeds, beta tuned on "
+        "the validation split (accuracy %, mean ± std; paired t-tests over seeds):\n"
+        + regime_map.TABLE_HEAD
+        + "\n"
+        + regime_map.table_row(cell, st)
+        + f"\nReproduce (hours of CPU): python examples/regime_map.py run --out runs/regime.jsonl "
+        f"--cells {w}x{t} --betas 0.4,0.6,0.8 --peak-lr {peak:g} && "
+        "python examples/regime_map.py report runs/regime.jsonl"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     """compare.py's command line."""
     parser = argparse.ArgumentParser(
@@ -737,6 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(results_table(runnable, method_settings, summaries))
     _print_reports(summaries, runnable, logdir, network is not None, args.png)
+    recorded = recorded_regime_cell() if args.task == "mnist1d" and not network else None
+    if recorded:
+        print("\n" + recorded)
     print(f"Total wall time: {time.perf_counter() - t_all:.1f} s")
     return 1 if rc != 0 or failed or not summaries else 0
 

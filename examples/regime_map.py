@@ -4,6 +4,13 @@ on thread workers of this one process (``launch.run_in_threads``: no launcher).
 
     python examples/regime_map.py run --out runs/regime.jsonl --cells 16x96,16x48
     python examples/regime_map.py report runs/regime.jsonl --png docs/figures/regime_map.png
+    python examples/regime_map.py lm --out runs/lm.jsonl --taus 16,64 --seeds 3 -- --width 64
+    python examples/regime_map.py lm-report runs/lm.jsonl
+
+``lm`` is the language-model table (examples/char_lm.py on 4 thread workers): AR-AdamW, Local
+AdamW with a plain average, and Local AdamW + SlowMo with DiLoCo's outer Nesterov (outer lr 0.7,
+momentum 0.9) per tau and seed, the validation loss at equal steps; flags after ``--`` go to
+char_lm.py (the model's size, the steps).
 
 Every method at every worker count trains with the same peak lr (``--peak-lr``, 0.1: the
 value tuned at 4 workers), not the linearly scaled one: at 8 and 16 workers the scaled peak
@@ -94,6 +101,68 @@ def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, 
     return row
 
 
+#: The language-model table's methods: char_lm.py's flags for each.
+LM_METHODS = {
+    "ar-adamw": ["--algo", "allreduce", "--no-slowmo"],
+    "local-adamw": ["--algo", "localsgd", "--no-slowmo"],
+    "local-adamw-slowmo": ["--algo", "localsgd", "--slowmo", "--slow-lr", "0.7"]
+    + ["--slow-momentum", "0.9", "--outer-optimizer", "nesterov"],
+}
+
+
+def run_lm(args) -> None:
+    """Per seed: AR-AdamW once (it does not depend on tau), then per tau Local AdamW and Local
+    AdamW + SlowMo; one JSON line per finished run, finished runs are not run again."""
+    import char_lm
+
+    done = {(r["method"], r["tau"], r["seed"]) for r in _done(args.out)}
+    taus = [int(t) for t in args.taus.split(",")]
+    for seed in range(args.seeds):
+        plan = [("ar-adamw", taus[0])] + [
+            (m, t) for t in taus for m in ("local-adamw", "local-adamw-slowmo")
+        ]
+        for method, tau in plan:
+            if (method, tau, seed) in done:
+                continue
+            flags = LM_METHODS[method] + ["--tau", str(tau), "--seed", str(seed)]
+            flags += ["--no-progress", "--log-every", "1000000", "--device", "cpu"]
+            flags += ["--logdir", args.logdir, "--run-name", f"{method}_tau{tau}_s{seed}"]
+            flags += args.lm_flags
+            summary = run_in_threads(args.workers, lambda f=flags: char_lm.main(f))[0]
+            row = dict(method=method, tau=tau, seed=seed, workers=args.workers)
+            row.update({k: summary[k] for k in ("val_loss", "train_loss", "steps", "wall_s")})
+            row.update(diverged=summary["diverged"], params=summary["params"])
+            row.update(corpus_sha256=summary["corpus_sha256"], flags=args.lm_flags)
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+
+
+def lm_table(rows: list[dict]) -> str:
+    """The language-model table: validation loss (nats per byte, mean ± std over the seeds
+    every method of that tau finished) per tau, with paired t-tests of each difference."""
+    by = {(r["method"], r["tau"], r["seed"]): r["val_loss"] for r in rows}
+    ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
+    lines = [
+        "| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov 0.7/0.9) | local - AR "
+        "(paired) | SlowMo - local (paired) |",
+        "|---" * 7 + "|",
+    ]
+    for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
+        lo = {s: v for (m, t, s), v in by.items() if m == "local-adamw" and t == tau}
+        sm = {s: v for (m, t, s), v in by.items() if m == "local-adamw-slowmo" and t == tau}
+        seeds = sorted(set(ar) & set(lo) & set(sm))
+        if not seeds:
+            continue
+        a, b, c = ([d[s] for s in seeds] for d in (ar, lo, sm))
+        lines.append(
+            f"| {tau} | {len(seeds)} | {_mean_std(a, 3)} | {_mean_std(b, 3)} | "
+            f"{_mean_std(c, 3)} | {(sum(b) - sum(a)) / len(seeds):+.3f} ({_paired(b, a)}) | "
+            f"{(sum(c) - sum(b)) / len(seeds):+.3f} ({_paired(c, b)}) |"
+        )
+    return "\n".join(lines)
+
+
 def _fails(rows: list[dict]) -> bool:
     finals = [r["val_accuracy"] for r in rows]
     for i, r in enumerate(rows):
@@ -142,12 +211,12 @@ def run(args) -> None:
                 get(w, t, "slowmo", s, beta)
 
 
-def _mean_std(v: list[float]) -> str:
+def _mean_std(v: list[float], digits: int = 2) -> str:
     if not v:
         return "-"
     m = sum(v) / len(v)
     sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
-    return f"{m:.2f} ± {sd:.2f}"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
 def _paired(a: list[float], b: list[float]) -> str:
@@ -160,44 +229,97 @@ def _paired(a: list[float], b: list[float]) -> str:
     return f"t = {res.statistic:.2f}, p = {res.pvalue:.3f}"
 
 
-def cells_table(rows: list[dict]) -> tuple[str, dict]:
-    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+def cell_stats(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """Per cell (workers, tau) with test runs of all three methods: the paired seeds' numbers.
+
+    AR-SGD does not depend on tau: its runs of a worker count (recorded at tau 12) are the
+    reference of every cell of that count. Only seeds that all three methods finished count.
+
+    Args:
+        rows: the driver's JSON lines.
+
+    Returns:
+        ``{(workers, tau): {"seeds", "beta", "acc", "loss"}}`` with ``acc`` and ``loss`` dicts
+        ``{"ar", "lo", "sm"}`` of lists in seed order.
+    """
     test = [r for r in rows if r["split"] == "test"]
-    by = {}
+    by: dict[tuple, dict[int, dict]] = {}
     for r in test:
         by.setdefault((r["workers"], r["tau"], r["method"]), {})[r["seed"]] = r
-    head = (
-        "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
-        "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|\n"
-    )
-    lines, change = [], {}
+    out = {}
     for w, t in sorted({(r["workers"], r["tau"]) for r in test if r["method"] != "allreduce"}):
-        ar, lo, sm = by.get((w, 12, "allreduce"), {}), by.get((w, t, "localsgd"), {}), {}
-        sm = by.get((w, t, "slowmo"), {})
-        seeds = sorted(set(ar) & set(lo) & set(sm))
+        runs = {
+            "ar": by.get((w, 12, "allreduce"), {}),
+            "lo": by.get((w, t, "localsgd"), {}),
+            "sm": by.get((w, t, "slowmo"), {}),
+        }
+        seeds = sorted(set(runs["ar"]) & set(runs["lo"]) & set(runs["sm"]))
         if not seeds:
             continue
-        acc = {
-            k: [d[s]["val_accuracy"] for s in seeds]
-            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        out[(w, t)] = {
+            "seeds": seeds,
+            "beta": runs["sm"][seeds[0]]["beta"],
+            "acc": {k: [d[s]["val_accuracy"] for s in seeds] for k, d in runs.items()},
+            "loss": {k: [d[s]["train_full_loss"] for s in seeds] for k, d in runs.items()},
         }
-        loss = {
-            k: [d[s]["train_full_loss"] for s in seeds]
-            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
-        }
-        diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
-        change[(w, t)] = sum(diff) / len(diff)
-        gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
-        beta = sm[seeds[0]]["beta"]
-        lines.append(
-            f"| {w} | {t} | {len(seeds)} | {_mean_std(acc['ar'])} | {_mean_std(acc['lo'])} | "
-            f"{_mean_std(acc['sm'])} ({beta}) | {sum(gap) / len(gap):+.2f} "
-            f"({_paired(acc['lo'], acc['ar'])}) | {change[(w, t)]:+.2f} "
-            f"({_paired(acc['sm'], acc['lo'])}) | "
-            + " / ".join(f"{sum(v) / len(v):.3f}" for v in loss.values())
-            + " |"
-        )
-    return head + "\n".join(lines), change
+    return out
+
+
+TABLE_HEAD = (
+    "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
+    "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|"
+)
+
+
+def table_row(cell: tuple[int, int], st: dict) -> str:
+    """One cell's markdown row (see :func:`cell_stats` for ``st``)."""
+    acc = st["acc"]
+    gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
+    diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
+    return (
+        f"| {cell[0]} | {cell[1]} | {len(st['seeds'])} | {_mean_std(acc['ar'])} | "
+        f"{_mean_std(acc['lo'])} | {_mean_std(acc['sm'])} ({st['beta']}) | "
+        f"{sum(gap) / len(gap):+.2f} ({_paired(acc['lo'], acc['ar'])}) | "
+        f"{sum(diff) / len(diff):+.2f} ({_paired(acc['sm'], acc['lo'])}) | "
+        + " / ".join(f"{sum(v) / len(v):.3f}" for v in st["loss"].values())
+        + " |"
+    )
+
+
+def cells_table(rows: list[dict]) -> tuple[str, dict]:
+    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+    stats = cell_stats(rows)
+    change = {
+        c: sum(a - b for a, b in zip(st["acc"]["sm"], st["acc"]["lo"])) / len(st["seeds"])
+        for c, st in stats.items()
+    }
+    return "\n".join([TABLE_HEAD] + [table_row(c, st) for c, st in stats.items()]), change
+
+
+def clearest_cell(rows: list[dict]) -> tuple[int, int] | None:
+    """The cell where SlowMo's change over its base is most significant (the smallest paired
+    p-value over seeds, either sign; ties: the larger mean change), among cells with >= 3
+    paired seeds; None if there is none.
+
+    Args:
+        rows: the driver's JSON lines.
+    """
+    from scipy.stats import ttest_rel
+
+    best, best_key = None, None
+    for cell, st in cell_stats(rows).items():
+        sm, lo = st["acc"]["sm"], st["acc"]["lo"]
+        if len(sm) < 3:
+            continue
+        diff = [a - b for a, b in zip(sm, lo)]
+        if all(d == diff[0] for d in diff):  # no spread: the t-test is undefined
+            p = 0.0 if diff[0] else 1.0
+        else:
+            p = float(ttest_rel(sm, lo).pvalue)
+        k = (p, -abs(sum(diff) / len(diff)))
+        if best_key is None or k < best_key:
+            best, best_key = cell, k
+    return best
 
 
 def heat_map(change: dict, png: str) -> None:
@@ -256,9 +378,24 @@ def main(argv=None) -> int:
     rep = sub.add_parser("report")
     rep.add_argument("jsonl")
     rep.add_argument("--png", default=None)
+    lm = sub.add_parser("lm")
+    lm.add_argument("--out", required=True)
+    lm.add_argument("--taus", default="16,64")
+    lm.add_argument("--seeds", type=int, default=3)
+    lm.add_argument("--workers", type=int, default=4)
+    lm.add_argument("--logdir", default="runs/regime_lm")
+    lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
+    lm_rep = sub.add_parser("lm-report")
+    lm_rep.add_argument("jsonl")
     args = p.parse_args(argv)
     if args.cmd == "run":
         run(args)
+        return 0
+    if args.cmd == "lm":
+        run_lm(args)
+        return 0
+    if args.cmd == "lm-report":
+        print(lm_table(_done(args.jsonl)))
         return 0
     table, change = cells_table(_done(args.jsonl))
     print(table)
