@@ -223,6 +223,9 @@ def _paired(a: list[float], b: list[float]) -> str:
     """Paired t-test of a - b over seeds: "t = .., p = .." (scipy), or why not."""
     if len(a) < 2:
         return "n < 2"
+    diff = [x - y for x, y in zip(a, b)]
+    if max(diff) - min(diff) <= 1e-9 * max(1.0, abs(diff[0])):
+        return "the same difference on every seed: no t"
     from scipy.stats import ttest_rel
 
     res = ttest_rel(a, b)

@@ -113,7 +113,8 @@ def test_table_and_clearest_cell_from_the_rows(tmp_path, fake):
     assert change[(4, 24)] == pytest.approx(1.4)  # seeds 0..4: +1, +2, +1, +2, +1
     assert change[(4, 96)] == 0.0
     line = table.splitlines()[2]
-    assert line.startswith("| 4 | 24 | 5 | 92.00 ± 1.58 | 87.00 ± 1.58 | 88.40 ± 1.67 (0.4) | -5.00")
+    head = "| 4 | 24 | 5 | 92.00 ± 1.58 | 87.00 ± 1.58 | 88.40 ± 1.67 (0.4) | -5.00"
+    assert line.startswith(head)
     assert regime_map.clearest_cell(rows) == (4, 24)
 
     path = tmp_path / "recorded.jsonl"
@@ -122,6 +123,23 @@ def test_table_and_clearest_cell_from_the_rows(tmp_path, fake):
     assert text.startswith("Recorded, not run now") and "4 workers x tau 24" in text
     assert line in text and "--cells 4x24" in text
     assert compare.recorded_regime_cell(str(tmp_path / "missing.jsonl")) is None
+
+
+def test_lm_table_pairs_the_seeds_every_method_finished():
+    rows = [dict(method="ar-adamw", tau=16, seed=s, val_loss=2.0 + s) for s in range(3)]
+    rows += [
+        dict(method="local-adamw", tau=t, seed=s, val_loss=2.5 + s)
+        for t in (16, 64)
+        for s in range(3)
+    ]
+    rows += [
+        dict(method="local-adamw-slowmo", tau=16, seed=s, val_loss=2.2 + s + 0.1 * s)
+        for s in range(2)
+    ]
+    lines = regime_map.lm_table(rows).splitlines()
+    assert len(lines) == 3  # tau 64 has no SlowMo run: no row; tau 16 pairs seeds 0 and 1
+    assert lines[2].startswith("| 16 | 2 | 2.500 ± 0.707 | 3.000 ± 0.707 | 2.750 ± 0.778 | +0.500")
+    assert "| -0.250 (t = -5.00, p = 0.126) |" in lines[2]
 
 
 def test_the_committed_map_has_a_clearest_cell():
