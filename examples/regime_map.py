@@ -117,7 +117,7 @@ def run_lm(args) -> None:
 
     done = {(r["method"], r["tau"], r["seed"]) for r in _done(args.out)}
     taus = [int(t) for t in args.taus.split(",")]
-    for seed in range(args.seeds):
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
         plan = [("ar-adamw", taus[0])] + [
             (m, t) for t in taus for m in ("local-adamw", "local-adamw-slowmo")
         ]
@@ -184,15 +184,15 @@ def _done(out: str) -> list[dict]:
 
 
 def run(args) -> None:
-    done = _done(args.out)
-
     def key(r: dict) -> tuple:
         return (r["workers"], r["tau"], r["method"], r["beta"], r["seed"], r["peak_lr"])
 
-    have = {key(r): r for r in done if "peak_lr" in r}
     betas = [float(b) for b in args.betas.split(",")]
 
     def get(w, t, m, s, b=0.0):
+        # Read the file afresh: drivers of other cells may share it (AR-SGD runs once per
+        # worker count, whichever driver reaches it first).
+        have = {key(r): r for r in _done(args.out) if "peak_lr" in r}
         return have.get((w, t, m, b, s, args.peak_lr)) or _run(args.out, w, t, m, s, b, args)
 
     for w, t in parse_cells(args.cells):
@@ -385,6 +385,7 @@ def main(argv=None) -> int:
     lm.add_argument("--out", required=True)
     lm.add_argument("--taus", default="16,64")
     lm.add_argument("--seeds", type=int, default=3)
+    lm.add_argument("--seed-from", type=int, default=0, help="seeds SEED_FROM..+SEEDS-1")
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--logdir", default="runs/regime_lm")
     lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
