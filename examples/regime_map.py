@@ -25,8 +25,10 @@ runs the test seeds. One JSON line per finished run, so an interrupted map keeps
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_in_threads
@@ -74,6 +76,7 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 
 
 def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, args) -> dict:
+    """Train one run on thread workers and append its row to ``out``."""
     flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(lr_flag(args.peak_lr, workers))]
     flags += ["--batch-size", str(BATCH), "--epoch-steps", str(args.epoch_steps)]
     flags += ["--epochs", str(args.epochs)]
@@ -183,32 +186,88 @@ def _done(out: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(args) -> None:
-    def key(r: dict) -> tuple:
-        return (r["workers"], r["tau"], r["method"], r["beta"], r["seed"], r["peak_lr"])
+def _key(r: dict) -> tuple:
+    """A row's run: (workers, tau, method, seed, beta)."""
+    return (r["workers"], r["tau"], r["method"], r["seed"], r["beta"])
 
+
+def choose_beta(have: dict[tuple, dict], w: int, t: int, betas: list[float]) -> dict | None:
+    """The tuning of cell (w, t) from its finished runs: None while a tuning run is missing,
+    else ``{"beta": the chosen beta or None (every setting failed), "means": {beta: mean}}``.
+
+    Args:
+        have: finished rows by :func:`_key`.
+        w: workers.
+        t: tau.
+        betas: the grid.
+    """
+    means: dict[float, float] = {}
+    for b in betas:
+        rows = [have.get((w, t, "slowmo", s, b)) for s in TUNING_SEEDS]
+        if any(r is None for r in rows):
+            return None
+        if not _fails(rows):
+            means[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
+    return {"beta": max(means, key=means.get, default=None), "means": means}
+
+
+def ready_runs(args, have: dict[tuple, dict]) -> list[tuple]:
+    """Every run still needed that can start now, in priority order: cell by cell, its tuning
+    runs, AR-SGD's and Local SGD's test runs, and SlowMo's test runs once its tuning finished.
+
+    Args:
+        args: the ``run`` command's arguments.
+        have: finished rows by :func:`_key`.
+    """
     betas = [float(b) for b in args.betas.split(",")]
-
-    def get(w, t, m, s, b=0.0):
-        # Read the file afresh: drivers of other cells may share it (AR-SGD runs once per
-        # worker count, whichever driver reaches it first).
-        have = {key(r): r for r in _done(args.out) if "peak_lr" in r}
-        return have.get((w, t, m, b, s, args.peak_lr)) or _run(args.out, w, t, m, s, b, args)
-
+    out: list[tuple] = []
     for w, t in parse_cells(args.cells):
-        cell = f"{w}x{t}"
-        tuned: dict[float, float] = {}
-        for b in [] if args.beta is not None else betas:
-            rows = [get(w, t, "slowmo", s, b) for s in TUNING_SEEDS]
-            if not _fails(rows):
-                tuned[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
-        beta = args.beta if args.beta is not None else max(tuned, key=tuned.get, default=None)
-        print(f"cell {cell}: beta chosen {beta} from {tuned}", flush=True)
+        if args.beta is not None:
+            beta = args.beta
+        else:
+            out += [(w, t, "slowmo", s, b) for b in betas for s in TUNING_SEEDS]
+            tuning = choose_beta(have, w, t, betas)
+            beta = tuning["beta"] if tuning else None
         for s in range(args.seeds):
-            get(w, 12, "allreduce", s)  # AR-SGD does not depend on tau: one run per worker count
-            get(w, t, "localsgd", s)
+            out += [(w, 12, "allreduce", s, 0.0), (w, t, "localsgd", s, 0.0)]  # AR: any tau
             if beta is not None:
-                get(w, t, "slowmo", s, beta)
+                out.append((w, t, "slowmo", s, beta))
+    return [r for i, r in enumerate(out) if r not in have and r not in out[:i]]
+
+
+def run(args, pool: Executor | None = None) -> None:
+    """Run the cells' runs, ``args.jobs`` at a time, each in a process of its own (``pool``:
+    another executor, for tests), appending each finished run's row to ``args.out``; what
+    ``args.out`` already holds is not run again.
+
+    Args:
+        args: the ``run`` command's arguments.
+        pool: the executor (default: ``args.jobs`` spawned processes).
+    """
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: needs at least 1 (runs at a time)")
+    pool = pool or ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    running: dict[tuple, Future] = {}
+    told: set[tuple] = set()
+    with pool:
+        while True:
+            have = {_key(r): r for r in _done(args.out) if r.get("peak_lr") == args.peak_lr}
+            for w, t in parse_cells(args.cells):
+                betas = [float(b) for b in args.betas.split(",")]
+                tuning = None if args.beta is not None else choose_beta(have, w, t, betas)
+                if tuning and (w, t) not in told:
+                    told.add((w, t))
+                    print(f"cell {w}x{t}: beta chosen {tuning['beta']} from {tuning['means']}")
+            todo = [r for r in ready_runs(args, have) if r not in running]
+            for r in todo[: max(0, args.jobs - len(running))]:
+                running[r] = pool.submit(_run, args.out, *r, args)
+            if not running:
+                return
+            finished, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)
+            for r, f in list(running.items()):
+                if f in finished:
+                    del running[r]
+                    f.result()  # a run that raised stops the map (the others finish first)
 
 
 def _mean_std(v: list[float], digits: int = 2) -> str:
@@ -354,13 +413,15 @@ def heat_map(change: dict, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The driver's command line."""
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--cells", default="16x96,16x48,8x96,8x48,16x24,4x96")
     r.add_argument("--seeds", type=int, default=5)
+    r.add_argument("--jobs", type=int, default=1, help="runs at a time, a process each")
     r.add_argument("--epoch-steps", type=int, default=36)
     r.add_argument("--epochs", type=int, default=16)
     r.add_argument("--logdir", default="runs/regime")
@@ -391,7 +452,11 @@ def main(argv=None) -> int:
     lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
     lm_rep = sub.add_parser("lm-report")
     lm_rep.add_argument("jsonl")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "run":
         run(args)
         return 0

@@ -6,6 +6,7 @@ clearest cell."""
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,6 +50,12 @@ def fake_training(calls: list[list[str]]):
     return main
 
 
+def run_map(argv: list[str]) -> None:
+    """The driver's ``run``, its runs on threads of this process (where the fake applies)."""
+    args = regime_map.parser().parse_args(argv)
+    regime_map.run(args, pool=ThreadPoolExecutor(args.jobs))
+
+
 @pytest.fixture
 def fake(monkeypatch):
     calls: list[list[str]] = []
@@ -68,6 +75,8 @@ def test_every_worker_count_trains_at_the_same_peak_lr():
 
 
 def test_cells_parse_and_bad_cells_are_named():
+    with pytest.raises(ValueError, match="--jobs 0"):
+        regime_map.run(regime_map.parser().parse_args(["run", "--out", "x", "--jobs", "0"]))
     assert regime_map.parse_cells("4x12, 8x96") == [(4, 12), (8, 96)]
     with pytest.raises(ValueError, match="'4-12'"):
         regime_map.parse_cells("4-12")
@@ -78,7 +87,8 @@ def test_cells_parse_and_bad_cells_are_named():
 def test_run_tunes_beta_with_the_failing_seed_rule_then_runs_the_test_seeds(tmp_path, fake):
     out = str(tmp_path / "map.jsonl")
     argv = ["run", "--out", out, "--cells", "8x48", "--betas", "0.4,0.6,0.8", "--seeds", "3"]
-    assert regime_map.main(argv + ["--logdir", str(tmp_path)]) == 0
+    argv += ["--logdir", str(tmp_path), "--jobs", "3"]
+    run_map(argv)
     rows = [json.loads(line) for line in open(out)]
     assert len(rows) == 9 + 3 * 3  # 3 betas x 3 tuning seeds, then 3 methods x 3 test seeds
     assert {r["peak_lr"] for r in rows} == {0.1}
@@ -91,17 +101,22 @@ def test_run_tunes_beta_with_the_failing_seed_rule_then_runs_the_test_seeds(tmp_
         assert flags[flags.index("--epoch-steps") + 1] == "36"
     ar = [f for f in fake if "allreduce" in f]
     assert len(ar) == 3 and all("--validation" not in f for f in ar)
+    # SlowMo's test runs start only once the whole tuning finished
+    first_test_slowmo = min(
+        i for i, f in enumerate(fake) if "--slowmo" in f and "--validation" not in f
+    )
+    assert sum("--validation" in f for f in fake[:first_test_slowmo]) == 9
 
     # Resuming runs nothing that finished.
     n = len(fake)
-    assert regime_map.main(argv + ["--logdir", str(tmp_path)]) == 0
+    run_map(argv)
     assert len(fake) == n and len(open(out).readlines()) == len(rows)
 
 
 def test_table_and_clearest_cell_from_the_rows(tmp_path, fake):
     out = str(tmp_path / "map.jsonl")
     argv = ["run", "--out", out, "--cells", "4x24", "--betas", "0.4", "--seeds", "5"]
-    assert regime_map.main(argv + ["--logdir", str(tmp_path)]) == 0
+    run_map(argv + ["--logdir", str(tmp_path), "--jobs", "2"])
     rows = [json.loads(line) for line in open(out)]
     # a second cell whose SlowMo rows equal the base's: no effect, not the clearest
     for r in [r for r in rows if r["split"] == "test" and r["method"] != "allreduce"]:
