@@ -124,6 +124,7 @@ def run_lm(args) -> None:
         plan = [("ar-adamw", taus[0])] + [
             (m, t) for t in taus for m in ("local-adamw", "local-adamw-slowmo")
         ]
+        plan = [(m, t) for m, t in plan if m in args.methods.split(",")]
         for method, tau in plan:
             if (method, tau, seed) in done:
                 continue
@@ -447,6 +448,9 @@ def parser() -> argparse.ArgumentParser:
     lm.add_argument("--taus", default="16,64")
     lm.add_argument("--seeds", type=int, default=3)
     lm.add_argument("--seed-from", type=int, default=0, help="seeds SEED_FROM..+SEEDS-1")
+    lm.add_argument(
+        "--methods", default=",".join(LM_METHODS), help=f"a subset of {','.join(LM_METHODS)}"
+    )
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--logdir", default="runs/regime_lm")
     lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
