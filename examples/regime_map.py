@@ -118,6 +118,9 @@ def run_lm(args) -> None:
     AdamW + SlowMo; one JSON line per finished run, finished runs are not run again."""
     import char_lm
 
+    unknown = set(args.methods.split(",")) - set(LM_METHODS)
+    if unknown:
+        raise ValueError(f"--methods: {sorted(unknown)} unknown; choose from {list(LM_METHODS)}")
     done = {(r["method"], r["tau"], r["seed"]) for r in _done(args.out)}
     taus = [int(t) for t in args.taus.split(",")]
     for seed in range(args.seed_from, args.seed_from + args.seeds):

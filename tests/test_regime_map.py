@@ -157,6 +157,11 @@ def test_lm_table_pairs_the_seeds_every_method_finished():
     assert "| -0.250 (t = -5.00, p = 0.126) |" in lines[2]
 
 
+def test_lm_rejects_an_unknown_method(tmp_path):
+    with pytest.raises(ValueError, match="'adam'"):
+        regime_map.main(["lm", "--out", str(tmp_path / "x.jsonl"), "--methods", "adam"])
+
+
 def test_the_committed_map_has_a_clearest_cell():
     # compare.py (the main job) prints it: the committed rows must hold one complete cell.
     text = compare.recorded_regime_cell()
