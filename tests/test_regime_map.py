@@ -134,10 +134,15 @@ def test_table_and_clearest_cell_from_the_rows(tmp_path, fake):
 
     path = tmp_path / "recorded.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = compare.recorded_regime_cell(str(path))
+    missing = str(tmp_path / "missing.jsonl")
+    text = compare.recorded_regime_cell([missing, str(path)])
     assert text.startswith("Recorded, not run now") and "4 workers x tau 24" in text
-    assert line in text and "--cells 4x24" in text
-    assert compare.recorded_regime_cell(str(tmp_path / "missing.jsonl")) is None
+    assert line in text and "--cells 4x24" in text and "beta tuned on the validation" in text
+    untuned = tmp_path / "untuned.jsonl"
+    untuned.write_text("".join(json.dumps(r) + "\n" for r in rows if r["split"] == "test"))
+    text = compare.recorded_regime_cell([str(untuned)])
+    assert "beta fixed at 0.4, NOT tuned" in text and "--beta 0.4 --peak-lr 0.1" in text
+    assert compare.recorded_regime_cell([missing]) is None
 
 
 def test_lm_table_pairs_the_seeds_every_method_finished():
