@@ -543,7 +543,7 @@ def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
         + regime_map.TABLE_HEAD
         + "\n"
         + regime_map.table_row(cell, st)
-        + f"\nReproduce (hours of CPU): {again}"
+        + f"\nReproduce (about 24 training runs): {again}"
     )
 
 
