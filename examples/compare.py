@@ -52,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import digits  # noqa: E402
 import mnist1d_cnn  # noqa: E402
+import regime_map  # noqa: E402
 from common import ALGOS, parse_event  # noqa: E402  (also puts the package on the path)
 
 import hvd_slowmo  # noqa: E402
@@ -491,6 +492,61 @@ def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], l
     print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
 
 
+#: The regime map's recorded runs (docs/regimes.md), newest protocol first: compare.py prints
+#: the clearest cell of the first that has a complete one.
+REGIME_JSONLS = tuple(
+    os.path.join(HERE, os.pardir, "docs", name)
+    for name in ("regime_runs.jsonl", "regime_runs_untuned.jsonl")
+)
+
+
+def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
+    """The regime map's clearest cell (:func:`regime_map.clearest_cell`), read from the first
+    of ``paths`` that holds a complete cell and labelled as recorded (with how its beta was
+    chosen and the commands that reproduce it); None where none does.
+
+    Args:
+        paths: the driver's JSON-lines files, in order of preference.
+    """
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        cell = regime_map.clearest_cell(rows)
+        if cell is not None:
+            break
+    else:
+        return None
+    st = regime_map.cell_stats(rows)[cell]
+    w, t = cell
+    tuned = any(r["split"] == "validation" and (r["workers"], r["tau"]) == cell for r in rows)
+    how = (
+        "beta tuned on the validation split"
+        if tuned
+        else f"beta fixed at {st['beta']}, NOT tuned per cell"
+    )
+    if "peak_lr" not in rows[0]:  # the first round's rows: another lr rule, other flags
+        again = "the first round's protocol: its commands are in docs/regimes.md"
+    else:
+        grid = "--betas 0.4,0.6,0.8" if tuned else f"--beta {st['beta']}"
+        again = (
+            f"python examples/regime_map.py run --out runs/regime.jsonl --cells {w}x{t} {grid} "
+            f"--peak-lr {rows[0]['peak_lr']:g} --jobs 4 && "
+            "python examples/regime_map.py report runs/regime.jsonl"
+        )
+    return (
+        f"Recorded, not run now ({os.path.relpath(path)}; docs/regimes.md): the regime map's "
+        f"cell where SlowMo's change is clearest, {w} workers x tau {t}, MNIST-1D test split, "
+        f"{rows[0]['steps']} steps per worker, {len(st['seeds'])} paired seeds, {how} "
+        "(accuracy %, mean ± std; paired t-tests over seeds):\n"
+        + regime_map.TABLE_HEAD
+        + "\n"
+        + regime_map.table_row(cell, st)
+        + f"\nReproduce (about 24 training runs): {again}"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     """compare.py's command line."""
     parser = argparse.ArgumentParser(
@@ -737,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(results_table(runnable, method_settings, summaries))
     _print_reports(summaries, runnable, logdir, network is not None, args.png)
+    recorded = recorded_regime_cell() if args.task == "mnist1d" and not network else None
+    if recorded:
+        print("\n" + recorded)
     print(f"Total wall time: {time.perf_counter() - t_all:.1f} s")
     return 1 if rc != 0 or failed or not summaries else 0
 

@@ -4,36 +4,85 @@ on thread workers of this one process (``launch.run_in_threads``: no launcher).
 
     python examples/regime_map.py run --out runs/regime.jsonl --cells 16x96,16x48
     python examples/regime_map.py report runs/regime.jsonl --png docs/figures/regime_map.png
+    python examples/regime_map.py lm --out runs/lm.jsonl --taus 16,64 --seeds 3 -- --width 64
+    python examples/regime_map.py lm-report runs/lm.jsonl
 
-Per cell, SlowMo's beta is tuned on the validation split (seeds 100-102, beta in 0.4..0.8,
-alpha = 1, the base's lr, buffers reset) with docs/mnist1d_tuning.md's rule: a setting with a
-failing seed is rejected (diverged, fell back > 5 points from its best, or trails its siblings
-by > 5 points), the best mean among the rest is chosen. Then every method runs the test seeds.
-One JSON line per finished run, so an interrupted map keeps what finished.
+``lm`` is the language-model table (examples/char_lm.py on 4 thread workers): AR-AdamW, Local
+AdamW with a plain average, and Local AdamW + SlowMo with DiLoCo's outer Nesterov (outer lr 0.7,
+momentum 0.9) per tau and seed, the validation loss at equal steps; flags after ``--`` go to
+char_lm.py (the model's size, the steps).
+
+Every method at every worker count trains with the same peak lr (``--peak-lr``, 0.1: the
+value tuned at 4 workers), not the linearly scaled one: at 8 and 16 workers the scaled peak
+(0.2, 0.4) left AR-SGD itself unstable in the map's 576 steps. Per cell, SlowMo's beta is tuned
+on the validation split (seeds 100-102, beta from ``--betas``, default the paper's grid
+0.4..0.8, alpha = 1, the base's lr, buffers reset) with docs/mnist1d_tuning.md's rule: a
+setting with a failing seed is rejected (diverged, fell back > 5 points from its best, or
+trails its siblings by > 5 points), the best mean among the rest is chosen. Then every method
+runs the test seeds. One JSON line per finished run, so an interrupted map keeps what finished.
 """
 
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import run_in_threads
-from mnist1d_cnn import BETA_GRID, TUNED
+from mnist1d_cnn import BETA_GRID, LR_BATCH
 from mnist1d_cnn import main as mnist1d_main
 
 #: The margin of the tuning rule (points), as slowmo_lab.report.FAIL_MARGIN.
 FAIL_MARGIN = 5.0
 TUNING_SEEDS = (100, 101, 102)
+#: The per-worker batch of examples/mnist1d_cnn.py (its default, which the map keeps).
+BATCH = 32
+
+
+def lr_flag(peak_lr: float, workers: int) -> float:
+    """The ``--lr`` that gives examples/mnist1d_cnn.py this peak lr at this worker count.
+
+    The example scales its ``--lr`` by the global batch (``lr x 32 x workers / 128``); the map
+    undoes that scaling so that every worker count trains at the same peak lr.
+
+    Args:
+        peak_lr: the peak learning rate wanted.
+        workers: the worker count.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers}: needs at least one worker")
+    return peak_lr * LR_BATCH / (BATCH * workers)
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """``"4x12,8x96"`` -> ``[(4, 12), (8, 96)]`` (workers x tau).
+
+    Args:
+        text: comma-separated ``WORKERSxTAU`` cells.
+    """
+    cells = []
+    for cell in text.split(","):
+        try:
+            w, t = (int(v) for v in cell.strip().split("x"))
+        except ValueError:
+            raise ValueError(f"--cells: {cell!r} is not WORKERSxTAU (e.g. 4x96)") from None
+        if w < 1 or t < 1:
+            raise ValueError(f"--cells: {cell!r} needs workers >= 1 and tau >= 1")
+        cells.append((w, t))
+    return cells
 
 
 def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, args) -> dict:
-    flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(TUNED["localsgd"]["lr"])]
-    flags += ["--epoch-steps", str(args.epoch_steps), "--epochs", str(args.epochs)]
+    """Train one run on thread workers and append its row to ``out``."""
+    flags = ["--tau", str(tau), "--seed", str(seed), "--lr", str(lr_flag(args.peak_lr, workers))]
+    flags += ["--batch-size", str(BATCH), "--epoch-steps", str(args.epoch_steps)]
+    flags += ["--epochs", str(args.epochs)]
     flags += ["--no-progress", "--log-every", "1000000", "--logdir", args.logdir]
     if method == "allreduce":
-        flags += ["--algo", "allreduce", "--no-slowmo", "--lr", str(TUNED["allreduce"]["lr"])]
+        flags += ["--algo", "allreduce", "--no-slowmo"]
     elif method == "localsgd":
         flags += ["--algo", "localsgd", "--no-slowmo", "--buffers", "maintain"]
     else:
@@ -45,6 +94,7 @@ def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, 
     name = f"w{workers}_tau{tau}_{method}_b{beta}_s{seed}"
     summary = run_in_threads(workers, lambda: mnist1d_main(flags + ["--run-name", name]))[0]
     row = dict(workers=workers, tau=tau, method=method, beta=beta, seed=seed, split=split)
+    row.update(peak_lr=args.peak_lr)
     row.update({k: summary[k] for k in ("val_accuracy", "best_val_accuracy", "train_loss")})
     row.update(train_full_loss=summary.get("train_full_loss"), steps=summary["steps"])
     row.update(diverged=summary["diverged"], wall_s=summary["wall_s"])
@@ -52,6 +102,72 @@ def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, 
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
     return row
+
+
+#: The language-model table's methods: char_lm.py's flags for each.
+LM_METHODS = {
+    "ar-adamw": ["--algo", "allreduce", "--no-slowmo"],
+    "local-adamw": ["--algo", "localsgd", "--no-slowmo"],
+    "local-adamw-slowmo": ["--algo", "localsgd", "--slowmo", "--slow-lr", "0.7"]
+    + ["--slow-momentum", "0.9", "--outer-optimizer", "nesterov"],
+}
+
+
+def run_lm(args) -> None:
+    """Per seed: AR-AdamW once (it does not depend on tau), then per tau Local AdamW and Local
+    AdamW + SlowMo; one JSON line per finished run, finished runs are not run again."""
+    import char_lm
+
+    unknown = set(args.methods.split(",")) - set(LM_METHODS)
+    if unknown:
+        raise ValueError(f"--methods: {sorted(unknown)} unknown; choose from {list(LM_METHODS)}")
+    done = {(r["method"], r["tau"], r["seed"]) for r in _done(args.out)}
+    taus = [int(t) for t in args.taus.split(",")]
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
+        plan = [("ar-adamw", taus[0])] + [
+            (m, t) for t in taus for m in ("local-adamw", "local-adamw-slowmo")
+        ]
+        plan = [(m, t) for m, t in plan if m in args.methods.split(",")]
+        for method, tau in plan:
+            if (method, tau, seed) in done:
+                continue
+            flags = LM_METHODS[method] + ["--tau", str(tau), "--seed", str(seed)]
+            flags += ["--no-progress", "--log-every", "1000000", "--device", "cpu"]
+            flags += ["--logdir", args.logdir, "--run-name", f"{method}_tau{tau}_s{seed}"]
+            flags += args.lm_flags
+            summary = run_in_threads(args.workers, lambda f=flags: char_lm.main(f))[0]
+            row = dict(method=method, tau=tau, seed=seed, workers=args.workers)
+            row.update({k: summary[k] for k in ("val_loss", "train_loss", "steps", "wall_s")})
+            row.update(diverged=summary["diverged"], params=summary["params"])
+            row.update(corpus_sha256=summary["corpus_sha256"], flags=args.lm_flags)
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+
+
+def lm_table(rows: list[dict]) -> str:
+    """The language-model table: validation loss (nats per byte, mean ± std over the seeds
+    every method of that tau finished) per tau, with paired t-tests of each difference."""
+    by = {(r["method"], r["tau"], r["seed"]): r["val_loss"] for r in rows}
+    ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
+    lines = [
+        "| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov 0.7/0.9) | local - AR "
+        "(paired) | SlowMo - local (paired) |",
+        "|---" * 7 + "|",
+    ]
+    for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
+        lo = {s: v for (m, t, s), v in by.items() if m == "local-adamw" and t == tau}
+        sm = {s: v for (m, t, s), v in by.items() if m == "local-adamw-slowmo" and t == tau}
+        seeds = sorted(set(ar) & set(lo) & set(sm))
+        if not seeds:
+            continue
+        a, b, c = ([d[s] for s in seeds] for d in (ar, lo, sm))
+        lines.append(
+            f"| {tau} | {len(seeds)} | {_mean_std(a, 3)} | {_mean_std(b, 3)} | "
+            f"{_mean_std(c, 3)} | {(sum(b) - sum(a)) / len(seeds):+.3f} ({_paired(b, a)}) | "
+            f"{(sum(c) - sum(b)) / len(seeds):+.3f} ({_paired(c, b)}) |"
+        )
+    return "\n".join(lines)
 
 
 def _fails(rows: list[dict]) -> bool:
@@ -74,86 +190,202 @@ def _done(out: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(args) -> None:
-    done = _done(args.out)
-    key = lambda r: (r["workers"], r["tau"], r["method"], r["beta"], r["seed"])  # noqa: E731
-    have = {key(r): r for r in done}
+def _key(r: dict) -> tuple:
+    """A row's run: (workers, tau, method, seed, beta)."""
+    return (r["workers"], r["tau"], r["method"], r["seed"], r["beta"])
 
-    def get(w, t, m, s, b=0.0):
-        return have.get((w, t, m, b, s)) or _run(args.out, w, t, m, s, b, args)
 
-    for cell in args.cells.split(","):
-        w, t = (int(v) for v in cell.split("x"))
-        tuned: dict[float, float] = {}
-        for b in [] if args.beta is not None else BETA_GRID:
-            rows = [get(w, t, "slowmo", s, b) for s in TUNING_SEEDS]
-            if not _fails(rows):
-                tuned[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
-        beta = args.beta if args.beta is not None else max(tuned, key=tuned.get, default=None)
-        print(f"cell {cell}: beta chosen {beta} from {tuned}", flush=True)
+def choose_beta(have: dict[tuple, dict], w: int, t: int, betas: list[float]) -> dict | None:
+    """The tuning of cell (w, t) from its finished runs: None while a tuning run is missing,
+    else ``{"beta": the chosen beta or None (every setting failed), "means": {beta: mean}}``.
+
+    Args:
+        have: finished rows by :func:`_key`.
+        w: workers.
+        t: tau.
+        betas: the grid.
+    """
+    means: dict[float, float] = {}
+    for b in betas:
+        rows = [have.get((w, t, "slowmo", s, b)) for s in TUNING_SEEDS]
+        if any(r is None for r in rows):
+            return None
+        if not _fails(rows):
+            means[b] = sum(r["val_accuracy"] for r in rows) / len(rows)
+    return {"beta": max(means, key=means.get, default=None), "means": means}
+
+
+def ready_runs(args, have: dict[tuple, dict]) -> list[tuple]:
+    """Every run still needed that can start now, in priority order: cell by cell, its tuning
+    runs, AR-SGD's and Local SGD's test runs, and SlowMo's test runs once its tuning finished.
+
+    Args:
+        args: the ``run`` command's arguments.
+        have: finished rows by :func:`_key`.
+    """
+    betas = [float(b) for b in args.betas.split(",")]
+    out: list[tuple] = []
+    for w, t in parse_cells(args.cells):
+        if args.beta is not None:
+            beta = args.beta
+        else:
+            out += [(w, t, "slowmo", s, b) for b in betas for s in TUNING_SEEDS]
+            tuning = choose_beta(have, w, t, betas)
+            beta = tuning["beta"] if tuning else None
         for s in range(args.seeds):
-            get(w, 12, "allreduce", s)  # AR-SGD does not depend on tau: one run per worker count
-            get(w, t, "localsgd", s)
+            out += [(w, 12, "allreduce", s, 0.0), (w, t, "localsgd", s, 0.0)]  # AR: any tau
             if beta is not None:
-                get(w, t, "slowmo", s, beta)
+                out.append((w, t, "slowmo", s, beta))
+    return [r for i, r in enumerate(out) if r not in have and r not in out[:i]]
 
 
-def _mean_std(v: list[float]) -> str:
+def run(args, pool: Executor | None = None) -> None:
+    """Run the cells' runs, ``args.jobs`` at a time, each in a process of its own (``pool``:
+    another executor, for tests), appending each finished run's row to ``args.out``; what
+    ``args.out`` already holds is not run again.
+
+    Args:
+        args: the ``run`` command's arguments.
+        pool: the executor (default: ``args.jobs`` spawned processes).
+    """
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: needs at least 1 (runs at a time)")
+    pool = pool or ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    running: dict[tuple, Future] = {}
+    told: set[tuple] = set()
+    with pool:
+        while True:
+            have = {_key(r): r for r in _done(args.out) if r.get("peak_lr") == args.peak_lr}
+            for w, t in parse_cells(args.cells):
+                betas = [float(b) for b in args.betas.split(",")]
+                tuning = None if args.beta is not None else choose_beta(have, w, t, betas)
+                if tuning and (w, t) not in told:
+                    told.add((w, t))
+                    print(f"cell {w}x{t}: beta chosen {tuning['beta']} from {tuning['means']}")
+            todo = [r for r in ready_runs(args, have) if r not in running]
+            for r in todo[: max(0, args.jobs - len(running))]:
+                running[r] = pool.submit(_run, args.out, *r, args)
+            if not running:
+                return
+            finished, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)
+            for r, f in list(running.items()):
+                if f in finished:
+                    del running[r]
+                    f.result()  # a run that raised stops the map (the others finish first)
+
+
+def _mean_std(v: list[float], digits: int = 2) -> str:
     if not v:
         return "-"
     m = sum(v) / len(v)
     sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
-    return f"{m:.2f} ± {sd:.2f}"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
 def _paired(a: list[float], b: list[float]) -> str:
     """Paired t-test of a - b over seeds: "t = .., p = .." (scipy), or why not."""
     if len(a) < 2:
         return "n < 2"
+    diff = [x - y for x, y in zip(a, b)]
+    if max(diff) - min(diff) <= 1e-9 * max(1.0, abs(diff[0])):
+        return "the same difference on every seed: no t"
     from scipy.stats import ttest_rel
 
     res = ttest_rel(a, b)
     return f"t = {res.statistic:.2f}, p = {res.pvalue:.3f}"
 
 
-def cells_table(rows: list[dict]) -> tuple[str, dict]:
-    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+def cell_stats(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """Per cell (workers, tau) with test runs of all three methods: the paired seeds' numbers.
+
+    AR-SGD does not depend on tau: its runs of a worker count (recorded at tau 12) are the
+    reference of every cell of that count. Only seeds that all three methods finished count.
+
+    Args:
+        rows: the driver's JSON lines.
+
+    Returns:
+        ``{(workers, tau): {"seeds", "beta", "acc", "loss"}}`` with ``acc`` and ``loss`` dicts
+        ``{"ar", "lo", "sm"}`` of lists in seed order.
+    """
     test = [r for r in rows if r["split"] == "test"]
-    by = {}
+    by: dict[tuple, dict[int, dict]] = {}
     for r in test:
         by.setdefault((r["workers"], r["tau"], r["method"]), {})[r["seed"]] = r
-    head = (
-        "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
-        "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|\n"
-    )
-    lines, change = [], {}
+    out = {}
     for w, t in sorted({(r["workers"], r["tau"]) for r in test if r["method"] != "allreduce"}):
-        ar, lo, sm = by.get((w, 12, "allreduce"), {}), by.get((w, t, "localsgd"), {}), {}
-        sm = by.get((w, t, "slowmo"), {})
-        seeds = sorted(set(ar) & set(lo) & set(sm))
+        runs = {
+            "ar": by.get((w, 12, "allreduce"), {}),
+            "lo": by.get((w, t, "localsgd"), {}),
+            "sm": by.get((w, t, "slowmo"), {}),
+        }
+        seeds = sorted(set(runs["ar"]) & set(runs["lo"]) & set(runs["sm"]))
         if not seeds:
             continue
-        acc = {
-            k: [d[s]["val_accuracy"] for s in seeds]
-            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+        out[(w, t)] = {
+            "seeds": seeds,
+            "beta": runs["sm"][seeds[0]]["beta"],
+            "acc": {k: [d[s]["val_accuracy"] for s in seeds] for k, d in runs.items()},
+            "loss": {k: [d[s]["train_full_loss"] for s in seeds] for k, d in runs.items()},
         }
-        loss = {
-            k: [d[s]["train_full_loss"] for s in seeds]
-            for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
-        }
-        diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
-        change[(w, t)] = sum(diff) / len(diff)
-        gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
-        beta = sm[seeds[0]]["beta"]
-        lines.append(
-            f"| {w} | {t} | {len(seeds)} | {_mean_std(acc['ar'])} | {_mean_std(acc['lo'])} | "
-            f"{_mean_std(acc['sm'])} ({beta}) | {sum(gap) / len(gap):+.2f} "
-            f"({_paired(acc['lo'], acc['ar'])}) | {change[(w, t)]:+.2f} "
-            f"({_paired(acc['sm'], acc['lo'])}) | "
-            + " / ".join(f"{sum(v) / len(v):.3f}" for v in loss.values())
-            + " |"
-        )
-    return head + "\n".join(lines), change
+    return out
+
+
+TABLE_HEAD = (
+    "| workers | tau | seeds | AR-SGD | Local SGD | + SlowMo (beta) | base - AR (paired) | "
+    "SlowMo - base (paired) | train loss AR / base / SlowMo |\n" + "|---" * 9 + "|"
+)
+
+
+def table_row(cell: tuple[int, int], st: dict) -> str:
+    """One cell's markdown row (see :func:`cell_stats` for ``st``)."""
+    acc = st["acc"]
+    gap = [a - b for a, b in zip(acc["lo"], acc["ar"])]
+    diff = [a - b for a, b in zip(acc["sm"], acc["lo"])]
+    return (
+        f"| {cell[0]} | {cell[1]} | {len(st['seeds'])} | {_mean_std(acc['ar'])} | "
+        f"{_mean_std(acc['lo'])} | {_mean_std(acc['sm'])} ({st['beta']}) | "
+        f"{sum(gap) / len(gap):+.2f} ({_paired(acc['lo'], acc['ar'])}) | "
+        f"{sum(diff) / len(diff):+.2f} ({_paired(acc['sm'], acc['lo'])}) | "
+        + " / ".join(f"{sum(v) / len(v):.3f}" for v in st["loss"].values())
+        + " |"
+    )
+
+
+def cells_table(rows: list[dict]) -> tuple[str, dict]:
+    """The markdown table of every cell with test runs, and {(workers, tau): SlowMo's change}."""
+    stats = cell_stats(rows)
+    change = {
+        c: sum(a - b for a, b in zip(st["acc"]["sm"], st["acc"]["lo"])) / len(st["seeds"])
+        for c, st in stats.items()
+    }
+    return "\n".join([TABLE_HEAD] + [table_row(c, st) for c, st in stats.items()]), change
+
+
+def clearest_cell(rows: list[dict]) -> tuple[int, int] | None:
+    """The cell where SlowMo's change over its base is most significant (the smallest paired
+    p-value over seeds, either sign; ties: the larger mean change), among cells with >= 3
+    paired seeds; None if there is none.
+
+    Args:
+        rows: the driver's JSON lines.
+    """
+    from scipy.stats import ttest_rel
+
+    best, best_key = None, None
+    for cell, st in cell_stats(rows).items():
+        sm, lo = st["acc"]["sm"], st["acc"]["lo"]
+        if len(sm) < 3:
+            continue
+        diff = [a - b for a, b in zip(sm, lo)]
+        if all(d == diff[0] for d in diff):  # no spread: the t-test is undefined
+            p = 0.0 if diff[0] else 1.0
+        else:
+            p = float(ttest_rel(sm, lo).pvalue)
+        k = (p, -abs(sum(diff) / len(diff)))
+        if best_key is None or k < best_key:
+            best, best_key = cell, k
+    return best
 
 
 def heat_map(change: dict, png: str) -> None:
@@ -185,16 +417,26 @@ def heat_map(change: dict, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The driver's command line."""
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--cells", default="16x96,16x48,8x96,8x48,16x24,4x96")
     r.add_argument("--seeds", type=int, default=5)
+    r.add_argument("--jobs", type=int, default=1, help="runs at a time, a process each")
     r.add_argument("--epoch-steps", type=int, default=36)
     r.add_argument("--epochs", type=int, default=16)
     r.add_argument("--logdir", default="runs/regime")
+    r.add_argument(
+        "--peak-lr", type=float, default=0.1, help="the peak lr of every method and worker count"
+    )
+    r.add_argument(
+        "--betas",
+        default=",".join(str(b) for b in BETA_GRID),
+        help="SlowMo's tuning grid (comma-separated; default the paper's 0.4..0.8)",
+    )
     r.add_argument(
         "--beta",
         type=float,
@@ -204,9 +446,32 @@ def main(argv=None) -> int:
     rep = sub.add_parser("report")
     rep.add_argument("jsonl")
     rep.add_argument("--png", default=None)
-    args = p.parse_args(argv)
+    lm = sub.add_parser("lm")
+    lm.add_argument("--out", required=True)
+    lm.add_argument("--taus", default="16,64")
+    lm.add_argument("--seeds", type=int, default=3)
+    lm.add_argument("--seed-from", type=int, default=0, help="seeds SEED_FROM..+SEEDS-1")
+    lm.add_argument(
+        "--methods", default=",".join(LM_METHODS), help=f"a subset of {','.join(LM_METHODS)}"
+    )
+    lm.add_argument("--workers", type=int, default=4)
+    lm.add_argument("--logdir", default="runs/regime_lm")
+    lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
+    lm_rep = sub.add_parser("lm-report")
+    lm_rep.add_argument("jsonl")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "run":
         run(args)
+        return 0
+    if args.cmd == "lm":
+        run_lm(args)
+        return 0
+    if args.cmd == "lm-report":
+        print(lm_table(_done(args.jsonl)))
         return 0
     table, change = cells_table(_done(args.jsonl))
     print(table)

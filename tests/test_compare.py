@@ -165,3 +165,6 @@ def test_compare_tiny_budget(tmp_path):
     png = out.split("Figure: ")[1].split()[0]
     assert os.path.getsize(png) > 0
     assert "Total wall time:" in out
+    # beside today's table, the regime map's clearest cell, labelled as recorded
+    recorded = out[out.index("Recorded, not run now") :]
+    assert "| workers | tau | seeds |" in recorded and "Reproduce" in recorded
