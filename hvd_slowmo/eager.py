@@ -8,6 +8,7 @@ one; the recurrences are in :mod:`hvd_slowmo.fragments`, the arithmetic in
 :mod:`hvd_slowmo.slowmo`.
 """
 
+import abc
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -67,40 +68,10 @@ class EagerEstimate:
                 group at lr <= 0 takes no provisional step).
 
         Returns:
-            Whether ``snapshot`` changed (the worker then continues from it).
+            Whether ``snapshot`` changed (the worker then continues from it); by default no
+            provisional step is taken.
         """
-        view = self.view()
-        slow = view.slow_buffer
-        for lr, pos in groups:
-            if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
-                continue
-            self._group_anchor_(
-                [snapshot[k] for k in pos],
-                [view.anchor[k] for k in pos],
-                None if slow is None else [slow[k] for k in pos],
-                pos,
-                lr,
-            )
-        return True
-
-    def _group_anchor_(
-        self,
-        snapshot: list[Tensor],
-        anchor: list[Tensor],
-        slow: list[Tensor] | None,
-        pos: list[int],
-        lr: float,
-    ) -> None:
-        """One param group's provisional anchor, in place of its ``snapshot`` slice.
-
-        Args:
-            snapshot: the group's snapshot tensors.
-            anchor: the group's anchor tensors.
-            slow: the group's slow buffers (None where beta = 0 keeps none).
-            pos: the group's positions in the fragment.
-            lr: the group's lr at the boundary (> 0).
-        """
-        raise NotImplementedError(f"{type(self).__name__} takes no provisional step")
+        return False
 
     def landed_(
         self,
@@ -150,11 +121,59 @@ class EagerEstimate:
 class NoEager(EagerEstimate):
     """No eager update: the worker continues from its own snapshot."""
 
+
+class ProvisionalEstimate(EagerEstimate, abc.ABC):
+    """An estimate that takes a provisional slow step, one param group at a time.
+
+    Args: as for :class:`EagerEstimate`.
+    """
+
     def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
-        return False
+        """At the boundary: turn ``snapshot`` (``s_i``) into the provisional anchor ``x^0_i``.
+
+        Args:
+            snapshot: the fragment's parameters at the boundary, one per anchor tensor.
+            groups: each param group's lr at the boundary and positions in the fragment (a
+                group at lr <= 0 takes no provisional step).
+
+        Returns:
+            True: the snapshot now holds the provisional anchor.
+        """
+        view = self.view()
+        slow = view.slow_buffer
+        for lr, pos in groups:
+            if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
+                continue
+            self._group_anchor_(
+                [snapshot[k] for k in pos],
+                [view.anchor[k] for k in pos],
+                None if slow is None else [slow[k] for k in pos],
+                pos,
+                lr,
+            )
+        return True
+
+    @abc.abstractmethod
+    def _group_anchor_(
+        self,
+        snapshot: list[Tensor],
+        anchor: list[Tensor],
+        slow: list[Tensor] | None,
+        pos: list[int],
+        lr: float,
+    ) -> None:
+        """One param group's provisional anchor, in place of its ``snapshot`` slice.
+
+        Args:
+            snapshot: the group's snapshot tensors.
+            anchor: the group's anchor tensors.
+            slow: the group's slow buffers (None where beta = 0 keeps none).
+            pos: the group's positions in the fragment.
+            lr: the group's lr at the boundary (> 0).
+        """
 
 
-class SharesEstimate(EagerEstimate):
+class SharesEstimate(ProvisionalEstimate):
     """The paper's estimate: ``G^_i = c_i + g_i / m``, ``c_i`` the other workers' shares of the
     previous outer step (zero before the first landing; one more copy of the fragment).
 
@@ -225,7 +244,7 @@ class SharesEstimate(EagerEstimate):
             self._shares.extend(torch.zeros_like(p) for p in new)
 
 
-class LocalEstimate(EagerEstimate):
+class LocalEstimate(ProvisionalEstimate):
     """``eager="local"``: the worker's own fresh outer gradient ``g_i`` stands in for ``G``;
     nothing is kept between outer steps."""
 
