@@ -14,22 +14,18 @@ world's ``timeout`` and then raises :class:`~hvd_slowmo.comm.deadline.Collective
 the workers that never started the collective.
 """
 
-import collections
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from .base import Communicator, PendingAverage, PendingExchange, PendingTensors, shard_range
 from .deadline import CollectiveTimeout, collective_timeout, timeout_message
+from .serial import SerialRunner
 
 __all__ = ["ThreadWorld", "ThreadCommunicator", "WorldAborted", "run_threads"]
-
-#: Seconds an idle progress thread lives; the next collective starts a new one, so the many
-#: short-lived worlds of a test session leave no threads behind.
-IDLE_SECONDS = 1.0
 
 Reduce = Callable[[list[Any]], list[Any]]
 
@@ -141,8 +137,8 @@ class ThreadWorld:
         self._counts: list[dict[tuple[str, str], int]] = [{} for _ in range(size)]
         # Started by some workers, not yet by all, by (kind, name, occurrence).
         self._open: dict[tuple[str, str, int], _Collective] = {}
-        self._ready: collections.deque[_Collective] = collections.deque()
-        self._progress: threading.Thread | None = None
+        # Collectives every worker has started, run in that order by one progress thread.
+        self._progress = SerialRunner("hvd_slowmo-thread-world")
         self._aborted: str | None = None
         self._mail: dict[tuple[int, int, int], Tensor] = {}
         self._mail_cv = threading.Condition()
@@ -184,7 +180,7 @@ class ThreadWorld:
         """
         with self._cv:
             self._aborted = reason
-            pending = list(self._open.values()) + list(self._ready)
+            pending = list(self._open.values()) + cast(list[_Collective], self._progress.drain())
             self._open.clear()
         for op in pending:
             op.fail(WorldAborted(reason))
@@ -224,25 +220,8 @@ class ThreadWorld:
             op.inputs[rank], op.arrived[rank] = value, True
             if all(op.arrived):
                 del self._open[key]
-                self._ready.append(op)
-                if self._progress is None:
-                    self._progress = threading.Thread(
-                        target=self._progress_loop, name="hvd_slowmo-thread-world", daemon=True
-                    )
-                    self._progress.start()
-                self._cv.notify()
+                self._progress.submit(op)
         return _Started(self, op, rank, what)
-
-    def _progress_loop(self) -> None:
-        while True:
-            with self._cv:
-                if not self._ready:
-                    self._cv.wait(IDLE_SECONDS)
-                if not self._ready:
-                    self._progress = None  # start() starts a new thread for the next one
-                    return
-                op = self._ready.popleft()
-            op.run()
 
 
 class _ThreadExchange(PendingExchange):

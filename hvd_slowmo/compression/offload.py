@@ -15,7 +15,6 @@ of their own (the MPI communicator's all-to-all and all-gather lanes). The arith
 operations on the same tensors as on the training thread, so the results are the same bits.
 """
 
-import collections
 import contextlib
 import threading
 from collections.abc import Callable
@@ -25,12 +24,9 @@ from typing import Any
 import torch
 
 from ..comm.base import ByteCounter
+from ..comm.serial import SerialRunner
 
 __all__ = ["CodecJob", "CodecThread"]
-
-#: Seconds an idle codec thread lives; the next job starts a new one (short-lived optimizers,
-#: as in the tests, leave no threads behind).
-IDLE_SECONDS = 1.0
 
 
 class CodecJob:
@@ -91,9 +87,7 @@ class CodecThread:
 
     def __init__(self, counter: ByteCounter) -> None:
         self._counter = counter
-        self._jobs: collections.deque[CodecJob] = collections.deque()
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._runner = SerialRunner("hvd_slowmo-codec")
 
     def submit(
         self, fn: Callable[[], Any], devices: AbstractSet[torch.device] = frozenset()
@@ -123,23 +117,5 @@ class CodecThread:
             return result
 
         job = CodecJob(work)
-        with self._cv:
-            self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="hvd_slowmo-codec", daemon=True
-                )
-                self._thread.start()
-            self._cv.notify()
+        self._runner.submit(job)
         return job
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                if not self._jobs:
-                    self._cv.wait(IDLE_SECONDS)
-                if not self._jobs:
-                    self._thread = None  # submit() starts a new thread for the next job
-                    return
-                job = self._jobs.popleft()
-            job.run()
