@@ -11,6 +11,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from hvd_slowmo.comm.serial import SerialRunner
 
 
@@ -69,13 +71,40 @@ EXIT_WITH_A_JOB_RUNNING = """
 """
 
 
-def test_an_exit_with_a_job_running_waits_for_it_and_ends_cleanly():
+EXIT_WITH_A_THREAD_IN_TORCH = """
+    import threading
+    import torch
+    from hvd_slowmo.comm.serial import join_at_exit
+
+    returning = threading.Event()
+
+    def wait():
+        returning.wait(10)
+        a = torch.randn(200, 200)
+        for _ in range(400):
+            a = (a @ a).tanh()
+        print("wait finished", flush=True)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    join_at_exit(thread)
+    print("main returns", flush=True)
+    returning.set()
+"""
+
+
+@pytest.mark.parametrize(
+    "script, last",
+    [(EXIT_WITH_A_JOB_RUNNING, "reduce"), (EXIT_WITH_A_THREAD_IN_TORCH, "wait")],
+    ids=["runner-job", "join_at_exit"],
+)
+def test_an_exit_with_torch_work_running_waits_for_it_and_ends_cleanly(script, last):
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(EXIT_WITH_A_JOB_RUNNING)],
+        [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "terminate called" not in out.stderr
-    assert out.stdout.split() == ["main", "returns", "reduce", "finished"]
+    assert out.stdout.split() == ["main", "returns", last, "finished"]

@@ -10,7 +10,8 @@ is stopped with ``pthread_exit`` as soon as it asks for the GIL back, and that u
 torch's C++ frames, which ``std::terminate`` the whole process ("terminate called without an
 active exception", exit code 134) after the program had finished and passed. So an ``atexit``
 hook wakes every runner, lets the jobs already queued run, and joins the threads (bounded by
-:data:`EXIT_SECONDS`) before finalization starts.
+:data:`EXIT_SECONDS`) before finalization starts; :func:`join_at_exit` adds other such threads
+(torch.distributed's waits for Gloo sends).
 """
 
 import atexit
@@ -20,7 +21,7 @@ import time
 import weakref
 from typing import Protocol
 
-__all__ = ["EXIT_SECONDS", "IDLE_SECONDS", "Job", "SerialRunner"]
+__all__ = ["EXIT_SECONDS", "IDLE_SECONDS", "Job", "SerialRunner", "join_at_exit"]
 
 #: Seconds an idle runner's thread lives; the next job starts a new one.
 IDLE_SECONDS = 1.0
@@ -38,7 +39,18 @@ class Job(Protocol):
 
 
 _runners: "weakref.WeakSet[SerialRunner]" = weakref.WeakSet()
+_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _exiting = False
+
+
+def join_at_exit(thread: threading.Thread) -> None:
+    """Have the exit hook wait for ``thread`` too (a daemon thread that runs one bounded task,
+    such as the wait for a transport's non-blocking sends).
+
+    Args:
+        thread: a started thread; forgotten once it has ended.
+    """
+    _threads.add(thread)
 
 
 class SerialRunner:
@@ -98,6 +110,7 @@ def _finish_before_exit() -> None:
     global _exiting
     _exiting = True
     threads = [t for t in (r._wake_for_exit() for r in list(_runners)) if t is not None]
+    threads += list(_threads)
     deadline = time.monotonic() + EXIT_SECONDS
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

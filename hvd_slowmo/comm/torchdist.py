@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .base import Communicator, PendingAverage, PendingExchange, filled, shard_range
 from .deadline import collective_timeout
+from .serial import join_at_exit
 
 __all__ = ["FP16", "TorchDistCommunicator", "broadcast_parameters", "torch_distributed_ready"]
 
@@ -110,6 +111,7 @@ class _P2PExchange(PendingExchange):
             # Gloo's send/recv works report is_completed() only after wait(): wait off-thread.
             self._waiter = threading.Thread(target=self._wait_all, daemon=True)
             self._waiter.start()
+            join_at_exit(self._waiter)  # a wait still in torch at exit would abort the process
 
     def _wait_all(self) -> None:
         try:
