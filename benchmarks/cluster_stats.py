@@ -53,7 +53,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Args:
         repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
             ``rank_median_ms``, ``bytes_per_iter``, ``peak_bytes_per_step``, ``bytes_computed``
-            and, for hvd_slowmo, ``phase_ms_per_iter`` and ``bytes_per_outer_step``.
+            and, for hvd_slowmo, ``phase_ms_per_iter`` and ``bytes_per_outer_step``; the
+            workers' peak resident memory ``max_rss_mb`` where measured (the largest is kept).
     """
     if not repeats:
         raise ValueError("pool_repeats needs at least one measurement")
@@ -74,6 +75,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "peak_bytes_per_step": max(r.get("peak_bytes_per_step", 0) for r in repeats),
         "bytes_computed": repeats[0]["bytes_computed"],
     }
+    if all("max_rss_mb" in r for r in repeats):
+        out["max_rss_mb"] = max(r["max_rss_mb"] for r in repeats)
     if all("bytes_per_outer_step" in r for r in repeats):
         out["bytes_per_outer_step"] = statistics.fmean(r["bytes_per_outer_step"] for r in repeats)
     if "phase_ms_per_iter" in repeats[0]:

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -347,6 +348,10 @@ def main() -> None:
         for key in order:
             t0 = time.perf_counter()
             r = measure(ALGORITHM_BY_KEY[key], spec)
+            # The workers' peak resident memory so far (the process's high-water mark, so a row
+            # that raises it shows as a step): what decides how many workers fit on a host.
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            r["max_rss_mb"] = max(hvd.allgather_object(peak_kb, name=f"cluster.rss.{key}")) / 1024
             if r.get("available", True):
                 raw[key].append(r)
             else:
@@ -354,7 +359,7 @@ def main() -> None:
             if hvd.rank() == 0:
                 msg = (
                     f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
-                    f"over {r['windows']} windows"
+                    f"over {r['windows']} windows, peak RSS {r['max_rss_mb']:.0f} MB"
                     if r.get("available", True)
                     else "not available: " + r["reason"]
                 )

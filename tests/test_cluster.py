@@ -307,6 +307,7 @@ def test_pool_repeats():
             "peak_bytes_per_step": sent,
             "bytes_computed": False,
             "phase_ms_per_iter": {"average": phase},
+            "max_rss_mb": 10.0 * phase,
         }
 
     pooled = cstats.pool_repeats(
@@ -321,6 +322,7 @@ def test_pool_repeats():
     assert pooled["bytes_per_iter"] == 200.0 and pooled["phase_ms_per_iter"] == {"average": 3.0}
     assert pooled["peak_bytes_per_step"] == 300.0  # the most of any repeat
     assert pooled["bytes_per_outer_step"] == 2400.0
+    assert pooled["max_rss_mb"] == 40.0  # the high-water mark of any repeat
     with pytest.raises(ValueError, match="at least one"):
         cstats.pool_repeats([])
 
