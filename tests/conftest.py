@@ -20,6 +20,8 @@ tests run first, so that a failure shows within the first minutes, then the laun
 inside each group is kept.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -78,11 +80,16 @@ def _in_tier(item: pytest.Item, tier: str) -> bool:
     return in_default == (tier == "default")
 
 
-def _check_default_launches(items: list[pytest.Item]) -> None:
+def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> None:
     """A renamed test must not leave the default tier silently: every listed launch must exist
-    when its file is collected."""
+    when its whole file is collected (not when the command line names some of its tests)."""
     ids = {item.nodeid for item in items}
-    files = {nodeid.split("::")[0] for nodeid in ids}
+    picked = {
+        os.path.relpath(os.path.abspath(arg.split("::")[0]), config.rootpath)
+        for arg in config.args
+        if "::" in arg
+    }
+    files = {nodeid.split("::")[0] for nodeid in ids} - picked
     missing = [n for n in DEFAULT_LAUNCHES if n.split("::")[0] in files and n not in ids]
     if missing:
         raise pytest.UsageError(
@@ -92,7 +99,7 @@ def _check_default_launches(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _check_default_launches(items)
+    _check_default_launches(items, config)
     tier = config.getoption("--tier")
     kept = [item for item in items if _in_tier(item, tier)]
     left_out = [item for item in items if not _in_tier(item, tier)]

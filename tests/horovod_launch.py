@@ -70,9 +70,23 @@ def horovodrun(
     if proc.returncode != 0:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-            f"--- stderr\n{proc.stderr[-4000:]}"
+            f"--- stderr\n{excerpt(proc.stderr)}"
         )
     return proc
+
+
+def excerpt(stderr: str, chars: int = 4000) -> str:
+    """A failed launch's stderr for a test's message: the first traceback (the rank that failed
+    first; the others' "Horovod has been shut down" come after it) and the end.
+
+    Args:
+        stderr: the launcher's merged stderr.
+        chars: about how much of each part to keep.
+    """
+    start = stderr.find("Traceback")
+    if start < 0 or len(stderr) <= 2 * chars:
+        return stderr[-2 * chars :]
+    return f"{stderr[start : start + chars]}\n[...]\n{stderr[-chars:]}"
 
 
 def run_bounded(cmd: list[str], timeout: float, env=None) -> tuple[int, str, float]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from horovod_launch import ROOT, launch_env
+from horovod_launch import ROOT, excerpt, launch_env
 
 
 def free_port() -> int:
@@ -61,6 +61,6 @@ def torchrun(
         if r.returncode != 0:
             pytest.fail(
                 f"{' '.join(r.args)} exited {r.returncode}\n--- stdout\n{r.stdout[-4000:]}\n"
-                f"--- stderr\n{r.stderr[-4000:]}"
+                f"--- stderr\n{excerpt(r.stderr)}"
             )
     return results
