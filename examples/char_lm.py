@@ -31,6 +31,24 @@ from common import Task, add_common_args, allreduce_sums, run_cli, setup, train,
 
 #: Fraction of the corpus (its end) held out as the validation text.
 VAL_FRACTION = 0.1
+#: The size the regime map ran on CPU (docs/regimes.md: 137,216 parameters, 512 steps at 16
+#: epochs): compare.py's ``--task char_lm`` starts from these flags (the defaults above are
+#: the 1.9M-parameter model, for a GPU).
+CPU_SIZE = ["--width", "64", "--layers", "2", "--heads", "4", "--context", "64"]
+CPU_SIZE += ["--batch-size", "16", "--steps-per-epoch", "32", "--val-batches", "4"]
+#: compare.py's settings per method: AdamW's lr 1e-3 for all (not tuned), its moments kept at
+#: each average; SlowMo with DiLoCo's outer Nesterov, outer lr 0.7 and momentum 0.9.
+COMPARE_SETTINGS: dict[str, dict[str, Any]] = {
+    "allreduce": {"lr": 1e-3, "buffers": "maintain"},
+    "localsgd": {"lr": 1e-3, "buffers": "maintain"},
+    "localsgd-slowmo": {
+        "lr": 1e-3,
+        "buffers": "maintain",
+        "slow_lr": 0.7,
+        "slow_momentum": 0.9,
+        "flags": ("--outer-optimizer", "nesterov"),
+    },
+}
 
 
 @functools.cache

@@ -46,10 +46,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import char_lm  # noqa: E402
 import digits  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import regime_map  # noqa: E402
@@ -58,6 +61,7 @@ from common import ALGOS, parse_event  # noqa: E402  (also puts the package on t
 import hvd_slowmo  # noqa: E402
 from slowmo_lab import report  # noqa: E402
 from slowmo_lab import time_to_accuracy as tta  # noqa: E402
+from slowmo_lab.metrics import TAGS  # noqa: E402
 from slowmo_lab.netns import (  # noqa: E402
     Cluster,
     missing_requirements,
@@ -73,14 +77,70 @@ FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
 #: one base step (overlap=1: the smallest delay, 0.9 points of accuracy on this task in the
 #: README's table of d; on the emulated cluster it hid part of the average's time).
 NETWORK_ALGOS = "allreduce,localsgd,localsgd-slowmo,localsgd-slowmo-overlap1,sgp,sgp-slowmo"
-#: tau for every method: the paper's CIFAR-10 setting (Table 1: tau = 12 for every base). AR-SGD
-#: has no outer step to speak of, but the optimizer still checks every tau steps that all
-#: workers are finite (one small collective).
-TAU = 12
-#: task -> (training script, settings per method, epochs of the default / --quick / --full modes).
-TASKS: dict[str, tuple[str, dict[str, dict[str, Any]], dict[str, int]]] = {
-    "mnist1d": ("mnist1d_cnn.py", mnist1d_cnn.TUNED, {"default": 30, "quick": 12, "full": 30}),
-    "digits": ("digits.py", digits.SETTINGS, {"default": 10, "quick": 4, "full": 10}),
+#: The language model's methods (AdamW inside): AR-AdamW, Local AdamW, Local AdamW + SlowMo.
+LM_ALGOS = "allreduce,localsgd,localsgd-slowmo"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task the main job runs.
+
+    Attributes:
+        script: the training script in examples/.
+        settings: per method (``"localsgd-slowmo"``...), its ``lr``, ``buffers`` and, for
+            SlowMo, ``slow_momentum``, optionally ``slow_lr`` (default 1, the paper's alpha)
+            and ``flags`` (more of the script's flags).
+        epochs: the default / ``quick`` / ``full`` modes' epochs.
+        tau: every method's tau (``--tau`` overrides it).
+        target: the metric the tables rank by: ``val_accuracy`` (higher is better) or
+            ``val_loss`` (lower is better).
+        algos: the default methods (``network``: those of ``--network``).
+        flags: the script's flags for every run (before the user's extra flags, which win).
+    """
+
+    script: str
+    settings: dict[str, dict[str, Any]]
+    epochs: dict[str, int]
+    tau: int
+    target: str
+    algos: str
+    network_algos: str
+    flags: tuple[str, ...] = ()
+
+
+#: tau 12 on the image tasks: the paper's CIFAR-10 setting (Table 1: tau = 12 for every base).
+#: AR-SGD has no outer step to speak of, but the optimizer still checks every tau steps that
+#: all workers are finite (one small collective). The language model (docs/regimes.md) takes
+#: tau 64, DiLoCo's regime, at the CPU size the regime map ran.
+TASKS: dict[str, TaskSpec] = {
+    "mnist1d": TaskSpec(
+        "mnist1d_cnn.py",
+        mnist1d_cnn.TUNED,
+        {"default": 30, "quick": 12, "full": 30},
+        12,
+        "val_accuracy",
+        DEFAULT_ALGOS,
+        NETWORK_ALGOS,
+    ),
+    "digits": TaskSpec(
+        "digits.py",
+        digits.SETTINGS,
+        {"default": 10, "quick": 4, "full": 10},
+        12,
+        "val_accuracy",
+        DEFAULT_ALGOS,
+        NETWORK_ALGOS,
+    ),
+    "char_lm": TaskSpec(
+        "char_lm.py",
+        char_lm.COMPARE_SETTINGS,
+        {"default": 16, "quick": 4, "full": 16},
+        64,
+        "val_loss",
+        LM_ALGOS,
+        LM_ALGOS,
+        tuple(char_lm.CPU_SIZE),
+    ),
 }
 SEEDS = {"default": "0,1,2", "quick": "0", "full": "0,1,2,3,4"}
 
@@ -140,15 +200,17 @@ def settings_key(method: str) -> str:
 
 
 def run_args(
-    method: str, settings: dict[str, Any], seed: int, args: argparse.Namespace
+    method: str, settings: dict[str, Any], seed: int, args: argparse.Namespace, tau: int = 12
 ) -> list[str]:
     """The training script's flags for one run of ``method`` (e.g. ``"sgp-slowmo"``) and seed.
 
     Args:
         method: a base name, optionally with ``-slowmo``.
-        settings: the method's ``lr``, ``slow_momentum`` and ``buffers``.
+        settings: the method's ``lr``, ``buffers`` and, for SlowMo, ``slow_momentum``, optionally
+            ``slow_lr`` and ``flags`` (:class:`TaskSpec`).
         seed: the run's seed.
         args: compare.py's flags.
+        tau: the task's tau.
     """
     base, slowmo, overlap = parse_method(method)
     overlap = args.overlap if overlap is None else overlap
@@ -157,7 +219,7 @@ def run_args(
         base,
         "--slowmo" if slowmo else "--no-slowmo",
         "--tau",
-        str(TAU),
+        str(tau),
         "--lr",
         str(settings["lr"]),
         "--buffers",
@@ -168,7 +230,9 @@ def run_args(
         f"{method}/seed{seed}",
     ]
     if slowmo:
-        flags += ["--slow-lr", "1", "--slow-momentum", str(settings["slow_momentum"])]
+        flags += ["--slow-lr", f"{settings.get('slow_lr', 1):g}"]
+        flags += ["--slow-momentum", str(settings["slow_momentum"])]
+        flags += list(settings.get("flags", ()))
         flags += ["--overlap", str(overlap)] if overlap else []
         flags += ["--fragments", str(args.fragments)] if args.fragments > 1 else []
         flags += ["--eager", args.eager] if args.eager else []
@@ -207,14 +271,20 @@ class _ProgressBars:
             if acc is not None:
                 loss = event.get("train_full_loss", float("nan"))
                 self.bar.set_postfix(acc=f"{acc:.1f}%", loss=f"{loss:.4f}")
+            elif event.get("val_loss") is not None:
+                self.bar.set_postfix(val_loss=f"{event['val_loss']:.4f}")
         elif event["event"] == "end":
             s = event["summary"]
             self.summaries[s["run"]] = s
             self.close()
             loss = s.get("train_full_loss", s["train_loss"])
+            metric = (
+                f"val loss {s['val_loss']:.4f}"
+                if s.get("val_accuracy") is None and s.get("val_loss") is not None
+                else f"test acc {s.get('val_accuracy') or 0:.2f}%"
+            )
             tqdm.write(
-                f"{s['run']:<26} {s['wall_s']:6.1f} s   test acc "
-                f"{s.get('val_accuracy', 0):.2f}%   train loss {loss:.4f}   "
+                f"{s['run']:<26} {s['wall_s']:6.1f} s   {metric}   train loss {loss:.4f}   "
                 f"{s['ms_per_iter']:.1f} ms/iter" + ("   DIVERGED" if s.get("diverged") else "")
             )
 
@@ -389,6 +459,7 @@ def results_table(
     methods: Sequence[str],
     settings: dict[str, dict[str, Any]],
     summaries: dict[str, dict[str, Any]],
+    target: str = "val_accuracy",
 ) -> str:
     """compare.py's own table: per method, mean ± std over its seeds of the final metrics.
 
@@ -396,7 +467,9 @@ def results_table(
         methods: the methods in order.
         settings: per method, its lr / beta / buffers.
         summaries: run name -> summary.
+        target: the task's metric (:class:`TaskSpec`): test accuracy or validation loss.
     """
+    metric, fmt = ("Test acc %", ".2f") if target == "val_accuracy" else ("Val loss", ".3f")
     rows = []
     for method in methods:
         runs = [s for name, s in sorted(summaries.items()) if name.rsplit("/", 1)[0] == method]
@@ -414,8 +487,8 @@ def results_table(
                 report.fmt_mean_std(
                     [s.get("train_full_loss", s["train_loss"]) for s in runs], ".4f"
                 ),
-                report.fmt_mean_std([s.get("val_accuracy") for s in runs], ".2f"),
-                report.fmt_mean_std([s.get("best_val_accuracy") for s in runs], ".2f"),
+                report.fmt_mean_std([s.get(target) for s in runs], fmt),
+                report.fmt_mean_std([s.get(f"best_{target}") for s in runs], fmt),
                 report.fmt_mean_std([s["ms_per_iter"] for s in runs], ".1f"),
                 f"{sum(s['wall_s'] for s in runs):.0f}",
             ]
@@ -427,8 +500,8 @@ def results_table(
         "buffers",
         "Seeds",
         "Train loss (final)",
-        "Test acc % (final)",
-        "Test acc % (best)",
+        f"{metric} (final)",
+        f"{metric} (best)",
         "ms/iter",
         "Wall (s)",
     ]
@@ -490,6 +563,34 @@ def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], l
         "clock)"
     )
     print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
+
+
+def print_time_to_loss(methods: Sequence[str], runs: Sequence[report.Run], logdir: str) -> None:
+    """The language model's table: validation loss at equal training seconds and the seconds
+    to each method's final loss, per method in ``methods``' order.
+
+    Args:
+        methods: the methods in order.
+        runs: the runs' event files (named ``<method>/seed<k>``).
+        logdir: where they are (for the message).
+    """
+    curves: dict[str, list[tta.Curve]] = {}
+    for method in methods:
+        mine = sorted(
+            (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
+        )
+        if mine:
+            curves[method] = [tta.run_curve(r, TAGS["val_loss"]) for r in mine]
+    targets = tta.loss_targets(
+        {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
+    )
+    print(
+        "\nEqual training seconds: validation loss (nats per byte) of the averaged model at the "
+        "shortest run's training time (each run's last evaluation by then), and the training "
+        "seconds to first reach each method's mean final loss; mean ± std over the seeds that "
+        f"reached it (TensorBoard: {logdir}, time/train_s)"
+    )
+    print(tta.loss_table(curves, targets, reference="allreduce"))
 
 
 #: The regime map's recorded runs (docs/regimes.md), newest protocol first: compare.py prints
@@ -559,6 +660,12 @@ def _parser() -> argparse.ArgumentParser:
         "--full", action="store_true", help="5 seeds and OSGP too: the paper-like table"
     )
     parser.add_argument("--np", type=int, default=4, help="workers per run")
+    parser.add_argument(
+        "--tau",
+        type=int,
+        default=None,
+        help="every method's tau (default: the task's, 12; char_lm 64)",
+    )
     parser.add_argument(
         "--overlap",
         type=int,
@@ -701,13 +808,15 @@ def _print_reports(
     logdir: str,
     seconds: bool,
     png: str | None,
+    target: str = "val_accuracy",
 ) -> None:
     """The paper's tables, the time to accuracy (network mode) and the figure."""
     names = [name for name in summaries if os.path.isdir(os.path.join(logdir, name))]
     if names:
         runs = report.load_runs([os.path.join(logdir, n) for n in names], relative_to=logdir)
+        loss = target == "val_loss"
         if seconds:
-            print_time_to_accuracy(runnable, runs, logdir)
+            (print_time_to_loss if loss else print_time_to_accuracy)(runnable, runs, logdir)
         print()
         print(report.table1(runs))
         print()
@@ -715,7 +824,11 @@ def _print_reports(
         png = report.plot(
             runs,
             png or os.path.join(logdir, "compare.png"),
-            extra_panel=tta.seconds_panel if seconds else None,
+            extra_panel=(
+                partial(tta.seconds_panel, tag=TAGS["val_loss"] if loss else TAGS["val_accuracy"])
+                if seconds
+                else None
+            ),
         )
         print(f"\nFigure: {png}   (per-run details: python -m slowmo_lab.report {logdir})")
 
@@ -738,9 +851,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         network = setup
     mode_name = "quick" if args.quick else "full" if args.full else "default"
-    script, settings, epochs_by_mode = TASKS[args.task]
-    epochs = args.epochs if args.epochs is not None else epochs_by_mode[mode_name]
-    algos = args.algos or (FULL_ALGOS if args.full else NETWORK_ALGOS if network else DEFAULT_ALGOS)
+    spec = TASKS[args.task]
+    settings = spec.settings
+    epochs = args.epochs if args.epochs is not None else spec.epochs[mode_name]
+    tau = args.tau if args.tau is not None else spec.tau
+    if tau < 1:
+        raise ValueError(f"--tau must be >= 1, got {tau}")
+    default_algos = spec.network_algos if network else spec.algos
+    algos = args.algos or (FULL_ALGOS if args.full and args.task != "char_lm" else default_algos)
     seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
     runnable = _runnable_methods(algos, settings, args.task)
     chosen = {"lr": args.lr, "slow_momentum": args.slow_momentum}
@@ -757,8 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     if network:
         folder += f"-network-{network[0]}" + (f"-{network[1]:g}ms" if network[1] else "")
     logdir = os.path.join(args.logdir, folder)
-    plan = [run_args(m, method_settings[m], seed, args) for m in runnable for seed in seeds]
+    plan = [run_args(m, method_settings[m], seed, args, tau) for m in runnable for seed in seeds]
     common_flags = [
+        *spec.flags,
         "--epochs",
         str(epochs),
         "--logdir",
@@ -774,10 +893,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{args.task}: {len(plan)} runs ({len(runnable)} methods x {len(seeds)} seeds), "
-        f"{args.np} workers, {epochs} epochs, {where}",
+        f"{args.np} workers, {epochs} epochs, tau {tau}, {where}",
         flush=True,
     )
-    summaries, rc, tail = _train_all(args, network, script, plan, common_flags)
+    summaries, rc, tail = _train_all(args, network, spec.script, plan, common_flags)
     failed = len(plan) - len(summaries)
     if rc != 0 or failed:
         print(
@@ -791,8 +910,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f", links {args.network}" if network else "")
         + ": the averaged model at the last epoch's end (mean ± std over seeds; sample std)"
     )
-    print(results_table(runnable, method_settings, summaries))
-    _print_reports(summaries, runnable, logdir, network is not None, args.png)
+    print(results_table(runnable, method_settings, summaries, spec.target))
+    _print_reports(summaries, runnable, logdir, network is not None, args.png, spec.target)
     recorded = recorded_regime_cell() if args.task == "mnist1d" and not network else None
     if recorded:
         print("\n" + recorded)

@@ -104,39 +104,80 @@ def _run(out: str, workers: int, tau: int, method: str, seed: int, beta: float, 
     return row
 
 
-#: The language-model table's methods: char_lm.py's flags for each.
+#: The language-model table's methods: char_lm.py's flags for each (SlowMo's outer lr and
+#: momentum are added per run: ``lm --outer``).
 LM_METHODS = {
     "ar-adamw": ["--algo", "allreduce", "--no-slowmo"],
     "local-adamw": ["--algo", "localsgd", "--no-slowmo"],
-    "local-adamw-slowmo": ["--algo", "localsgd", "--slowmo", "--slow-lr", "0.7"]
-    + ["--slow-momentum", "0.9", "--outer-optimizer", "nesterov"],
+    "local-adamw-slowmo": ["--algo", "localsgd", "--slowmo", "--outer-optimizer", "nesterov"],
 }
+#: DiLoCo's outer Nesterov (outer lr, momentum): the starting point, and the setting of the rows
+#: written before ``--outer`` existed.
+DILOCO_OUTER = (0.7, 0.9)
+
+
+def parse_outer(text: str) -> list[tuple[float, float]]:
+    """``"0.7/0.9,1/0.8"`` -> ``[(0.7, 0.9), (1.0, 0.8)]`` (SlowMo's outer lr / momentum).
+
+    Args:
+        text: comma-separated ``LR/MOMENTUM`` pairs.
+    """
+    pairs = []
+    for item in text.split(","):
+        try:
+            lr, mom = (float(v) for v in item.strip().split("/"))
+        except ValueError:
+            raise ValueError(f"--outer: {item!r} is not LR/MOMENTUM (e.g. 0.7/0.9)") from None
+        if not (lr > 0 and 0 <= mom < 1):
+            raise ValueError(f"--outer: {item!r} needs an outer lr > 0 and 0 <= momentum < 1")
+        pairs.append((lr, mom))
+    return pairs
+
+
+def lm_outer(row: dict) -> tuple[float, float] | None:
+    """A language-model row's SlowMo setting (outer lr, momentum); None for the other methods.
+
+    Args:
+        row: a row of ``lm``'s JSON lines.
+    """
+    if row["method"] != "local-adamw-slowmo":
+        return None
+    return (row.get("slow_lr", DILOCO_OUTER[0]), row.get("slow_momentum", DILOCO_OUTER[1]))
 
 
 def run_lm(args) -> None:
     """Per seed: AR-AdamW once (it does not depend on tau), then per tau Local AdamW and Local
-    AdamW + SlowMo; one JSON line per finished run, finished runs are not run again."""
+    AdamW + SlowMo at each ``--outer`` setting; one JSON line per finished run, finished runs
+    are not run again."""
     import char_lm
 
     unknown = set(args.methods.split(",")) - set(LM_METHODS)
     if unknown:
         raise ValueError(f"--methods: {sorted(unknown)} unknown; choose from {list(LM_METHODS)}")
-    done = {(r["method"], r["tau"], r["seed"]) for r in _done(args.out)}
+    outers = parse_outer(args.outer)
+    done = {(r["method"], r["tau"], r["seed"], lm_outer(r)) for r in _done(args.out)}
     taus = [int(t) for t in args.taus.split(",")]
     for seed in range(args.seed_from, args.seed_from + args.seeds):
-        plan = [("ar-adamw", taus[0])] + [
-            (m, t) for t in taus for m in ("local-adamw", "local-adamw-slowmo")
-        ]
-        plan = [(m, t) for m, t in plan if m in args.methods.split(",")]
-        for method, tau in plan:
-            if (method, tau, seed) in done:
+        plan: list[tuple[str, int, tuple[float, float] | None]] = [("ar-adamw", taus[0], None)]
+        for t in taus:
+            plan.append(("local-adamw", t, None))
+            plan += [("local-adamw-slowmo", t, o) for o in outers]
+        plan = [p for p in plan if p[0] in args.methods.split(",")]
+        for method, tau, outer in plan:
+            if (method, tau, seed, outer) in done:
                 continue
             flags = LM_METHODS[method] + ["--tau", str(tau), "--seed", str(seed)]
+            name = f"{method}_tau{tau}_s{seed}"
+            if outer is not None:
+                flags += ["--slow-lr", str(outer[0]), "--slow-momentum", str(outer[1])]
+                name += f"_o{outer[0]:g}m{outer[1]:g}"
             flags += ["--no-progress", "--log-every", "1000000", "--device", "cpu"]
-            flags += ["--logdir", args.logdir, "--run-name", f"{method}_tau{tau}_s{seed}"]
+            flags += ["--logdir", args.logdir, "--run-name", name]
             flags += args.lm_flags
             summary = run_in_threads(args.workers, lambda f=flags: char_lm.main(f))[0]
             row = dict(method=method, tau=tau, seed=seed, workers=args.workers)
+            if outer is not None:
+                row.update(slow_lr=outer[0], slow_momentum=outer[1])
             row.update({k: summary[k] for k in ("val_loss", "train_loss", "steps", "wall_s")})
             row.update(diverged=summary["diverged"], params=summary["params"])
             row.update(corpus_sha256=summary["corpus_sha256"], flags=args.lm_flags)
@@ -145,14 +186,23 @@ def run_lm(args) -> None:
             print(json.dumps(row), flush=True)
 
 
-def lm_table(rows: list[dict]) -> str:
+def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str:
     """The language-model table: validation loss (nats per byte, mean ± std over the seeds
-    every method of that tau finished) per tau, with paired t-tests of each difference."""
-    by = {(r["method"], r["tau"], r["seed"]): r["val_loss"] for r in rows}
+    every method of that tau finished) per tau, with paired t-tests of each difference.
+
+    Args:
+        rows: ``lm``'s rows (the test seeds: the tuning seeds, 100 and up, are left out).
+        outer: the SlowMo setting (outer lr, momentum) the table shows.
+    """
+    by = {
+        (r["method"], r["tau"], r["seed"]): r["val_loss"]
+        for r in rows
+        if r["seed"] not in TUNING_SEEDS and lm_outer(r) in (None, outer)
+    }
     ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
     lines = [
-        "| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov 0.7/0.9) | local - AR "
-        "(paired) | SlowMo - local (paired) |",
+        f"| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov {outer[0]:g}/{outer[1]:g}) "
+        "| local - AR (paired) | SlowMo - local (paired) |",
         "|---" * 7 + "|",
     ]
     for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
@@ -168,6 +218,37 @@ def lm_table(rows: list[dict]) -> str:
             f"{(sum(c) - sum(b)) / len(seeds):+.3f} ({_paired(c, b)}) |"
         )
     return "\n".join(lines)
+
+
+def lm_tuning(rows: list[dict]) -> tuple[str, dict[int, tuple[float, float]]]:
+    """The outer lr / momentum tuning of the language model: per tau and setting, the mean ±
+    std validation loss over the tuning seeds (all of them finished, none diverged), and per
+    tau the setting with the lowest mean.
+
+    Args:
+        rows: ``lm``'s rows; only SlowMo's on the tuning seeds (100 and up) count.
+
+    Returns:
+        (a markdown table, tau -> the chosen (outer lr, momentum)).
+    """
+    runs: dict[tuple[int, tuple[float, float]], list[dict]] = {}
+    for r in rows:
+        outer = lm_outer(r)
+        if outer is not None and r["seed"] in TUNING_SEEDS:
+            runs.setdefault((r["tau"], outer), []).append(r)
+    lines = ["| tau | outer lr | momentum | seeds | validation loss |", "|---" * 5 + "|"]
+    best: dict[int, tuple[float, tuple[float, float]]] = {}
+    for (tau, outer), rs in sorted(runs.items()):
+        losses = [r["val_loss"] for r in rs]
+        ok = len(rs) == len(TUNING_SEEDS) and not any(
+            r["diverged"] or not math.isfinite(r["val_loss"]) for r in rs
+        )
+        cell = _mean_std(losses, 3) + ("" if ok else " (incomplete or diverged: not chosen)")
+        lines.append(f"| {tau} | {outer[0]:g} | {outer[1]:g} | {len(rs)} | {cell} |")
+        mean = sum(losses) / len(losses)
+        if ok and (tau not in best or mean < best[tau][0]):
+            best[tau] = (mean, outer)
+    return "\n".join(lines), {tau: outer for tau, (_, outer) in best.items()}
 
 
 def _fails(rows: list[dict]) -> bool:
@@ -454,6 +535,11 @@ def parser() -> argparse.ArgumentParser:
     lm.add_argument(
         "--methods", default=",".join(LM_METHODS), help=f"a subset of {','.join(LM_METHODS)}"
     )
+    lm.add_argument(
+        "--outer",
+        default="0.7/0.9",
+        help="SlowMo's settings, OUTER_LR/MOMENTUM pairs, comma-separated (default: DiLoCo's)",
+    )
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--logdir", default="runs/regime_lm")
     lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
@@ -471,7 +557,13 @@ def main(argv=None) -> int:
         run_lm(args)
         return 0
     if args.cmd == "lm-report":
-        print(lm_table(_done(args.jsonl)))
+        rows = _done(args.jsonl)
+        tuning, _ = lm_tuning(rows)
+        if tuning.count("\n") > 1:
+            print(f"Tuning (seeds {TUNING_SEEDS[0]}-{TUNING_SEEDS[-1]}):\n{tuning}\n")
+        test = {lm_outer(r) for r in rows if r["seed"] not in TUNING_SEEDS} - {None}
+        for outer in sorted(test, key=lambda o: o != DILOCO_OUTER):
+            print(lm_table(rows, outer) + "\n")
         return 0
     table, change = cells_table(_done(args.jsonl))
     print(table)

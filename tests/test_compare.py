@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
+import char_lm  # noqa: E402
 import compare  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 
@@ -114,6 +115,42 @@ def test_compare_results_table_is_mean_std_over_seeds():
     assert rows["sgp"].split()[4] == "0"  # no run finished: said, not hidden
 
 
+def test_compare_language_model_settings():
+    """--task char_lm: tau 64, DiLoCo's outer Nesterov for SlowMo, the CPU size first."""
+    spec = compare.TASKS["char_lm"]
+    assert spec.tau == 64 and spec.target == "val_loss"
+    assert list(spec.flags) == char_lm.CPU_SIZE
+    for method in spec.algos.split(","):
+        assert method in spec.settings
+    ns = SimpleNamespace(overlap=0, fragments=1, eager=None)
+    flags = compare.run_args("localsgd-slowmo", spec.settings["localsgd-slowmo"], 1, ns, spec.tau)
+    assert flags[flags.index("--tau") + 1] == "64"
+    assert flags[flags.index("--slow-lr") + 1] == "0.7"
+    assert flags[flags.index("--slow-momentum") + 1] == "0.9"
+    assert flags[-2:] == ["--outer-optimizer", "nesterov"]
+    flags = compare.run_args("allreduce", spec.settings["allreduce"], 1, ns, spec.tau)
+    assert "--slow-lr" not in flags and "--outer-optimizer" not in flags
+
+
+def test_compare_results_table_of_a_loss():
+    summaries = {
+        f"localsgd/seed{k}": {
+            "train_loss": 2.5,
+            "val_loss": v,
+            "best_val_loss": v - 0.01,
+            "ms_per_iter": 2.0,
+            "wall_s": 10.0,
+        }
+        for k, v in enumerate([2.3, 2.4])
+    }
+    table = compare.results_table(
+        ["localsgd"], {"localsgd": {"lr": 1e-3}}, summaries, target="val_loss"
+    )
+    head, _, row = table.splitlines()
+    assert "Val loss (final)" in head and "Val loss (best)" in head and "Test acc" not in head
+    assert "2.350 ± 0.071" in row and "2.340 ± 0.071" in row
+
+
 @pytest.mark.horovod
 def test_compare_tiny_budget(tmp_path):
     """The main job's path on MNIST-1D, tiny: two methods x two seeds in one launch, the
@@ -141,7 +178,7 @@ def test_compare_tiny_budget(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-5000:]
     out = proc.stdout
-    assert "4 runs (2 methods x 2 seeds), 2 workers, 2 epochs, one horovodrun launch" in out
+    assert "4 runs (2 methods x 2 seeds), 2 workers, 2 epochs, tau 12, one horovodrun launch" in out
     for name in ("sgp/seed0", "sgp/seed1", "localsgd-slowmo/seed0", "localsgd-slowmo/seed1"):
         assert f"{name} " in out  # one line per finished run, with its wall time
     table = out[out.index("Method") : out.index("Table 1")]

@@ -137,7 +137,7 @@ def test_network_quick_run_on_two_hosts(tmp_path):
         assert not os.path.exists(f"/etc/netns/{prefix}-h0")
     out = proc.stdout
     assert proc.returncode == 0, out[-5000:]
-    assert "2 runs (2 methods x 1 seeds), 2 workers, 2 epochs, 2 emulated hosts" in out
+    assert "2 runs (2 methods x 1 seeds), 2 workers, 2 epochs, tau 12, 2 emulated hosts" in out
     table = out[out.index("Time to accuracy") : out.index("Table 1")]
     rows = {line.split()[0]: line.split() for line in table.splitlines()[3:] if line.strip()}
     assert set(rows) == {"allreduce", "localsgd-slowmo-overlap1"}
@@ -154,3 +154,40 @@ def test_network_quick_run_on_two_hosts(tmp_path):
         clock = run.scalars[TAGS["train_s"]]
         assert [s for s, _ in clock] == [0, 12, 24] and 0 == clock[0][1] < clock[1][1] < clock[2][1]
     assert os.path.getsize(logdir / "compare.png") > 0
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(400)
+def test_network_language_model_at_equal_seconds(tmp_path):
+    """--task char_lm --network, tiny: the three language-model methods on two emulated hosts,
+    the validation loss at equal training seconds and the seconds to each final loss."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"no emulated cluster here: {reason}")
+    prefix = "hsml"
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "compare.py"), "--task", "char_lm"]
+    cmd += ["--network", "100mbit", "--quick", "--np", "2", "--epochs", "2", "--tau", "4"]
+    cmd += ["--max-steps", "8", "--netns-prefix", prefix, "--netns-subnet", "10.78.3"]
+    cmd += ["--logdir", str(tmp_path), "--no-progress"]
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=360
+        )
+    finally:
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert netns.stale_namespaces(left, prefix) == [], f"namespaces left behind: {left}"
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:]
+    assert "3 runs (3 methods x 1 seeds), 2 workers, 2 epochs, tau 4, 2 emulated hosts" in out
+    table = out[out.index("Equal training seconds") : out.index("Table 1")].splitlines()
+    head = table[1]
+    budget = float(re.search(r"loss at ([\d.]+) s", head).group(1))
+    rows = {line.split()[0]: line.split() for line in table[3:] if line.strip()}
+    assert set(rows) == {"allreduce", "localsgd", "localsgd-slowmo"}
+    for cells in rows.values():
+        # seeds, a final loss below a uniform byte's ln(256) = 5.55, and at least the budget
+        assert cells[1] == "1" and 0 < float(cells[2]) < 5.55 and float(cells[3]) >= budget
+    # The budget is the shortest run's training time: that run is read at its last evaluation.
+    shortest = min(rows.values(), key=lambda c: float(c[3]))
+    assert float(shortest[3]) == pytest.approx(budget, abs=0.05) and shortest[4] == shortest[2]
+    assert os.path.getsize(tmp_path / "char_lm-network-100mbit" / "compare.png") > 0

@@ -162,6 +162,61 @@ def test_lm_table_pairs_the_seeds_every_method_finished():
     assert "| -0.250 (t = -5.00, p = 0.126) |" in lines[2]
 
 
+def test_lm_outer_settings_are_parsed_and_tuned():
+    assert regime_map.parse_outer("0.7/0.9, 1/0.8") == [(0.7, 0.9), (1.0, 0.8)]
+    for bad in ("0.7", "0.7/1.0", "0/0.9", "a/b"):
+        with pytest.raises(ValueError, match="--outer"):
+            regime_map.parse_outer(bad)
+    # Rows written before --outer existed are DiLoCo's setting.
+    assert regime_map.lm_outer(dict(method="local-adamw-slowmo")) == (0.7, 0.9)
+    assert regime_map.lm_outer(dict(method="local-adamw")) is None
+
+    def row(lr, mom, seed, loss, diverged=False):
+        return dict(
+            method="local-adamw-slowmo",
+            tau=64,
+            seed=seed,
+            slow_lr=lr,
+            slow_momentum=mom,
+            val_loss=loss,
+            diverged=diverged,
+        )
+
+    rows = [row(0.7, 0.9, s, 2.30 + 0.01 * k) for k, s in enumerate(regime_map.TUNING_SEEDS)]
+    rows += [row(1.0, 0.8, s, 2.28) for s in regime_map.TUNING_SEEDS]
+    rows += [row(0.4, 0.9, s, 2.0, diverged=s == 101) for s in regime_map.TUNING_SEEDS]
+    rows += [row(1.0, 0.9, 100, 1.0)]  # one seed only: not complete
+    rows += [row(0.4, 0.8, 0, 1.0)]  # a test seed: not tuning
+    table, chosen = regime_map.lm_tuning(rows)
+    assert chosen == {64: (1.0, 0.8)}  # lowest mean among the complete, finite settings
+    assert "| 64 | 0.7 | 0.9 | 3 | 2.310 ± 0.010 |" in table
+    assert "| 64 | 0.4 | 0.9 | 3 | 2.000 ± 0.000 (incomplete or diverged: not chosen) |" in table
+    assert "| 64 | 1 | 0.9 | 1 | 1.000 ± 0.000 (incomplete or diverged: not chosen) |" in table
+    assert "0.4 | 0.8" not in table
+
+
+def test_lm_table_shows_one_outer_setting_and_no_tuning_seed():
+    rows = [dict(method="ar-adamw", tau=16, seed=s, val_loss=2.0) for s in (0, 1, 100)]
+    rows += [dict(method="local-adamw", tau=16, seed=s, val_loss=2.5) for s in (0, 1, 100)]
+    rows += [dict(method="local-adamw-slowmo", tau=16, seed=s, val_loss=2.4) for s in (0, 1)]
+    rows += [
+        dict(
+            method="local-adamw-slowmo",
+            tau=16,
+            seed=s,
+            val_loss=2.2,
+            slow_lr=1.0,
+            slow_momentum=0.8,
+        )
+        for s in (0, 1, 100)
+    ]
+    default = regime_map.lm_table(rows).splitlines()
+    assert "Nesterov 0.7/0.9" in default[0] and default[2].startswith("| 16 | 2 |")
+    assert "| 2.400 ± 0.000 |" in default[2]
+    tuned = regime_map.lm_table(rows, (1.0, 0.8)).splitlines()
+    assert "Nesterov 1/0.8" in tuned[0] and "| 2.200 ± 0.000 |" in tuned[2]
+
+
 def test_lm_rejects_an_unknown_method(tmp_path):
     with pytest.raises(ValueError, match="'adam'"):
         regime_map.main(["lm", "--out", str(tmp_path / "x.jsonl"), "--methods", "adam"])

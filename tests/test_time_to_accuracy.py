@@ -82,3 +82,56 @@ def test_run_curve_joins_seconds_and_accuracy_by_step(tmp_path):
     bare = report.Run(name="old", path=folder, config={}, scalars={TAGS["val_accuracy"]: []})
     with pytest.raises(ValueError, match="time/train_s"):
         tta.run_curve(bare)
+
+
+def test_a_loss_is_reached_at_or_below_the_target():
+    curve = [(1.0, 3.0), (2.0, 2.5), (3.0, 2.6), (4.0, 2.4)]
+    assert tta.time_to_accuracy(curve, 2.5, lower_is_better=True) == 2.0
+    assert tta.time_to_accuracy(curve, 2.45, lower_is_better=True) == 4.0
+    assert tta.time_to_accuracy(curve, 2.0, lower_is_better=True) is None
+    assert tta.time_to_accuracy(curve, 2.5) == 1.0  # as an accuracy: the first at or above
+
+
+def test_value_at_seconds_is_the_last_evaluation_by_then():
+    curve = [(1.0, 3.0), (2.0, 2.5), (3.0, 2.6)]
+    assert tta.value_at_seconds(curve, 2.0) == 2.5  # an evaluation exactly at the budget counts
+    assert tta.value_at_seconds(curve, 2.9) == 2.5
+    assert tta.value_at_seconds(curve, 99.0) == 2.6
+    assert tta.value_at_seconds(curve, 0.5) is None
+    with pytest.raises(ValueError, match="must not decrease"):
+        tta.value_at_seconds([(2.0, 1.0), (1.0, 1.0)], 5.0)
+
+
+def test_loss_targets_are_the_methods_finals_rounded_up():
+    finals = {"allreduce": [2.251, 2.253], "localsgd": [2.32, 2.33], "x": [None]}
+    assert tta.loss_targets(finals) == [2.33, 2.26]  # 2.325 -> 2.33, 2.252 -> 2.26
+    assert tta.loss_targets({"a": [2.3]}) == [2.3]  # exactly on the grid: kept
+
+
+def test_loss_table_at_equal_seconds_and_speedup():
+    curves = {
+        "allreduce": [[(10.0, 3.0), (20.0, 2.2)], [(12.0, 3.2), (24.0, 2.3)]],
+        "localsgd": [[(4.0, 2.9), (8.0, 2.5)], [(6.0, 2.8), (12.0, 2.45)]],
+    }
+    table = tta.loss_table(curves, [2.5, 2.3])
+    lines = table.splitlines()
+    head = [c.strip() for c in lines[0].split("  ") if c.strip()]
+    # The shortest run trained 8 s: every run is read at its last evaluation by then.
+    assert head == [
+        "Method",
+        "Seeds",
+        "Final loss",
+        "Train s (total)",
+        "loss at 8.0 s",
+        "s to 2.5",
+        "s to 2.3",
+        "speed-up to 2.5 vs allreduce",
+    ]
+    cells = {
+        line.split()[0]: [c.strip() for c in line.split("  ") if c.strip()] for line in lines[2:]
+    }
+    # allreduce has no evaluation by 8 s: said, not invented.
+    assert cells["allreduce"][4] == "-"
+    # localsgd at 8 s: 2.5 (seed 0) and 2.8 (seed 1, its 6 s evaluation); 2.5 at 8 and 12 s.
+    assert cells["localsgd"][4:] == ["2.650 ± 0.212", "10.0 ± 2.8", "never", "2.20x"]
+    assert cells["allreduce"][5:] == ["22.0 ± 2.8", "22.0 ± 2.8", "1.00x"]
