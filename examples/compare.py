@@ -6,6 +6,7 @@ tables as mean ± std over seeds, and a figure.
     python examples/compare.py --quick         # one seed, 12 epochs: a first look
     python examples/compare.py --full          # 5 seeds, OSGP too: the paper-like table
     python examples/compare.py --task digits   # 8x8 digits: fast, saturated, not tuned
+    python examples/compare.py --task char_lm  # the byte-level language model, AdamW inside
     python examples/compare.py --algos localsgd,localsgd-slowmo --seeds 0,1 --epochs 10
     python examples/compare.py --network 100mbit   # as root: 4 emulated hosts, time to accuracy
 
@@ -15,7 +16,10 @@ DELAY added with ``netem`` where the kernel has it) and adds Local SGD + SlowMo 
 ``overlap=1`` (``localsgd-slowmo-overlap1``); it prints the time to accuracy: the training
 seconds each method's averaged model needs to first reach 85%, 90% and the best method's final
 accuracy minus one point (slowmo_lab.time_to_accuracy), and the figure plots accuracy
-against those seconds.
+against those seconds. For ``--task char_lm`` (its three methods, no overlapped row) it prints
+the validation loss instead: each
+method's at equal training seconds (the shortest run's) and the seconds to each method's final
+loss (slowmo_lab.time_to_accuracy.loss_table).
 
 Every run of one worker count trains inside a single launch (the training script's ``--plan``:
 ``horovodrun -np NP --gloo``, or ``torchrun --nproc-per-node NP`` with ``--launcher torchrun`` or
@@ -538,6 +542,26 @@ def network_setup(args: argparse.Namespace) -> tuple[str, float] | str:
     return rate, delay_ms
 
 
+def _curves(
+    methods: Sequence[str], runs: Sequence[report.Run], tag: str
+) -> dict[str, list[tta.Curve]]:
+    """Per method in ``methods``' order (those with runs), its seeds' (seconds, metric) curves.
+
+    Args:
+        methods: the methods in order.
+        runs: the runs' event files (named ``<method>/seed<k>``).
+        tag: the metric's TensorBoard tag.
+    """
+    curves: dict[str, list[tta.Curve]] = {}
+    for method in methods:
+        mine = sorted(
+            (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
+        )
+        if mine:
+            curves[method] = [tta.run_curve(r, tag) for r in mine]
+    return curves
+
+
 def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], logdir: str) -> None:
     """The time-to-accuracy table of the runs, per method in ``methods``' order.
 
@@ -546,13 +570,7 @@ def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], l
         runs: the runs' event files (named ``<method>/seed<k>``).
         logdir: where they are (for the message).
     """
-    curves: dict[str, list[tta.Curve]] = {}
-    for method in methods:
-        mine = sorted(
-            (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
-        )
-        if mine:
-            curves[method] = [tta.run_curve(r) for r in mine]
+    curves = _curves(methods, runs, TAGS["val_accuracy"])
     targets = tta.default_targets(
         {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
     )
@@ -574,13 +592,7 @@ def print_time_to_loss(methods: Sequence[str], runs: Sequence[report.Run], logdi
         runs: the runs' event files (named ``<method>/seed<k>``).
         logdir: where they are (for the message).
     """
-    curves: dict[str, list[tta.Curve]] = {}
-    for method in methods:
-        mine = sorted(
-            (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
-        )
-        if mine:
-            curves[method] = [tta.run_curve(r, TAGS["val_loss"]) for r in mine]
+    curves = _curves(methods, runs, TAGS["val_loss"])
     targets = tta.loss_targets(
         {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
     )
