@@ -16,10 +16,9 @@ DELAY added with ``netem`` where the kernel has it) and adds Local SGD + SlowMo 
 ``overlap=1`` (``localsgd-slowmo-overlap1``); it prints the time to accuracy: the training
 seconds each method's averaged model needs to first reach 85%, 90% and the best method's final
 accuracy minus one point (slowmo_lab.time_to_accuracy), and the figure plots accuracy
-against those seconds. For ``--task char_lm`` (its three methods, no overlapped row) it prints
-the validation loss instead: each
-method's at equal training seconds (the shortest run's) and the seconds to each method's final
-loss (slowmo_lab.time_to_accuracy.loss_table).
+against those seconds. For ``--task char_lm`` (its three methods, no overlapped row) it
+prints the validation loss instead: each method's at equal training seconds (the shortest
+run's) and the seconds to each method's final loss (slowmo_lab.time_to_accuracy.loss_table).
 
 Every run of one worker count trains inside a single launch (the training script's ``--plan``:
 ``horovodrun -np NP --gloo``, or ``torchrun --nproc-per-node NP`` with ``--launcher torchrun`` or
