@@ -659,6 +659,36 @@ def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
     )
 
 
+#: The language model's recorded runs (docs/regimes.md): compare.py prints their table too.
+LM_JSONL = os.path.join(HERE, os.pardir, "docs", "regime_lm_runs.jsonl")
+
+
+def recorded_lm_table(path: str = LM_JSONL) -> str | None:
+    """The language model's recorded table (:func:`regime_map.lm_table`) at the outer setting
+    its tuning chose (:func:`regime_map.lm_tuning`; DiLoCo's where none was tuned), labelled as
+    recorded, with the command that shows every row; None where ``path`` does not exist.
+
+    Args:
+        path: ``regime_map.py lm``'s JSON lines.
+    """
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    chosen = regime_map.lm_tuning(rows)[1]
+    outer = next(iter(chosen.values()), regime_map.DILOCO_OUTER)
+    how = "tuned on seeds 100-102" if chosen else "DiLoCo's, not tuned"
+    return (
+        f"Recorded, not run now ({os.path.relpath(path)}; docs/regimes.md): the byte-level "
+        "language model (AdamW inside, 4 workers, 512 steps), validation loss in nats per byte, "
+        f"SlowMo's outer Nesterov {outer[0]:g}/{outer[1]:g} ({how}); paired t-tests over "
+        "seeds:\n"
+        + regime_map.lm_table(rows, outer)
+        + "\nEvery row and the tuning: python examples/regime_map.py lm-report "
+        + os.path.relpath(path)
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     """compare.py's command line."""
     parser = argparse.ArgumentParser(
@@ -923,9 +953,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(results_table(runnable, method_settings, summaries, spec.target))
     _print_reports(summaries, runnable, logdir, network is not None, args.png, spec.target)
-    recorded = recorded_regime_cell() if args.task == "mnist1d" and not network else None
-    if recorded:
-        print("\n" + recorded)
+    if args.task == "mnist1d" and not network:
+        for recorded in (recorded_regime_cell(), recorded_lm_table()):
+            if recorded:
+                print("\n" + recorded)
     print(f"Total wall time: {time.perf_counter() - t_all:.1f} s")
     return 1 if rc != 0 or failed or not summaries else 0
 

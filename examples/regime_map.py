@@ -5,12 +5,16 @@ on thread workers of this one process (``launch.run_in_threads``: no launcher).
     python examples/regime_map.py run --out runs/regime.jsonl --cells 16x96,16x48
     python examples/regime_map.py report runs/regime.jsonl --png docs/figures/regime_map.png
     python examples/regime_map.py lm --out runs/lm.jsonl --taus 16,64 --seeds 3 -- --width 64
+    python examples/regime_map.py lm --out runs/lm.jsonl --methods local-adamw-slowmo \
+        --taus 64 --seed-from 100 --outer 0.4/0.9,0.7/0.9,1/0.9 -- --width 64
     python examples/regime_map.py lm-report runs/lm.jsonl
 
 ``lm`` is the language-model table (examples/char_lm.py on 4 thread workers): AR-AdamW, Local
-AdamW with a plain average, and Local AdamW + SlowMo with DiLoCo's outer Nesterov (outer lr 0.7,
-momentum 0.9) per tau and seed, the validation loss at equal steps; flags after ``--`` go to
-char_lm.py (the model's size, the steps).
+AdamW with a plain average, and Local AdamW + SlowMo with an outer Nesterov at each ``--outer``
+setting (outer lr / momentum; default DiLoCo's 0.7 / 0.9) per tau and seed, the validation loss
+at equal steps; flags after ``--`` go to char_lm.py (the model's size, the steps). Seeds 100-102
+are the tuning seeds: ``lm-report`` prints their table per setting and leaves them out of the
+test table.
 
 Every method at every worker count trains with the same peak lr (``--peak-lr``, 0.1: the
 value tuned at 4 workers), not the linearly scaled one: at 8 and 16 workers the scaled peak
@@ -188,7 +192,8 @@ def run_lm(args) -> None:
 
 def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str:
     """The language-model table: validation loss (nats per byte, mean ± std over the seeds
-    every method of that tau finished) per tau, with paired t-tests of each difference.
+    every method of that tau finished) per tau, with paired t-tests of each difference and
+    the share of Local AdamW's gap to AR-AdamW that SlowMo wins back.
 
     Args:
         rows: ``lm``'s rows (the test seeds: the tuning seeds, 100 and up, are left out).
@@ -202,8 +207,8 @@ def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str
     ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
     lines = [
         f"| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov {outer[0]:g}/{outer[1]:g}) "
-        "| local - AR (paired) | SlowMo - local (paired) |",
-        "|---" * 7 + "|",
+        "| local - AR (paired) | SlowMo - local (paired) | won back |",
+        "|---" * 8 + "|",
     ]
     for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
         lo = {s: v for (m, t, s), v in by.items() if m == "local-adamw" and t == tau}
@@ -212,10 +217,13 @@ def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str
         if not seeds:
             continue
         a, b, c = ([d[s] for s in seeds] for d in (ar, lo, sm))
+        gap, change = (sum(b) - sum(a)) / len(seeds), (sum(c) - sum(b)) / len(seeds)
+        # The share of the base's gap to AR-AdamW that SlowMo wins back (no gap: no share).
+        won = f"{-change / gap:.0%}" if gap > 0 else "-"
         lines.append(
             f"| {tau} | {len(seeds)} | {_mean_std(a, 3)} | {_mean_std(b, 3)} | "
-            f"{_mean_std(c, 3)} | {(sum(b) - sum(a)) / len(seeds):+.3f} ({_paired(b, a)}) | "
-            f"{(sum(c) - sum(b)) / len(seeds):+.3f} ({_paired(c, b)}) |"
+            f"{_mean_std(c, 3)} | {gap:+.3f} ({_paired(b, a)}) | "
+            f"{change:+.3f} ({_paired(c, b)}) | {won} |"
         )
     return "\n".join(lines)
 

@@ -159,7 +159,7 @@ def test_lm_table_pairs_the_seeds_every_method_finished():
     lines = regime_map.lm_table(rows).splitlines()
     assert len(lines) == 3  # tau 64 has no SlowMo run: no row; tau 16 pairs seeds 0 and 1
     assert lines[2].startswith("| 16 | 2 | 2.500 ± 0.707 | 3.000 ± 0.707 | 2.750 ± 0.778 | +0.500")
-    assert "| -0.250 (t = -5.00, p = 0.126) |" in lines[2]
+    assert lines[2].endswith("| -0.250 (t = -5.00, p = 0.126) | 50% |")  # of the 0.5 gap
 
 
 def test_lm_outer_settings_are_parsed_and_tuned():
@@ -226,3 +226,17 @@ def test_the_committed_map_has_a_clearest_cell():
     # compare.py (the main job) prints it: the committed rows must hold one complete cell.
     text = compare.recorded_regime_cell()
     assert text is not None and "paired seeds" in text
+
+
+def test_the_main_job_shows_the_recorded_language_model(tmp_path):
+    # compare.py prints the language model's table at the outer setting its tuning chose.
+    text = compare.recorded_lm_table()
+    assert text is not None and "won back" in text and "tuned on seeds 100-102" in text
+    rows = [dict(method="ar-adamw", tau=16, seed=s, val_loss=2.0) for s in (0, 1)]
+    rows += [dict(method="local-adamw", tau=16, seed=s, val_loss=2.5) for s in (0, 1)]
+    rows += [dict(method="local-adamw-slowmo", tau=16, seed=s, val_loss=2.4) for s in (0, 1)]
+    path = tmp_path / "lm.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = compare.recorded_lm_table(str(path))
+    assert "Nesterov 0.7/0.9 (DiLoCo's, not tuned)" in text and "| 16 | 2 |" in text
+    assert compare.recorded_lm_table(str(tmp_path / "missing.jsonl")) is None
