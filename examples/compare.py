@@ -541,15 +541,18 @@ def network_setup(args: argparse.Namespace) -> tuple[str, float] | str:
     return rate, delay_ms
 
 
-def _curves(
-    methods: Sequence[str], runs: Sequence[report.Run], tag: str
-) -> dict[str, list[tta.Curve]]:
-    """Per method in ``methods``' order (those with runs), its seeds' (seconds, metric) curves.
+def print_time_to_target(
+    methods: Sequence[str], runs: Sequence[report.Run], logdir: str, target: str = "val_accuracy"
+) -> None:
+    """The network mode's table of the runs, per method in ``methods``' order: the time to
+    accuracy (``target="val_accuracy"``), or for a loss (``"val_loss"``, the language model)
+    the loss at equal training seconds and the seconds to each method's final loss.
 
     Args:
         methods: the methods in order.
         runs: the runs' event files (named ``<method>/seed<k>``).
-        tag: the metric's TensorBoard tag.
+        logdir: where they are (for the message).
+        target: the task's metric (:class:`TaskSpec`).
     """
     curves: dict[str, list[tta.Curve]] = {}
     for method in methods:
@@ -557,51 +560,25 @@ def _curves(
             (r for r in runs if r.name.rsplit(os.sep, 1)[0] == method), key=lambda r: r.name
         )
         if mine:
-            curves[method] = [tta.run_curve(r, tag) for r in mine]
-    return curves
-
-
-def print_time_to_accuracy(methods: Sequence[str], runs: Sequence[report.Run], logdir: str) -> None:
-    """The time-to-accuracy table of the runs, per method in ``methods``' order.
-
-    Args:
-        methods: the methods in order.
-        runs: the runs' event files (named ``<method>/seed<k>``).
-        logdir: where they are (for the message).
-    """
-    curves = _curves(methods, runs, TAGS["val_accuracy"])
-    targets = tta.default_targets(
-        {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
-    )
+            curves[method] = [tta.run_curve(r, TAGS[target]) for r in mine]
+    finals = {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
+    clock = f"TensorBoard: {logdir}, time/train_s; its Relative axis is that clock"
+    if target == "val_loss":
+        print(
+            "\nEqual training seconds: validation loss (nats per byte) of the averaged model at "
+            "the shortest run's training time (each run's last evaluation by then), and the "
+            "training seconds to first reach each method's mean final loss; mean ± std over the "
+            f"seeds that reached it ({clock})"
+        )
+        print(tta.loss_table(curves, tta.loss_targets(finals), reference="allreduce"))
+        return
     print(
         "\nTime to accuracy: training seconds (rank 0's iterations; evaluation excluded) at the "
         "first epoch end whose test accuracy reaches each target; mean ± std over the seeds "
-        f"that reached it (TensorBoard: {logdir}, time/train_s; its Relative axis is that "
-        "clock)"
+        f"that reached it ({clock})"
     )
+    targets = tta.default_targets(finals)
     print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
-
-
-def print_time_to_loss(methods: Sequence[str], runs: Sequence[report.Run], logdir: str) -> None:
-    """The language model's table: validation loss at equal training seconds and the seconds
-    to each method's final loss, per method in ``methods``' order.
-
-    Args:
-        methods: the methods in order.
-        runs: the runs' event files (named ``<method>/seed<k>``).
-        logdir: where they are (for the message).
-    """
-    curves = _curves(methods, runs, TAGS["val_loss"])
-    targets = tta.loss_targets(
-        {m: [c[-1][1] if c else None for c in cs] for m, cs in curves.items()}
-    )
-    print(
-        "\nEqual training seconds: validation loss (nats per byte) of the averaged model at the "
-        "shortest run's training time (each run's last evaluation by then), and the training "
-        "seconds to first reach each method's mean final loss; mean ± std over the seeds that "
-        f"reached it (TensorBoard: {logdir}, time/train_s)"
-    )
-    print(tta.loss_table(curves, targets, reference="allreduce"))
 
 
 #: The regime map's recorded runs (docs/regimes.md), newest protocol first: compare.py prints
@@ -851,13 +828,12 @@ def _print_reports(
     png: str | None,
     target: str = "val_accuracy",
 ) -> None:
-    """The paper's tables, the time to accuracy (network mode) and the figure."""
+    """The paper's tables, the time to the target (network mode) and the figure."""
     names = [name for name in summaries if os.path.isdir(os.path.join(logdir, name))]
     if names:
         runs = report.load_runs([os.path.join(logdir, n) for n in names], relative_to=logdir)
-        loss = target == "val_loss"
         if seconds:
-            (print_time_to_loss if loss else print_time_to_accuracy)(runnable, runs, logdir)
+            print_time_to_target(runnable, runs, logdir, target)
         print()
         print(report.table1(runs))
         print()
@@ -865,11 +841,7 @@ def _print_reports(
         png = report.plot(
             runs,
             png or os.path.join(logdir, "compare.png"),
-            extra_panel=(
-                partial(tta.seconds_panel, tag=TAGS["val_loss"] if loss else TAGS["val_accuracy"])
-                if seconds
-                else None
-            ),
+            extra_panel=partial(tta.seconds_panel, tag=TAGS[target]) if seconds else None,
         )
         print(f"\nFigure: {png}   (per-run details: python -m slowmo_lab.report {logdir})")
 

@@ -196,7 +196,7 @@ def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str
     the share of Local AdamW's gap to AR-AdamW that SlowMo wins back.
 
     Args:
-        rows: ``lm``'s rows (the test seeds: the tuning seeds, 100 and up, are left out).
+        rows: ``lm``'s rows (the test seeds: the tuning seeds, TUNING_SEEDS, are left out).
         outer: the SlowMo setting (outer lr, momentum) the table shows.
     """
     by = {
@@ -234,7 +234,7 @@ def lm_tuning(rows: list[dict]) -> tuple[str, dict[int, tuple[float, float]]]:
     tau the setting with the lowest mean.
 
     Args:
-        rows: ``lm``'s rows; only SlowMo's on the tuning seeds (100 and up) count.
+        rows: ``lm``'s rows; only SlowMo's on the tuning seeds (TUNING_SEEDS) count.
 
     Returns:
         (a markdown table, tau -> the chosen (outer lr, momentum)).
@@ -545,7 +545,7 @@ def parser() -> argparse.ArgumentParser:
     )
     lm.add_argument(
         "--outer",
-        default="0.7/0.9",
+        default="{:g}/{:g}".format(*DILOCO_OUTER),
         help="SlowMo's settings, OUTER_LR/MOMENTUM pairs, comma-separated (default: DiLoCo's)",
     )
     lm.add_argument("--workers", type=int, default=4)
