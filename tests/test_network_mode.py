@@ -96,37 +96,15 @@ def _skip_reason():
     return None
 
 
-@pytest.mark.horovod
-@pytest.mark.timeout(400)
-def test_network_quick_run_on_two_hosts(tmp_path):
-    """--network --quick, tiny: two methods on two emulated hosts run end to end, print the
-    time-to-accuracy table, log the training clock, and leave no namespace behind."""
+def _network_run(flags: list[str], prefix: str, subnet: str) -> str:
+    """Run compare.py --network 100mbit --quick on two emulated hosts with ``flags``; check that
+    it exits with 0 and leaves no namespace behind; return its output."""
     reason = _skip_reason()
     if reason:
         pytest.skip(f"no emulated cluster here: {reason}")
-    prefix = "hsmq"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "examples", "compare.py"),
-        "--network",
-        "100mbit",
-        "--quick",
-        "--np",
-        "2",
-        "--epochs",
-        "2",
-        "--max-steps",
-        "12",
-        "--algos",
-        "allreduce,localsgd-slowmo-overlap1",
-        "--netns-prefix",
-        prefix,
-        "--netns-subnet",
-        "10.78.2",
-        "--logdir",
-        str(tmp_path),
-        "--no-progress",
-    ]
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "compare.py"), *flags]
+    cmd += ["--network", "100mbit", "--quick", "--np", "2", "--epochs", "2"]
+    cmd += ["--netns-prefix", prefix, "--netns-subnet", subnet, "--no-progress"]
     try:
         proc = subprocess.run(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=360
@@ -135,8 +113,17 @@ def test_network_quick_run_on_two_hosts(tmp_path):
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert netns.stale_namespaces(left, prefix) == [], f"namespaces left behind: {left}"
         assert not os.path.exists(f"/etc/netns/{prefix}-h0")
-    out = proc.stdout
-    assert proc.returncode == 0, out[-5000:]
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(400)
+def test_network_quick_run_on_two_hosts(tmp_path):
+    """--network --quick, tiny: two methods on two emulated hosts run end to end, print the
+    time-to-accuracy table, log the training clock, and leave no namespace behind."""
+    flags = ["--max-steps", "12", "--algos", "allreduce,localsgd-slowmo-overlap1"]
+    out = _network_run(flags + ["--logdir", str(tmp_path)], "hsmq", "10.78.2")
     assert "2 runs (2 methods x 1 seeds), 2 workers, 2 epochs, tau 12, 2 emulated hosts" in out
     table = out[out.index("Time to accuracy") : out.index("Table 1")]
     rows = {line.split()[0]: line.split() for line in table.splitlines()[3:] if line.strip()}
@@ -161,23 +148,8 @@ def test_network_quick_run_on_two_hosts(tmp_path):
 def test_network_language_model_at_equal_seconds(tmp_path):
     """--task char_lm --network, tiny: the three language-model methods on two emulated hosts,
     the validation loss at equal training seconds and the seconds to each final loss."""
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(f"no emulated cluster here: {reason}")
-    prefix = "hsml"
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "compare.py"), "--task", "char_lm"]
-    cmd += ["--network", "100mbit", "--quick", "--np", "2", "--epochs", "2", "--tau", "4"]
-    cmd += ["--max-steps", "8", "--netns-prefix", prefix, "--netns-subnet", "10.78.3"]
-    cmd += ["--logdir", str(tmp_path), "--no-progress"]
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=360
-        )
-    finally:
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert netns.stale_namespaces(left, prefix) == [], f"namespaces left behind: {left}"
-    out = proc.stdout
-    assert proc.returncode == 0, out[-5000:]
+    flags = ["--task", "char_lm", "--tau", "4", "--max-steps", "8", "--logdir", str(tmp_path)]
+    out = _network_run(flags, "hsml", "10.78.3")
     assert "3 runs (3 methods x 1 seeds), 2 workers, 2 epochs, tau 4, 2 emulated hosts" in out
     table = out[out.index("Equal training seconds") : out.index("Table 1")].splitlines()
     head = table[1]
@@ -188,6 +160,7 @@ def test_network_language_model_at_equal_seconds(tmp_path):
         # seeds, a final loss below a uniform byte's ln(256) = 5.55, and at least the budget
         assert cells[1] == "1" and 0 < float(cells[2]) < 5.55 and float(cells[3]) >= budget
     # The budget is the shortest run's training time: that run is read at its last evaluation.
-    shortest = min(rows.values(), key=lambda c: float(c[3]))
-    assert float(shortest[3]) == pytest.approx(budget, abs=0.05) and shortest[4] == shortest[2]
+    # Two runs can print the same rounded seconds, so the shortest is one of those at the budget.
+    at_budget = [c for c in rows.values() if float(c[3]) == pytest.approx(budget, abs=0.05)]
+    assert at_budget and any(c[4] == c[2] for c in at_budget)
     assert os.path.getsize(tmp_path / "char_lm-network-100mbit" / "compare.png") > 0
