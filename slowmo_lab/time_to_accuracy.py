@@ -160,22 +160,14 @@ def time_to_accuracy_rows(
     }
 
 
-def _reached(times: Sequence[float | None]) -> str:
-    """Mean ± std over the seeds that reached it, and how many did when not all."""
-    got = [t for t in times if t is not None]
-    if not got:
-        return "never"
-    cell = fmt_mean_std(got, ".1f")
-    return cell if len(got) == len(times) else f"{cell} ({len(got)}/{len(times)} seeds)"
-
-
-def _some(values: Sequence[float | None], spec: str) -> str:
-    """Mean ± std of the values that exist, and how many do when not all (``-``: none)."""
+def _reached(values: Sequence[float | None], spec: str = ".1f", none: str = "never") -> str:
+    """Mean ± std over the seeds that have a value (reached the target, or evaluated by the
+    budget), and how many do when not all; ``none`` when no seed has one."""
     got = [v for v in values if v is not None]
+    if not got:
+        return none
     cell = fmt_mean_std(got, spec)
-    return (
-        cell if not got or len(got) == len(values) else f"{cell} ({len(got)}/{len(values)} seeds)"
-    )
+    return cell if len(got) == len(values) else f"{cell} ({len(got)}/{len(values)} seeds)"
 
 
 def _all_mean(times: Sequence[float | None]) -> float | None:
@@ -267,7 +259,7 @@ def loss_table(
             for c in curves[method]
         ]
         cells = [method, str(len(r.final)), fmt_mean_std(r.final, ".3f")]
-        cells += [fmt_mean_std(r.seconds, ".1f"), _some(at, ".3f")]
+        cells += [fmt_mean_std(r.seconds, ".1f"), _reached(at, ".3f", none="-")]
         cells += [_reached(r.to[t]) for t in targets]
         if ref is not None:
             mine = _all_mean(r.to[loosest])
