@@ -80,6 +80,8 @@ FULL_ALGOS = DEFAULT_ALGOS + ",osgp,osgp-slowmo"
 #: one base step (overlap=1: the smallest delay, 0.9 points of accuracy on this task in the
 #: README's table of d; on the emulated cluster it hid part of the average's time).
 NETWORK_ALGOS = "allreduce,localsgd,localsgd-slowmo,localsgd-slowmo-overlap1,sgp,sgp-slowmo"
+#: The image tasks' methods per mode (:class:`TaskSpec`).
+IMAGE_ALGOS = {"default": DEFAULT_ALGOS, "full": FULL_ALGOS, "network": NETWORK_ALGOS}
 #: The language model's methods (AdamW inside): AR-AdamW, Local AdamW, Local AdamW + SlowMo.
 LM_ALGOS = "allreduce,localsgd,localsgd-slowmo"
 
@@ -97,7 +99,8 @@ class TaskSpec:
         tau: every method's tau (``--tau`` overrides it).
         target: the metric the tables rank by: ``val_accuracy`` (higher is better) or
             ``val_loss`` (lower is better).
-        algos: the default methods (``network``: those of ``--network``).
+        algos: the methods each mode runs by default: ``default`` (and ``--quick``), ``full``
+            (``--full``) and ``network`` (``--network``).
         flags: the script's flags for every run (before the user's extra flags, which win).
     """
 
@@ -106,8 +109,7 @@ class TaskSpec:
     epochs: dict[str, int]
     tau: int
     target: str
-    algos: str
-    network_algos: str
+    algos: dict[str, str]
     flags: tuple[str, ...] = ()
 
 
@@ -122,8 +124,7 @@ TASKS: dict[str, TaskSpec] = {
         {"default": 30, "quick": 12, "full": 30},
         12,
         "val_accuracy",
-        DEFAULT_ALGOS,
-        NETWORK_ALGOS,
+        IMAGE_ALGOS,
     ),
     "digits": TaskSpec(
         "digits.py",
@@ -131,8 +132,7 @@ TASKS: dict[str, TaskSpec] = {
         {"default": 10, "quick": 4, "full": 10},
         12,
         "val_accuracy",
-        DEFAULT_ALGOS,
-        NETWORK_ALGOS,
+        IMAGE_ALGOS,
     ),
     "char_lm": TaskSpec(
         "char_lm.py",
@@ -140,8 +140,7 @@ TASKS: dict[str, TaskSpec] = {
         {"default": 16, "quick": 4, "full": 16},
         64,
         "val_loss",
-        LM_ALGOS,
-        LM_ALGOS,
+        {"default": LM_ALGOS, "full": LM_ALGOS, "network": LM_ALGOS},
         tuple(char_lm.CPU_SIZE),
     ),
 }
@@ -870,8 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     tau = args.tau if args.tau is not None else spec.tau
     if tau < 1:
         raise ValueError(f"--tau must be >= 1, got {tau}")
-    default_algos = spec.network_algos if network else spec.algos
-    algos = args.algos or (FULL_ALGOS if args.full and args.task != "char_lm" else default_algos)
+    algos = args.algos or spec.algos["full" if args.full else "network" if network else "default"]
     seeds = [int(s) for s in (args.seeds or SEEDS[mode_name]).split(",") if s.strip()]
     runnable = _runnable_methods(algos, settings, args.task)
     chosen = {"lr": args.lr, "slow_momentum": args.slow_momentum}
