@@ -406,8 +406,10 @@ def memory_parts(
     one copy, ``adam`` two), the anchor and the slow momentum buffer (a copy each), the codec's
     error-feedback residual (a copy, of the node's shard when hierarchical; none for fp32), the
     outer step in flight (with ``overlap``: the sent copy and the snapshot of one fragment), and
-    the codec's scratch (the pseudo-gradient, the decoded mean and the new values of one
-    fragment: ``hvd_slowmo.compression.averager``).
+    the codec's scratch (``hvd_slowmo.compression.averager``: kept, the pseudo-gradient buffers
+    of all fragments, and the sparse all-gather's sum buffer; per average, the decoded mean and
+    the new values of one fragment). :func:`hvd_slowmo.memory.held_bytes` measures the kept
+    parts of a running optimizer.
 
     Args:
         setting: the exchange.
@@ -424,6 +426,10 @@ def memory_parts(
     fragment = 4 * math.ceil(params / setting.fragments)
     compressed = setting.codec != "fp32"
     shard = cluster.per_node if setting.hierarchical else 1
+    # Kept across outer steps: the pseudo-gradient buffer of every fragment (the whole model),
+    # and the sparse all-gather's sum buffer; made per average: the decoded mean and the new
+    # values of one fragment.
+    scratch = copy * (2 if setting.codec == "sparse" else 1) + 2 * fragment
     return {
         "parameters": copy,
         "gradients": copy,
@@ -432,7 +438,7 @@ def memory_parts(
         "slow buffer": copy,
         "residual": 4 * math.ceil(params / shard) if compressed else 0,
         "in flight": 2 * fragment if setting.overlap else 0,
-        "codec scratch": 3 * fragment // shard if compressed else 0,
+        "codec scratch": scratch // shard if compressed else 0,
     }
 
 

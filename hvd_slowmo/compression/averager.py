@@ -168,6 +168,12 @@ class PseudoGradientAverage:
         out = self._buffer("sum", padded, flat.device) if reuse and padded else None
         return self.codec.mean_start(self.comm, flat, name, residual, out)
 
+    @property
+    def scratch(self) -> list[Tensor]:
+        """The float32 buffers kept across outer steps (the pseudo-gradient, the sum), for the
+        memory accounting (:func:`hvd_slowmo.memory.held_bytes`)."""
+        return list(self._buffers.values())
+
     def _buffer(self, role: str, numel: int, device: torch.device) -> Tensor:
         """A float32 buffer of ``numel`` elements kept across outer steps (one per role, size
         and device: the fragments' sizes), so a step allocates nothing of the model's size."""
