@@ -89,7 +89,7 @@ class OuterLoop:
         self._at = {f.boundary: f for f in self.fragments}  # inner step -> whose boundary
         self.replica_spread: float | None = None
         self.base = make_base()
-        self.base.attach(parts.params)
+        self.base.attach(parts.params.keys)
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -112,7 +112,7 @@ class OuterLoop:
         """A fresh base algorithm for the current workers (gossip graph, transport, push-sum
         weight); messages of the previous one still in flight are dropped."""
         self.base = self._make_base()
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     def add_params(self, new: list[Tensor]) -> None:
         """Parameters appended to the (single) fragment by ``add_param_group``.
@@ -123,7 +123,7 @@ class OuterLoop:
         (whole,) = self.fragments  # config: add_param_group needs fragments=1
         whole.members.extend(range(len(self.parts.params) - len(new), len(self.parts.params)))
         whole.eager.extend(new)
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     # --- the schedule ----------------------------------------------------------------------
     def advance(self) -> None:
@@ -173,7 +173,7 @@ class OuterLoop:
         self.parts.slow_state.restore_([p.detach() for p in params])
         self.exchange.reset()
         if reset:
-            reset_buffers(self.parts.optimizer.state, params)
+            reset_buffers(self.parts.optimizer.state, params.keys)
 
     def flush(self) -> None:
         """Land the outer steps in flight now, and mix gossip messages in flight. Collective."""
