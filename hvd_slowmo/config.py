@@ -115,6 +115,9 @@ class SlowMoConfig:
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
             the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
             flight at a time). 1 (default) is the whole model at once.
+        fragment_modules: each fragment's module names (``DistributedOptimizer(fragments=[[...],
+            ...])``, as torchtitan's ``module_fqns_per_model_fragment``), or None for the strided
+            split; ``fragments`` is then their number.
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with an
             estimate of the average outer gradient; the exact step replaces it at the landing.
@@ -146,6 +149,7 @@ class SlowMoConfig:
     codec: str | SparseCodec | None = None
     error_feedback: bool = False
     fragments: int = 1
+    fragment_modules: tuple[tuple[str, ...], ...] | None = None
     eager: str | None = None
     mix: float = 0.0
 
@@ -431,6 +435,7 @@ class SlowMoConfig:
             "codec": self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
+            **({"fragment_modules": self.fragment_modules} if self.fragment_modules else {}),
             "eager": self.eager,
             "mix": self.mix,
         }

@@ -580,3 +580,55 @@ def test_nonfinite_raise_names_the_rank_and_eager_skip_restarts_from_the_anchor(
             assert all(torch.equal(p, a) for p, a in zip(params, anchor))
         with pytest.raises(FloatingPointError, match=r"rank\(s\) \[1\]"):
             run_threads(2, lambda c: worker(c, nonfinite="raise", fragments=2))
+
+
+# --- fragments named by module (torchtitan's module_fqns_per_model_fragment) -------------------
+
+
+def test_fragments_named_by_module_equal_the_same_split_given_as_a_count(one_intra_op_thread):
+    """Layers 0, 2, 3 strided into 2 fragments are {0, 3} and {2}: naming those modules gives the
+    same run, bit for bit."""
+    kw = dict(tau=4, overlap=2, slow_lr=0.7, slow_momentum=0.6)
+    by_count = run(2, 9, fragments=2, **kw)
+    by_name = run(2, 9, fragments=[["0", "3"], ["2"]], **kw)
+    for a, b in zip(by_count, by_name):
+        assert all(torch.equal(p, q) for p, q in zip(a[0].parameters(), b[0].parameters()))
+    summary = by_name[0][2].config.summary()  # saved in the state, compared across ranks
+    assert summary["fragment_modules"] == (("0", "3"), ("2",))
+    other = run(2, 9, fragments=[["0"], ["2", "3"]], **kw)  # another split: another run
+    assert not torch.equal(next(other[0][0].parameters()), next(by_name[0][0].parameters()))
+
+
+NAMED_REFUSED = {
+    "unknown-module": ([["0", "2"], ["3", "head"]], "hold no parameter.*'head'"),
+    "parameter-left-out": ([["0"], ["2"]], r"leaves parameters \['3.weight', '3.bias'\]"),
+    "module-twice": ([["0", "2"], ["2", "3"]], "module '2' in fragments 0 and 1"),
+    "not-a-list-of-lists": (["0", "2"], "list of lists of module names"),
+    "empty-fragment": ([["0", "2", "3"], []], "list of lists of module names"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMED_REFUSED))
+def test_named_fragments_that_do_not_fit_the_model_are_refused(case):
+    fragments, message = NAMED_REFUSED[case]
+    model = make_model()
+    with pytest.raises((ValueError, TypeError), match=message):
+        DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+            tau=4,
+            fragments=fragments,
+        )
+
+
+def test_named_fragments_unbalanced_in_bytes_are_warned():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    with pytest.warns(UserWarning, match="balance them by bytes"):
+        DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+            tau=4,
+            fragments=[["0"], ["1"]],
+        )
