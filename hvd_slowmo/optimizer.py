@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .amp import GradientSync
+from .amp import MixedPrecision
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import (
@@ -68,7 +68,7 @@ def _warn_unbalanced(split: list[int], params: list[Tensor], count: int) -> None
         )
 
 
-class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptimizer):
+class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOptimizer):
     """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
 
     Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
