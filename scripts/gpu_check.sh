@@ -110,17 +110,19 @@ wanted bench && RESERVE_AFTER_TESTS=$(( RESERVE_AFTER_BENCH + (QUICK ? 30 : 45) 
 RESERVE_AFTER_BUILDS=$RESERVE_AFTER_TESTS
 wanted tests && RESERVE_AFTER_BUILDS=$(( RESERVE_AFTER_TESTS + (QUICK ? 20 : 45) ))
 
-# The test groups, in order: each is one pytest process over tests/test_cuda.py (markers in
+# The test groups, in order: each is one pytest process over one test file (markers in
 # pytest.ini), in the full tier of tests/conftest.py (its default tier deselects the launches),
-# with its own limit (s), log and timeout. `test_group NAME LIMIT AFTER SELECTION`: AFTER is
-# when it starts (start: at once; nccl, staged: as soon as that Horovod is built, and the staged
-# one is handed to it); SELECTION is pytest's arguments, separated by |. A group that selects
-# no test fails.
-TEST_FILE=$ROOT/tests/test_cuda.py
+# with its own limit (s), log and timeout. `test_group NAME LIMIT AFTER SELECTION [FILE]`: AFTER
+# is when it starts (start: at once; nccl, staged: as soon as that Horovod is built, and the
+# staged one is handed to it); SELECTION is pytest's arguments, separated by |; FILE is relative
+# to the repository (default tests/test_cuda.py). A group that selects no test fails.
 TEST_TIER=full
 TEST_GROUPS=()
-declare -A TEST_SELECT=() TEST_AFTER=()
-test_group() { TEST_GROUPS+=("$1"); WANT[$1]=$2; TEST_AFTER[$1]=$3; TEST_SELECT[$1]=$4; }
+declare -A TEST_SELECT=() TEST_AFTER=() TEST_FILE=()
+test_group() {
+  TEST_GROUPS+=("$1"); WANT[$1]=$2; TEST_AFTER[$1]=$3; TEST_SELECT[$1]=$4
+  TEST_FILE[$1]=${5:-tests/test_cuda.py}
+}
 test_group tests-threads 240 start "-m|cuda and not horovod and not torchdist"
 test_group tests-torchdist 240 start "-m|cuda and torchdist"
 test_group tests-nccl 150 nccl "-m|cuda and horovod|-k|not staged"
@@ -145,8 +147,8 @@ PYTEST_TIMEOUT=""
 pytest_cmd() {
   local name=$1 sel
   IFS='|' read -r -a sel <<<"${TEST_SELECT[$name]}"
-  CMD=("$PY" -m pytest "$TEST_FILE" "${sel[@]}" --tier "$TEST_TIER" -v -rA -p no:cacheprovider
-       --rootdir "$ROOT" --junitxml "$OUT/$name.xml")
+  CMD=("$PY" -m pytest "$ROOT/${TEST_FILE[$name]}" "${sel[@]}" --tier "$TEST_TIER" -v -rA
+       -p no:cacheprovider --rootdir "$ROOT" --junitxml "$OUT/$name.xml")
   if [ -z "$PYTEST_TIMEOUT" ]; then  # asked once
     PYTEST_TIMEOUT=no
     if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then PYTEST_TIMEOUT=yes; fi
@@ -256,7 +258,7 @@ finish() {
   fi
   echo "gpu_check: -- $name $status ($(( end - BEGAN[$name] ))s)"
   [ "$empty" = 0 ] || echo "gpu_check: $name: no test selected by pytest" \
-    "${TEST_SELECT[$name]//|/ } --tier $TEST_TIER in tests/test_cuda.py"
+    "${TEST_SELECT[$name]//|/ } --tier $TEST_TIER in ${TEST_FILE[$name]}"
   if [ "$rc" != 0 ]; then FAILED=1; tail -n 30 "$OUT/$name.log"; fi
   record "$name" "$status" "$(( end - BEGAN[$name] ))" "${LIMIT[$name]}"
   return "$rc"
