@@ -16,9 +16,11 @@ After every step the rank gathers the island model's full parameters (``DTensor.
 and records their largest difference from the reference; after every step at which an outer
 step landed it checks that its shard equals its peer's bit for bit.
 
-Usage: ``torchrun --nproc-per-node 4 tests/islands_run.py OUT CASE [STEPS]``; writes
-``OUT/rank<r>.json``. ``CASE`` names a row of :data:`CASES`; ``save``/``resume`` variants run
-half the steps, save, and continue in fresh processes.
+Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE [STEPS [MODE [DEVICE]]]``:
+2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json``. ``CASE`` names a row of
+:data:`CASES`; ``MODE`` ``save`` runs half the steps and saves (each rank its own file),
+``resume`` continues from there in fresh processes; ``DEVICE`` ``cuda`` puts every rank on GPU 0
+(the ranks share it through Gloo: scripts/gpu_check.sh's two-process case).
 """
 
 import json
@@ -60,20 +62,21 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def batch(island: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(island: int, step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * island + step)
-    return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+    return x.to(device), y.to(device)
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def build(case: str, mesh):
+def build(case: str, mesh, device: str):
     settings = dict(CASES[case])
     if case == "mismatch" and dist.get_rank() == 1:
         settings["tau"] = 5
-    island_model = make_model()
+    island_model = make_model().to(device)
     if case.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -95,7 +98,7 @@ def build(case: str, mesh):
         worker=hvd_slowmo.Islands(mesh, across="islands"),
         **settings,
     )
-    ref_model = make_model()
+    ref_model = make_model().to(device)
     ref_opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.1),
         named_parameters=ref_model.named_parameters(),
@@ -105,22 +108,27 @@ def build(case: str, mesh):
     return model, island_model, opt, ref_model, ref_opt
 
 
-def train_step(model, opt, island: int, step: int) -> None:
-    x, y = batch(island, step)
+def train_step(model, opt, island: int, step: int, device: str) -> None:
+    x, y = batch(island, step, device)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
 
 
-def run(out: str, case: str, steps: int, start: int = 0, stop: int | None = None) -> None:
+def run(
+    out: str, case: str, steps: int, start: int = 0, stop: int | None = None, device: str = "cpu"
+) -> None:
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("islands", "shard"))
+    shape = (2, dist.get_world_size() // 2)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=("islands", "shard"))
     island = mesh.get_local_rank("islands")
     peers = TorchDistCommunicator(group=mesh.get_group("islands"))
     try:
-        model, island_model, opt, ref_model, ref_opt = build(case, mesh)
+        model, island_model, opt, ref_model, ref_opt = build(case, mesh, device)
     except ValueError as e:
         if case != "mismatch":
             raise
@@ -130,7 +138,7 @@ def run(out: str, case: str, steps: int, start: int = 0, stop: int | None = None
         return
     ckpt = os.path.join(out, f"state.rank{rank}.pt")
     if start:
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location=device)
         # What an FSDP user saves anyway: each rank its own shards (DTensors), one file a rank.
         island_model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -138,8 +146,8 @@ def run(out: str, case: str, steps: int, start: int = 0, stop: int | None = None
         ref_opt.load_state_dict(saved["ref_opt"])
     diffs, bitwise, landed = [], [], []
     for step in range(start, stop if stop is not None else steps):
-        train_step(model, opt, island, step)
-        train_step(ref_model, ref_opt, island, step)
+        train_step(model, opt, island, step, device)
+        train_step(ref_model, ref_opt, island, step, device)
         with torch.no_grad():
             mine = [full(p) for p in island_model.parameters()]
             ref = list(ref_model.parameters())
@@ -153,7 +161,7 @@ def run(out: str, case: str, steps: int, start: int = 0, stop: int | None = None
             landed.append(step)
         theirs = peers.allgather_object([t.tolist() for t in same])
         other = theirs[1 - island]
-        bitwise.append(all(torch.equal(t, torch.tensor(o)) for t, o in zip(same, other)))
+        bitwise.append(all(torch.equal(t.cpu(), torch.tensor(o)) for t, o in zip(same, other)))
     if stop is not None:
         state = {
             "model": island_model.state_dict(),
@@ -180,9 +188,10 @@ if __name__ == "__main__":
     out, case = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 12
     mode = sys.argv[4] if len(sys.argv) > 4 else "full"
+    device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
     if mode == "save":
-        run(out, case, steps, stop=steps // 2)
+        run(out, case, steps, stop=steps // 2, device=device)
     elif mode == "resume":
-        run(out, case, steps, start=steps // 2)
+        run(out, case, steps, start=steps // 2, device=device)
     else:
-        run(out, case, steps)
+        run(out, case, steps, device=device)

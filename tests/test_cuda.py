@@ -617,6 +617,30 @@ def test_two_processes_torch_distributed_gloo(tmp_path, device):
     check_features(tmp_path, device)
 
 
+ISLANDS = os.path.join(os.path.dirname(__file__), "islands_run.py")
+
+
+@pytest.mark.torchdist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["fragments", "ddp"], ids=["fsdp", "ddp"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_islands_on_the_device(tmp_path, device, case):
+    """Islands (worker=Islands(mesh)): 2 islands of one rank each under torchrun, FSDP2 (with
+    fragments, overlap and eager updates) or DDP inside, on the device (on a GPU both ranks
+    share it through Gloo); each equals the unsharded 2-worker run beside it (tests/islands_run.py),
+    and the ranks' outer states are bitwise identical at every step."""
+    torchrun(
+        2,
+        [ISLANDS, str(tmp_path), case, "12", "full", device],
+        timeout=540,
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(rec["diffs"]) == 12 and max(rec["diffs"]) <= 1e-6, rec["diffs"]
+        assert all(rec["bitwise"]), rec["bitwise"]
+
+
 def test_check_features_catches_one_ulp(tmp_path):
     """The comparison of the two-process runs is not vacuous: the replay itself passes, and one
     parameter moved by one ulp on one rank fails it (bitwise on the CPU; on a GPU only beyond the
