@@ -25,7 +25,9 @@ from .elastic import is_elastic_launch, register_state_handler
 from .exchange import make_exchange
 from .fragment import OuterParts
 from .fragments import fragment_of
+from .merge import check_samples
 from .outer_step import OuterLoop
+from .period import TimedPeriod
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
 from .slow_state import make_slow_state
@@ -67,8 +69,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         base: the base algorithm; it and the other settings of the algorithm (``tau``,
             ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
             ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
-            ``mix``, ``base_options``: the base algorithm's own keyword options, e.g. a gossip
-            topology) are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
+            ``mix``, ``merge``, ``period_seconds``, ``base_options``: the base algorithm's own
+            keyword options, e.g. a gossip topology) are documented and checked in
+            :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
@@ -98,6 +101,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
             ``hvd.init()`` has run, else torch.distributed where it is initialized.
+        clock: the clock of time-based periods (``period_seconds``): seconds as a float,
+            default ``time.monotonic`` (a fake clock makes tests deterministic).
 
     Raises:
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
@@ -136,6 +141,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         fragments: int = 1,
         eager: str | None = None,
         mix: float = 0.0,
+        merge: str = "mean",
+        period_seconds: float | str | None = None,
+        clock: Callable[[], float] | None = None,
         worker: str | Hierarchy = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
@@ -161,7 +169,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             fragments=fragments,
             eager=eager,
             mix=mix,
+            merge=merge,
+            period_seconds=period_seconds,
         )
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                f"clock must be a callable returning seconds (e.g. time.monotonic), got {clock!r}"
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         split = fragment_of(self.param_names, self.config.fragments)
@@ -213,6 +227,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             parts,
             lambda: self.config.base(base_comm, **self.config.base_options),
             [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
+            clock,
         )
         self._watch_gradients(params)
 
@@ -227,6 +242,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         outer step that landed (over its fragment; ``overlap >= 1``; no communication), or None:
         a measure of how far the replicas drift apart between exact averages."""
         return self.outer.replica_spread
+
+    @property
+    def period(self) -> TimedPeriod | None:
+        """The time-based periods (``period_seconds``): this worker's count for the current
+        period (``steps``), every worker's recorded counts (``plans``) and ``replay(plans)``;
+        None with ``tau`` steps per period."""
+        return self.outer.period
 
     def __repr__(self) -> str:
         return (
@@ -273,8 +295,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         return self.comm.bytes_sent
 
     # --- the algorithm --------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One base-algorithm step; every ``tau``-th call also runs the outer step.
+    def step(self, closure: Callable[[], Any] | None = None, samples: float | None = None) -> Any:
+        """One base-algorithm step; every ``tau``-th call also runs the outer step (with
+        ``period_seconds``: the call that ends this worker's planned count for the period).
 
         Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with or without Horovod's
         ``synchronize``/``unscale_``/``skip_synchronize`` recipe) the scaler's inf/NaN verdict is
@@ -286,7 +309,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
 
         Args:
             closure: optional, re-evaluates the model and returns the loss (called once).
+            samples: the samples (or tokens) this step processed, weighting this worker's
+                pseudo-gradient under ``merge="samples"``; None counts 1 (every step the same).
         """
+        count = 1.0 if samples is None else check_samples(samples)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -304,7 +330,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         with self.timer("base_comm"):
             self.base.post_step(self.num_steps)
         try:
-            self.outer.advance()
+            self.outer.advance(count)
         except Exception as e:
             # A failed collective (a dead or frozen worker) or a check that raised: say where,
             # without changing the type (hvd.elastic catches HorovodInternalError by type).
@@ -334,8 +360,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             RuntimeError: the workers took different numbers of steps.
         """
         self.outer.check_progress()  # a probe in flight shares the name of the one below
-        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps)
-        if len({p["num_steps"] for p in everyone}) > 1:
+        # Time-based periods: the workers' step counts differ by design, their outer steps not.
+        by = "outer_steps" if self.config.timed else "num_steps"
+        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps, by)
+        if len({p[by] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))
 
     def reset_base(self) -> None:
