@@ -12,9 +12,12 @@ count for the next period (:func:`plan_steps`)::
     n_r = floor(T / t_r)        T = period_seconds, t_r = worker r's seconds per step
 
 so a worker twice as fast takes twice the steps, and all reach the boundary after about ``T``
-seconds. The plan is a pure function of the measured step times: the plans are recorded
-(:attr:`TimedPeriod.plans`, and the current one in the saved state), so a run can be replayed
-from them (:meth:`TimedPeriod.replay`). The clock is injectable (a fake clock in tests).
+seconds. The first plan refuses a period shorter than a worker's step (``ValueError`` naming
+``period_seconds``, on every worker: the setting is wrong); later plans give a worker whose last
+period was that slow (it paused) one step. The plan is a pure function of the measured step
+times: the plans are recorded (:attr:`TimedPeriod.plans`, and the current one in the saved
+state), so a run can be replayed from them (:meth:`TimedPeriod.replay`). The clock is injectable
+(a fake clock in tests).
 """
 
 import math
@@ -62,27 +65,29 @@ def parse_seconds(value: Any) -> float:
     return seconds
 
 
-def plan_steps(seconds_per_step: Sequence[float], period: float) -> list[int]:
-    """Each worker's base steps in the next period: ``floor(period / t_r)``.
+def plan_steps(seconds_per_step: Sequence[float], period: float, strict: bool = True) -> list[int]:
+    """Each worker's base steps in the next period: ``floor(period / t_r)``, at least 1.
 
     Args:
         seconds_per_step: ``t_r``, each worker's measured seconds per base step, in rank order.
         period: ``T``, the period in seconds.
+        strict: raise where a step takes longer than the period (the first plan: the setting
+            is wrong); else such a worker takes one step (a worker that paused).
 
     Raises:
-        ValueError: a worker's step takes longer than the period (it could take no step).
+        ValueError: ``strict`` and a worker's step takes longer than the period.
     """
     out = []
     for rank, t in enumerate(seconds_per_step):
         # A relative 1e-9 keeps an exact quotient (3.0 / 0.375 -> 8) from rounding down to 7
         # when t is a mean times the size that rounded up by an ulp.
         steps = math.floor(period / t * (1.0 + 1e-9)) if t > 0.0 else math.inf
-        if steps < 1:
+        if steps < 1 and strict:
             raise ValueError(
                 f"period_seconds={period:g} is shorter than one base step of rank {rank} "
                 f"({t:.3g} s measured): raise period_seconds above the slowest worker's step"
             )
-        out.append(int(min(steps, 2**31)))
+        out.append(int(min(max(steps, 1), 2**31)))
     return out
 
 
@@ -142,7 +147,8 @@ class TimedPeriod:
         elif seconds_per_step is None:
             return
         else:
-            plan = plan_steps(seconds_per_step, self.seconds)
+            # The first plan checks the setting; later, a worker that stalled takes one step.
+            plan = plan_steps(seconds_per_step, self.seconds, strict=not self.plans)
         self.plans.append(plan)
         self.steps = plan[self.rank]
 

@@ -103,6 +103,7 @@ def test_plan_is_the_steps_that_fit_and_refuses_a_period_shorter_than_a_step():
         ValueError, match=r"period_seconds=0\.2 is shorter than one base step of rank 1"
     ):
         plan_steps([0.1, 0.25], 0.2)
+    assert plan_steps([0.1, 0.25], 0.2, strict=False) == [2, 1]  # later: a stalled worker
 
 
 def test_tally_reads_back_the_weighted_lrs_and_each_workers_step_time():
