@@ -600,8 +600,8 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
         running: this optimizer's settings, as it saves them.
 
     Raises:
-        ValueError: another base algorithm, another sharding, or a custom outer optimizer on one
-            side only.
+        ValueError: another base algorithm, another sharding, another layout of islands, or a
+            custom outer optimizer on one side only.
     """
     if not isinstance(saved, dict):
         return []
@@ -617,6 +617,18 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
                 f"optimizer has {key}={running[key]!r}; build it with {key}={saved[key]!r} "
                 "to resume, or load only the model's weights to start a new run"
             )
+    islands = [str(c.get("worker", "")).startswith("islands(") for c in (saved, running)]
+    if (islands[0] or islands[1]) and differs("worker"):
+        # Each rank's outer state is its shard of the model under the saved layout: under
+        # another number of islands or ranks per island the shards no longer line up, and
+        # loading them would silently mix pieces of different parameters.
+        raise ValueError(
+            f"load_state_dict: the state was saved with worker={saved['worker']}, this "
+            f"optimizer has worker={running.get('worker')}: an island's outer state is sharded "
+            "like its model, so it loads only into the same layout. Resume with the saved "
+            "layout, or load only the model's weights (torch.distributed.checkpoint reshards "
+            "them) and start a new outer state"
+        )
     custom = [c.get("outer_optimizer") == "custom" for c in (saved, running)]
     if "outer_optimizer" in saved and custom[0] != custom[1]:
         raise ValueError(

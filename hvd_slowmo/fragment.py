@@ -57,6 +57,7 @@ from .config import SlowMoConfig
 from .eager import EagerEstimate, GroupSlice, make_estimate
 from .exchange import Exchange, Payload
 from .fragments import boundaries
+from .islands import LocalViews
 from .merge import Merged, Work, make_tally, read_tally
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
@@ -78,7 +79,9 @@ class OuterParts:
         config: the optimizer's configuration.
         comm: the communicator over all workers.
         optimizer: the wrapped optimizer (its param groups' lrs, its buffers).
-        params: every parameter, in the index order used on every rank.
+        params: every parameter as the outer step reads and writes it (its local tensor:
+            :class:`~hvd_slowmo.islands.LocalViews`), in the index order used on every rank;
+            ``params.keys`` are the parameters themselves (the base optimizer's state keys).
         model_buffers: floating-point model buffers (averaged with the fragment that ends the
             period).
         slow_state: the anchor and slow buffer.
@@ -89,7 +92,7 @@ class OuterParts:
     config: SlowMoConfig
     comm: Communicator
     optimizer: torch.optim.Optimizer
-    params: list[Tensor]
+    params: LocalViews
     model_buffers: list[Tensor]
     slow_state: SlowState
     exchange: Exchange
@@ -269,6 +272,11 @@ class Fragment:
         """Its parameters' indices for a layout or an exchange: empty for the whole model."""
         return [] if self.whole else self.members
 
+    def keys(self) -> list[Tensor]:
+        """Its parameters themselves (the base optimizer's state keys), in the optimizer's
+        order."""
+        return [self.parts.params.keys[j] for j in self.members]
+
     def live(self) -> list[Tensor]:
         """Its parameters (detached), in the optimizer's order."""
         return [self.parts.params[j].detach() for j in self.members]
@@ -319,8 +327,7 @@ class Fragment:
         cfg = self.parts.config
         base.before_average()  # push-sum: every message home, parameters hold numerators
         params, extra = self.live(), self.extra()
-        live = [self.parts.params[j] for j in self.members]
-        state = averageable_buffers(self.parts.optimizer.state, live)
+        state = averageable_buffers(self.parts.optimizer.state, self.keys())
         state = state if cfg.buffers == "average" else []
         f = self._in_flight(base, params, extra, state)
         if self.work is not None:
@@ -433,7 +440,7 @@ class Fragment:
                 if now and snap is not None:
                     land_(now, snap, avg, cfg.mix)
         if cfg.buffers == "reset":
-            reset_buffers(parts.optimizer.state, [parts.params[j] for j in self.members])
+            reset_buffers(parts.optimizer.state, self.keys())
         if not f.in_place and cfg.average:
             base.after_average(True)  # push-sum weight back to 1
 
@@ -468,14 +475,13 @@ class Fragment:
             ValueError: its tensors do not match this fragment.
         """
         cfg = self.parts.config
-        live = [self.parts.params[j] for j in self.members]
         params, extra = self.live(), self.extra()
         state: list[Tensor] = []
         if cfg.buffers == "average":
             saved_state = base_state.get("state", {})
-            every = self.parts.params
+            every = self.parts.params.keys
             by_param = {p: saved_state[i] for i, p in enumerate(every) if i in saved_state}
-            state = averageable_buffers(by_param, live)
+            state = averageable_buffers(by_param, self.keys())
 
         def like(key: str, model: list[Tensor]) -> list[Tensor]:
             tensors = saved.get(key)
@@ -517,8 +523,7 @@ class Fragment:
         """
         self.eager.load(shares)
         if in_flight is not None and self.parts.config.buffers == "average":
-            live = [self.parts.params[j] for j in self.members]
-            in_flight.state_live = averageable_buffers(self.parts.optimizer.state, live)
+            in_flight.state_live = averageable_buffers(self.parts.optimizer.state, self.keys())
         self.in_flight = in_flight
 
 

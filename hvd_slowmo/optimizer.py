@@ -17,7 +17,11 @@ from torch import Tensor
 from .amp import GradientSync
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
-from .comm.factory import default_communicator, worker_hierarchy
+from .comm.factory import (
+    default_communicator,
+    island_communicators,
+    worker_hierarchy,
+)
 from .comm.hierarchy import Hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, resolve_codec
 from .consensus import ConsensusView
@@ -25,6 +29,7 @@ from .elastic import is_elastic_launch, register_state_handler
 from .exchange import make_exchange
 from .fragment import OuterParts
 from .fragments import fragment_of
+from .islands import Islands, LocalViews, is_distributed_tensor
 from .merge import check_samples
 from .outer_step import OuterLoop
 from .period import TimedPeriod
@@ -47,6 +52,28 @@ def _counter(name: str) -> property:
     return property(
         lambda self: getattr(self.outer.position, name), doc=f"Position: ``{name}`` (read-only)."
     )
+
+
+def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
+    """Refuse unequal work where a worker is several ranks that must step together: the ranks
+    of a node average gradients every step (``worker="node"``, a ``Hierarchy``) and the ranks
+    of an island run FSDP's collectives every step, so each rank planning its own steps
+    (``period_seconds``) would deadlock them; an island's ranks each hold a shard, so a weight
+    per rank (``merge="samples"``) would weight one island's shards differently."""
+    if worker == "process":
+        return
+    if config.timed:
+        raise ValueError(
+            f"period_seconds={config.period_seconds!r} with worker={worker!r}: the ranks of one "
+            "worker step together, while time-based periods plan each rank's steps; use "
+            "worker='process'"
+        )
+    if config.merge != "mean" and isinstance(worker, Islands):
+        raise ValueError(
+            f"merge={config.merge!r} with worker=Islands(...) is not supported: each rank "
+            "weights its own shard, so one island's shards could be weighted differently; use "
+            "merge='mean'"
+        )
 
 
 class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptimizer):
@@ -96,7 +123,11 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.comm.hierarchy`; needs
             ``hvd.init(process_sets="dynamic")``), or a
-            :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts.
+            :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts,
+            or :class:`~hvd_slowmo.islands.Islands` (a 2-D ``DeviceMesh``): every island of
+            ranks, which shards the model with FSDP2 or replicates it with DDP inside, is one
+            worker, and the outer step runs on each rank's shard with the ranks holding the same
+            shard in the other islands (under ``torchrun``; docs/islands.md).
         communicator: the transport over all ranks; default one over ``engine``.
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
@@ -144,7 +175,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         merge: str = "mean",
         period_seconds: float | str | None = None,
         clock: Callable[[], float] | None = None,
-        worker: str | Hierarchy = "process",
+        worker: str | Hierarchy | Islands = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
         **base_options: Any,
@@ -176,11 +207,34 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             raise TypeError(
                 f"clock must be a callable returning seconds (e.g. time.monotonic), got {clock!r}"
             )
+        _check_unequal_worker(self.config, worker)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         split = fragment_of(self.param_names, self.config.fragments)
-        # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
-        self.comm = default_communicator(communicator, compression, engine)
+        #: The islands of ``worker=Islands(...)``, or None.
+        self.islands = worker if isinstance(worker, Islands) else None
+        self._world_comm: Communicator | None = None  # the settings check's, with islands
+        self._island_comm: Communicator | None = None  # this rank's island, with islands
+        if self.islands is not None:
+            self.islands.check_params(
+                params, self.param_names, self.config.base_name, self.config.nonfinite
+            )
+            self.comm, self._island_comm, self._world_comm = island_communicators(
+                self.islands, communicator, compression, engine
+            )
+            worker = "process"  # one island is one worker: no node level
+        else:
+            sharded = [n for n, p in zip(self.param_names, params) if is_distributed_tensor(p)]
+            if sharded:
+                raise ValueError(
+                    f"parameters {sharded[:3]} are DTensors (FSDP2 or tensor parallel): a rank "
+                    "holds only its shard, so the ranks sharing the model must act as one "
+                    "worker. Under torchrun pass worker=hvd_slowmo.Islands(mesh) with a 2-D "
+                    "DeviceMesh (across islands x inside them); under horovodrun shard nothing "
+                    "and use worker='node' (docs/islands.md)"
+                )
+            # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
+            self.comm = default_communicator(communicator, compression, engine)
         if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
             raise ValueError(
                 f"codec={codec!r} needs a communicator with alltoall_flat and "
@@ -195,6 +249,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         ]
         #: The parameters, in the index order used on every rank (and in the saved state).
         self.params = params
+        if self.islands is not None:
+            self._check_island_replicas()
         #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
         #: ``"average"`` counts only the exposed part of the exact average (with ``overlap``,
         #: the time spent at the boundary and waiting for it to land).
@@ -217,7 +273,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             config=self.config,
             comm=self.comm,
             optimizer=optimizer,
-            params=params,
+            params=LocalViews(params),
             model_buffers=self.model_buffers,
             slow_state=self.slow_state,
             exchange=self.exchange,
@@ -383,6 +439,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
     def _settings(self) -> dict[str, Any]:
         """The configuration as saved and compared across ranks, with the run's layout."""
         worker = "process" if self.node_comm is None else f"node({self.node_comm.size} ranks)"
+        if self.islands is not None:
+            worker = f"islands({self.islands.count} x {self.islands.ranks_per_island} ranks)"
         return {
             **self.config.summary(),
             "num_model_buffers": len(self.model_buffers),
@@ -392,5 +450,30 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
     def check_consistent(self) -> None:
         """Raise on every rank if any rank is configured differently (settings, parameter names,
         shapes, dtypes). Collective."""
+        # A DTensor's shape is the whole parameter's, so with islands every rank of the job can
+        # be compared: a rank of one island configured unlike its island's other ranks would
+        # run another outer schedule and hang the island's FSDP collectives.
         params = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]
-        check_same_everywhere(self.comm, {**self._settings(), "params": params})
+        check_same_everywhere(self._world_comm or self.comm, {**self._settings(), "params": params})
+
+    def _check_island_replicas(self) -> None:
+        """With unsharded (DDP) islands, raise on every rank if the ranks of an island start from
+        different parameters (a missing broadcast: each would train its own model). Collective
+        over the job (every rank raises, none waits); FSDP islands hold one copy per shard and
+        skip it."""
+        if self.islands is None or self._world_comm is None:
+            return
+        if any(is_distributed_tensor(p) for p in self.params):
+            return
+        with torch.no_grad():
+            mine = [float(p.double().sum()) for p in self.params]
+        everyone = self._world_comm.allgather_object((self.islands.index, mine))
+        first: dict[int, list[float]] = {}
+        for island, sums in everyone:
+            if first.setdefault(island, sums) != sums:
+                raise ValueError(
+                    f"worker=Islands(...): the ranks of island {island} hold different "
+                    "parameters at construction; replicate the model inside each island (DDP "
+                    "does when it wraps the model, or broadcast the parameters) before building "
+                    "the optimizer"
+                )

@@ -106,7 +106,7 @@ class OuterLoop:
         if self.period is not None:
             self.period.begin()
         self.base = make_base()
-        self.base.attach(parts.params)
+        self.base.attach(parts.params.keys)
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -129,7 +129,7 @@ class OuterLoop:
         """A fresh base algorithm for the current workers (gossip graph, transport, push-sum
         weight); messages of the previous one still in flight are dropped."""
         self.base = self._make_base()
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     def add_params(self, new: list[Tensor]) -> None:
         """Parameters appended to the (single) fragment by ``add_param_group``.
@@ -140,7 +140,7 @@ class OuterLoop:
         (whole,) = self.fragments  # config: add_param_group needs fragments=1
         whole.members.extend(range(len(self.parts.params) - len(new), len(self.parts.params)))
         whole.eager.extend(new)
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     # --- the schedule ----------------------------------------------------------------------
     def advance(self, samples: float = 1.0) -> None:
@@ -215,7 +215,7 @@ class OuterLoop:
             if f.work is not None:  # the next pseudo-gradients start here
                 f.work.restart(self.samples, self.position.num_steps)
         if reset:
-            reset_buffers(self.parts.optimizer.state, params)
+            reset_buffers(self.parts.optimizer.state, params.keys)
 
     def flush(self) -> None:
         """Land the outer steps in flight now, and mix gossip messages in flight. Collective."""

@@ -269,6 +269,7 @@ REFUSED = {
     "merge-sharded": (dict(merge="samples", shard_slow_state=True), ValueError, "shard"),
     "period-sharded": (dict(period_seconds=1, shard_slow_state=True), ValueError, "shard"),
     "clock-not-callable": (dict(period_seconds=1, clock=3.0), TypeError, "clock"),
+    "period-node": (dict(period_seconds=1, worker="node"), ValueError, "worker='node'"),
 }
 
 

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, shard_range
 from ..config import SlowMoConfig
+from ..islands import local
 from ..timing import PhaseTimer
 from .base import LoadedSlowState, ParamGroups, SlowState
 
@@ -107,7 +108,7 @@ def _unflatten_into_(params: Indexed, bucket: Bucket, flat: Tensor) -> None:
 
 
 def _params(param_groups: ParamGroups) -> list[Tensor]:
-    return [p.detach() for g in param_groups for p in g["params"]]
+    return [local(p).detach() for g in param_groups for p in g["params"]]
 
 
 class ShardedSlowState(SlowState):
@@ -162,7 +163,7 @@ class ShardedSlowState(SlowState):
         self._split = None if split is None or len(set(split)) <= 1 else list(split)
 
     def _layout(self, param_groups: ParamGroups) -> list[Bucket]:
-        groups = [g["params"] for g in param_groups]
+        groups = [[local(p) for p in g["params"]] for g in param_groups]
         return make_buckets(groups, self.comm.rank, self.comm.size, self._split)
 
     def _chosen(self, indices: Sequence[int]) -> list[int]:
