@@ -216,10 +216,22 @@ class Work:
         """``[samples_mark, steps_mark, scale]``."""
         return [self.samples_mark, float(self.steps_mark), self.scale]
 
-    def load(self, saved: list[float]) -> None:
-        """Take back :meth:`state_dict`'s output."""
-        self.samples_mark, self.steps_mark, self.scale = (
-            float(saved[0]),
-            int(saved[1]),
-            float(saved[2]),
+    def load(self, saved: Any) -> bool:
+        """Take back :meth:`state_dict`'s output; False (nothing changed) where it is not one.
+
+        Args:
+            saved: a saved ``[samples_mark, steps_mark, scale]``.
+        """
+        ok = (
+            isinstance(saved, (list, tuple))
+            and len(saved) == 3
+            and all(isinstance(v, (int, float)) and math.isfinite(v) for v in saved)
+            and saved[2] > 0
         )
+        if ok:
+            self.samples_mark, self.steps_mark, self.scale = (
+                float(saved[0]),
+                int(saved[1]),
+                float(saved[2]),
+            )
+        return ok

@@ -342,23 +342,23 @@ class OuterLoop:
         return out
 
     def load_unequal(self, work: Any, period: Any) -> None:
-        """Take back :meth:`_unequal_state`'s entries (after :meth:`commit_load`); absent (a
-        state saved without them): the marks start at the loaded step, the unit at 1.
+        """Take back :meth:`_unequal_state`'s entries (after :meth:`commit_load`; never raises);
+        absent or damaged (a state saved without them): the marks start at the loaded step and
+        the unit stays.
 
         Args:
             work: the saved ``"work"`` entry, or None.
             period: the saved ``"period"`` entry, or None.
         """
         pos = self.position
-        if isinstance(work, dict):
-            self.samples = float(work.get("samples", 0.0))
+        total = work.get("samples") if isinstance(work, dict) else None
+        if isinstance(total, (int, float)) and not isinstance(total, bool):
+            self.samples = float(total)
         saved = work.get("fragments", []) if isinstance(work, dict) else []
         for f in self.fragments:
             if f.work is None:
                 continue
-            if len(saved) == len(self.fragments):
-                f.work.load(saved[f.index])
-            else:
+            if len(saved) != len(self.fragments) or not f.work.load(saved[f.index]):
                 f.work.restart(self.samples, pos.num_steps)
         if self.period is not None:
             self.period.load(period if isinstance(period, dict) else None)

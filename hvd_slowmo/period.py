@@ -178,15 +178,20 @@ class TimedPeriod:
         return {"steps": self.steps, "elapsed": elapsed, "plans": [list(p) for p in self.plans]}
 
     def load(self, saved: dict[str, Any] | None) -> None:
-        """Take back :meth:`state_dict`'s output (None: keep the first period's count); the
-        period's clock goes on from the seconds it had spent.
+        """Take back :meth:`state_dict`'s output (None or not a state: keep the first period's
+        count; never raises, as a load after its checks must not); the period's clock goes on
+        from the seconds it had spent.
 
         Args:
             saved: the saved ``"period"`` entry, or None.
         """
         self._began = self.clock()
-        if saved is None:
-            return
-        self.steps = int(saved["steps"])
-        self.plans = [list(p) for p in saved.get("plans", [])]
-        self._began -= float(saved.get("elapsed", 0.0))
+        steps = None if saved is None else saved.get("steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            return  # none saved, or not a count: the first period's count stays
+        self.steps = steps
+        plans = saved.get("plans", []) if saved is not None else []
+        self.plans = [list(p) for p in plans if isinstance(p, (list, tuple))]
+        elapsed = saved.get("elapsed", 0.0) if saved is not None else 0.0
+        if isinstance(elapsed, (int, float)) and math.isfinite(elapsed):
+            self._began -= float(elapsed)

@@ -373,3 +373,26 @@ def test_resume_mid_period_continues_bit_for_bit():
     for r in range(2):
         for a, b in zip(resumed[r], whole[r][2][-1]):
             assert torch.equal(a, b)
+
+
+def test_a_state_without_the_new_entries_loads_and_damaged_ones_are_ignored():
+    """A state saved without merge or time-based periods (as every state before them) loads
+    into an optimizer with both: the marks start at the loaded step, the period at tau steps.
+    Damaged "work"/"period" entries are ignored (a load never fails after its checks)."""
+    old = _build()
+    for p in old.params:
+        p.grad = torch.ones_like(p)
+    for _ in range(2):
+        old.step()
+    state = old.state_dict()
+    assert "work" not in state["slowmo"] and "period" not in state["slowmo"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the settings changed: warned
+        new = _build(merge="samples", period_seconds=1.0, clock=lambda: 0.0)
+        new.load_state_dict(state)
+        assert (new.num_steps, new.inner_step, new.period.steps) == (2, 2, 12)
+        assert new.outer.fragments[0].work.state_dict() == [new.outer.samples, 2.0, 1.0]
+        damaged = {**state, "slowmo": {**state["slowmo"], "work": "x", "period": {"steps": -1}}}
+        again = _build(merge="samples", period_seconds=1.0, clock=lambda: 0.0)
+        again.load_state_dict(damaged)
+        assert (again.num_steps, again.period.steps) == (2, 12)
