@@ -12,8 +12,9 @@ in the same collective as the parameters: each worker multiplies its snapshot ``
 seconds per step in the worker's own slot]`` to the tensors averaged; afterwards
 ``avg = mean_i(r_i s_i) / mean_i(r_i)``. ``S`` is the number of base steps the pseudo-gradient
 covers where every worker takes the same number (count-based periods), else ``tau``; ``scale``
-is the mean samples per step of the previous outer step (1 at first), the same bits on every
-worker, so ``r_i = 1`` when the worker did as much as the workers did on average before.
+is the workers' mean ``w_i / S`` at the previous outer step that landed (1 at first; with
+count-based periods, the mean samples per step), the same bits on every worker, so ``r_i = 1``
+when the worker did as much as the workers did on average before.
 
 **Exactness.** Where every ``r_i == 1`` (the second slot averages to 0) nothing is multiplied
 or divided (``1 * s == s``), and the lrs of the slow step are each worker's own, as without a
@@ -29,8 +30,11 @@ the boundary (per param group, from the same tally), the same on every worker. W
 ``alpha = 1, beta = 0`` the anchor is the weighted average whatever ``gamma`` is; with slow
 momentum the buffer ``u`` sees ``(x0 - avg) / gamma`` as without a merge.
 
-Pure functions and one small object: nothing here talks to a communicator (the exchange
-carries the tally: :meth:`hvd_slowmo.exchange.PlainExchange.start`).
+With time-based periods the second slot is always 1 (the workers took different numbers of
+steps): the lrs are always merged.
+
+Pure functions, one small object (:class:`Work`) and :func:`weighted_start`, the one collective,
+which the plain exchange calls (:meth:`hvd_slowmo.exchange.PlainExchange.start`).
 """
 
 import math
@@ -106,7 +110,8 @@ class Merged:
 
     Attributes:
         ratio: ``mean_i r_i``.
-        equal: every ``r_i == 1``: the average is the plain mean, bit for bit.
+        equal: every ``r_i == 1`` and the periods are count-based: the average is the plain
+            mean bit for bit, and each worker keeps its own lrs.
         lrs: the weighted mean lr of each param group (None where ``equal``: each worker's own).
         seconds: each worker's seconds per step, in rank order (None: not measured).
     """
