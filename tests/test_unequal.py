@@ -39,12 +39,12 @@ def samples_of(rank: int, k: int) -> float:
     return float(3 + rank + (k % 3))
 
 
-def run_unequal(costs, outer, samples=samples_of, stop_at=None, models=None, **kwargs):
+def run_unequal(costs, outer, samples=samples_of, **kwargs):
     """Thread workers with fake clocks (``costs[r]`` seconds per step) until ``outer`` outer
     steps; per rank: (model, the anchor after each outer step, the parameters after each outer
     step, optimizer)."""
     m = len(costs)
-    models = models or [make_model() for _ in range(m)]
+    models = [make_model() for _ in range(m)]  # not in the threads: one global RNG
 
     def worker(comm):
         rank = comm.rank
