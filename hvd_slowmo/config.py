@@ -85,6 +85,9 @@ class SlowMoConfig:
             momentum=0.9, nesterov=True)`` (DiLoCo). A custom outer optimizer is applied to the
             *unscaled* pseudo-gradient ``x0 - x_avg`` with its own learning rate (so it does not
             follow the base LR schedule); ``slow_lr`` and ``slow_momentum`` are then unused.
+            With ``fragments > 1`` each landing steps its own fragment's anchor tensors alone
+            (the others hold no gradient, and torch optimizers skip those), so the optimizer must
+            keep its state per tensor (SGD, Adam, ...); not with ``eager``.
         shard_slow_state: keep only this rank's ~1/m shard of the anchor and slow state (ZeRO-1
             style, :mod:`hvd_slowmo.slow_state.sharded`): the exact average becomes a
             reduce-scatter, the slow update runs on the shard and an all-gather returns the new
@@ -114,6 +117,9 @@ class SlowMoConfig:
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
             the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
             flight at a time). 1 (default) is the whole model at once.
+        fragment_modules: each fragment's module names (``DistributedOptimizer(fragments=[[...],
+            ...])``, as torchtitan's ``module_fqns_per_model_fragment``), or None for the strided
+            split; ``fragments`` is then their number.
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with an
             estimate of the average outer gradient; the exact step replaces it at the landing.
@@ -156,6 +162,7 @@ class SlowMoConfig:
     codec: str | SparseCodec | None = None
     error_feedback: bool = False
     fragments: int = 1
+    fragment_modules: tuple[tuple[str, ...], ...] | None = None
     eager: str | None = None
     mix: float = 0.0
     merge: str = "mean"
@@ -359,11 +366,14 @@ class SlowMoConfig:
                 "per worker and returns to 1 only when the whole model is averaged at once; use "
                 "base='localsgd' or 'allreduce', or fragments=1 and eager=None"
             )
-        if callable(self.outer_optimizer):
+        if callable(self.outer_optimizer) and self.eager is not None:
+            # With fragments a landing gives gradients to its own fragment's anchor tensors only,
+            # and a torch optimizer skips tensors without one: a per-fragment step. A provisional
+            # step would have to be taken back, which no torch optimizer can do.
             raise ValueError(
-                f"{what} with a custom outer_optimizer is not supported (its step cannot be "
-                "taken per fragment or provisionally); use outer_optimizer='heavyball' or "
-                "'nesterov'"
+                f"eager={self.eager!r} with a custom outer_optimizer is not supported (a torch "
+                "optimizer cannot step provisionally and take the step back); use "
+                "outer_optimizer='heavyball' or 'nesterov', or eager=None"
             )
         if self.fragments > 1 and self.nonfinite == "skip":
             raise ValueError(
@@ -501,6 +511,7 @@ class SlowMoConfig:
             "codec": self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
+            **({"fragment_modules": self.fragment_modules} if self.fragment_modules else {}),
             "eager": self.eager,
             "mix": self.mix,
             # Saved only when set: states and summaries of runs without them are unchanged.

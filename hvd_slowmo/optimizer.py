@@ -8,13 +8,14 @@ of: the configuration (:mod:`.config`), the base algorithm (:mod:`.bases`), the 
 (:mod:`.slow_state`) and the communicators (:mod:`.comm`).
 """
 
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .amp import GradientSync
+from .amp import MixedPrecision
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
 from .comm.factory import (
@@ -28,7 +29,7 @@ from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
 from .exchange import make_exchange
 from .fragment import OuterParts
-from .fragments import fragment_of
+from .fragments import fragment_of, resolve_fragments
 from .islands import Islands, LocalViews, is_distributed_tensor
 from .merge import check_samples
 from .outer_step import OuterLoop
@@ -76,7 +77,22 @@ def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
         )
 
 
-class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptimizer):
+def _warn_unbalanced(split: list[int], params: list[Tensor], count: int) -> None:
+    """Warn when named fragments differ in bytes by more than 2x: the largest one's average
+    is the longest, and with overlap it must hide behind the shortest phase of the period."""
+    size = [0] * count
+    for k, p in zip(split, params):
+        size[k] += p.numel() * p.element_size()
+    if min(size) * 2 < max(size):
+        warnings.warn(
+            f"fragments: the named fragments hold {size} bytes; the largest average takes the "
+            "longest, so balance them by bytes (move modules between the lists) for an even "
+            "stream",
+            stacklevel=3,
+        )
+
+
+class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOptimizer):
     """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
 
     Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
@@ -169,7 +185,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
         overlap: int = 0,
-        fragments: int = 1,
+        fragments: int | Sequence[Sequence[str]] = 1,
         eager: str | None = None,
         mix: float = 0.0,
         merge: str = "mean",
@@ -183,6 +199,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         # Everything is validated before any state is created, so a bad argument leaves nothing.
         check_base_optimizer(optimizer, DistributedOptimizer)
         codec, compression = resolve_codec(codec, compression)
+        fragments, fragment_modules = resolve_fragments(fragments)
         self.config = SlowMoConfig(
             base=base,
             base_options=base_options,
@@ -198,6 +215,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             codec=codec,
             error_feedback=error_feedback,
             fragments=fragments,
+            fragment_modules=fragment_modules,
             eager=eager,
             mix=mix,
             merge=merge,
@@ -210,7 +228,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         _check_unequal_worker(self.config, worker)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
-        split = fragment_of(self.param_names, self.config.fragments)
+        split = fragment_of(self.param_names, self.config.fragments, fragment_modules)
+        if fragment_modules is not None:
+            _warn_unbalanced(split, params, self.config.fragments)
         #: The islands of ``worker=Islands(...)``, or None.
         self.islands = worker if isinstance(worker, Islands) else None
         self._world_comm: Communicator | None = None  # the settings check's, with islands
