@@ -20,6 +20,8 @@ from .buffers import BUFFER_STRATEGIES
 from .comm.base import Communicator
 from .compression.codecs import check_codec
 from .compression.sparse import SparseCodec
+from .merge import MERGES
+from .period import parse_seconds
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -133,6 +135,17 @@ class SlowMoConfig:
             new anchor (:func:`hvd_slowmo.slowmo.land_`); the anchor and slow buffer are not
             touched (identical on every worker). Needs ``overlap >= 1``. 0 (default): the
             landing without mixing, bit for bit.
+        merge: the exact average: ``"mean"`` (default, the paper's) or ``"samples"``, weighted
+            by the samples each worker reported since the outer step's start (``step(samples=n)``;
+            one per base step by default), carried in the same collective
+            (:mod:`hvd_slowmo.merge`; docs/unequal-workers.md). Needs a base that does not
+            communicate every step; not with eager updates, a codec or ``shard_slow_state``.
+        period_seconds: time-based outer periods: ``T`` seconds (a number, or ``"30s"``,
+            ``"500ms"``, ``"2min"``): after a first period of ``tau`` steps, each worker takes
+            the base steps that fit in ``T`` at its measured speed, planned at each outer step
+            from the step times carried in its collective (:mod:`hvd_slowmo.period`). Stored in
+            seconds. Needs a base that does not communicate every step, ``fragments=1`` and
+            ``overlap=0``, no codec nor ``shard_slow_state``. None (default): ``tau`` steps.
     """
 
     base: Any = "localsgd"
@@ -152,6 +165,8 @@ class SlowMoConfig:
     fragment_modules: tuple[tuple[str, ...], ...] | None = None
     eager: str | None = None
     mix: float = 0.0
+    merge: str = "mean"
+    period_seconds: float | str | None = None
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -168,6 +183,7 @@ class SlowMoConfig:
         self._check_streaming(base)
         self._check_average(base)
         self._check_codec(base)
+        self._check_unequal(base)
         if not base.needs_exact_average and self.buffers == "average":
             warnings.warn(
                 f"buffers='average' with base={base.display_name()!r} averages buffers that "
@@ -365,6 +381,52 @@ class SlowMoConfig:
                 "fragment from its anchor); use nonfinite='raise' or 'ignore'"
             )
 
+    def _check_unequal(self, base: Any) -> None:
+        """The weighted merge and time-based periods: what they cannot run with that belongs to
+        no layout or exchange (the base algorithm, fragments, overlap, eager updates)."""
+        check_choice("merge", self.merge, MERGES, "merge='samples' weights by the work done")
+        if self.period_seconds is not None:
+            self._put("period_seconds", parse_seconds(self.period_seconds))
+        asked = [
+            s
+            for s, on in (
+                (f"merge={self.merge!r}", self.merge != "mean"),
+                (f"period_seconds={self.period_seconds!r}", self.period_seconds is not None),
+            )
+            if on
+        ]
+        if not asked:
+            return
+        what = " and ".join(asked)
+        if base.communicates_every_step:
+            raise ValueError(
+                f"{what} with base={base.display_name()!r}: a base that communicates every step "
+                "needs the same number of steps on every worker and keeps them in step (AR-SGD "
+                "keeps them identical); use base='localsgd'"
+            )
+        if self.merge == "samples" and self.eager is not None:
+            raise ValueError(
+                f"merge='samples' with eager={self.eager!r} is not supported: the eager estimate "
+                "gives every worker an equal share 1/m of the outer gradient; use eager=None"
+            )
+        if self.period_seconds is None:
+            return
+        needs_equal = [
+            s
+            for s, on in (
+                (f"fragments={self.fragments}", self.fragments > 1),
+                (f"overlap={self.overlap}", self.overlap > 0),
+            )
+            if on
+        ]
+        if needs_equal:
+            raise ValueError(
+                f"period_seconds={self.period_seconds!r} with {' and '.join(needs_equal)} is not "
+                "supported: the fragments' boundaries and the landing of an overlapped outer "
+                "step are placed by step counts within a period of tau steps; use fragments=1 "
+                "and overlap=0 with time-based periods"
+            )
+
     # --- what the settings imply -------------------------------------------------------------
     @property
     def estimate(self) -> str | None:
@@ -379,8 +441,22 @@ class SlowMoConfig:
             "fragments": f"fragments={self.fragments}" if self.fragments > 1 else "",
             "eager": f"eager={self.eager!r}" if self.estimate else "",
             "codec": f"compression={self.codec!r}" if self.codec is not None else "",
+            "merge": f"merge={self.merge!r}" if self.merge != "mean" else "",
+            "period": f"period_seconds={self.period_seconds!r}"
+            if self.period_seconds is not None
+            else "",
         }
         return {feature: setting for feature, setting in asked.items() if setting}
+
+    @property
+    def timed(self) -> bool:
+        """Time-based periods: the workers take different numbers of base steps."""
+        return self.period_seconds is not None
+
+    @property
+    def tallied(self) -> bool:
+        """A tally travels with the exact average (a weighted merge, or time-based periods)."""
+        return self.merge != "mean" or self.timed
 
     @property
     def base_name(self) -> str:
@@ -438,6 +514,9 @@ class SlowMoConfig:
             **({"fragment_modules": self.fragment_modules} if self.fragment_modules else {}),
             "eager": self.eager,
             "mix": self.mix,
+            # Saved only when set: states and summaries of runs without them are unchanged.
+            **({"merge": self.merge} if self.merge != "mean" else {}),
+            **({"period_seconds": self.period_seconds} if self.period_seconds is not None else {}),
         }
 
 

@@ -58,6 +58,7 @@ from .eager import EagerEstimate, GroupSlice, make_estimate
 from .exchange import Exchange, Payload
 from .fragments import boundaries
 from .islands import LocalViews
+from .merge import Merged, Work, make_tally, read_tally
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
 from .slowmo import land_
@@ -118,6 +119,8 @@ class InFlight:
         averaged, state_averaged: whether ``sent`` (with the model buffers), and the base
             optimizer's buffers, hold their averages.
         fragment: the fragment's index (0: the whole model).
+        tally: this worker's tally (the merge's weight and lrs, the period's step time),
+            averaged with ``sent`` (:mod:`hvd_slowmo.merge`), or None.
     """
 
     land_at: int
@@ -134,6 +137,7 @@ class InFlight:
     averaged: bool = False
     state_averaged: bool = False
     fragment: int = 0
+    tally: Tensor | None = None
     _probe_handle: PendingAverage | None = None
     _average: PendingAverage | None = None
     _state_average: PendingAverage | None = None
@@ -156,7 +160,9 @@ class InFlight:
             indices: which parameters ``sent`` holds; empty for the whole model.
         """
         if not self.averaged and self._average is None:
-            self._average = exchange.start(Payload(self.sent, self.extra_sent, indices), exact)
+            self._average = exchange.start(
+                Payload(self.sent, self.extra_sent, indices, self.tally), exact
+            )
         if self.state_sent and not self.state_averaged and self._state_average is None:
             self._state_average = comm.average_start(
                 self.state_sent, name="hvd_slowmo.buffer_average"
@@ -215,6 +221,7 @@ class InFlight:
             "mine": self.mine,
             "probe": self.probe,
             "fragment": self.fragment,
+            **({"tally": self.tally} if self.tally is not None else {}),
         }
 
 
@@ -236,6 +243,9 @@ class Fragment:
 
     Attributes:
         in_flight: its outer step in flight, or None.
+        work: what its next pseudo-gradient covers (:class:`~hvd_slowmo.merge.Work`), when a
+            tally travels with its average (``merge="samples"`` or ``period_seconds``), else None.
+        merged: what the tally of its last landed outer step said, or None.
     """
 
     def __init__(
@@ -252,6 +262,9 @@ class Fragment:
         self.ends_period, self.whole = ends_period, whole
         self.parts, self.eager = parts, eager
         self.in_flight: InFlight | None = None
+        cfg = parts.config
+        self.work = Work(cfg.timed, cfg.tau) if cfg.tallied else None
+        self.merged: Merged | None = None
 
     # --- what it is made of ----------------------------------------------------------------
     @property
@@ -290,7 +303,14 @@ class Fragment:
 
     # --- the outer step's life -------------------------------------------------------------
     @torch.no_grad()
-    def start(self, base: BaseAlgorithm, num_steps: int, outer_steps: int) -> None:
+    def start(
+        self,
+        base: BaseAlgorithm,
+        num_steps: int,
+        outer_steps: int,
+        samples: float = 0.0,
+        seconds: float | None = None,
+    ) -> None:
         """The boundary: start the outer step's averages and its progress check. With
         ``overlap=d >= 1`` the parameters are snapshot and the worker goes on (from a provisional
         slow step with eager updates); with ``d = 0`` the averages are deferred to :meth:`land`,
@@ -301,6 +321,8 @@ class Fragment:
             base: the base algorithm.
             num_steps: base steps taken in total (for the progress probe).
             outer_steps: boundaries passed (for the progress probe).
+            samples: the samples this worker reported in total (for a weighted merge).
+            seconds: this worker's seconds per base step in the period (time-based periods).
         """
         cfg = self.parts.config
         base.before_average()  # push-sum: every message home, parameters hold numerators
@@ -308,10 +330,15 @@ class Fragment:
         state = averageable_buffers(self.parts.optimizer.state, self.keys())
         state = state if cfg.buffers == "average" else []
         f = self._in_flight(base, params, extra, state)
+        if self.work is not None:
+            comm = self.parts.comm
+            ratio = self.work.ratio(samples, num_steps) if cfg.merge == "samples" else 1.0
+            f.tally = make_tally(ratio, f.lrs, seconds, comm.rank, comm.size)
         if cfg.nonfinite != "ignore":
             f.mine = {"at": "outer step", "finite": all_finite(params),
                       "num_steps": num_steps, "outer_steps": outer_steps}  # fmt: skip
-            f.probe = progress_probe(f.mine)
+            # Time-based periods: the step counts differ by design; the outer steps must not.
+            f.probe = progress_probe(f.mine, by="outer_steps" if cfg.timed else "num_steps")
             if base.needs_exact_average:
                 f._probe_handle = self.parts.comm.average_start([f.probe], name=PROGRESS)
             # else (AR-SGD) every worker holds the same parameters after the same steps (or
@@ -375,6 +402,7 @@ class Fragment:
             # Started here: overlap=0, a resumed state, or an exchange that cannot overlap.
             f.start_averages(parts.comm, parts.exchange, cfg.exact_average, self.indices)
             f.finish_averages(deferred=True)
+            self._merged(f)
             if f.in_place:
                 base.after_average(cfg.average)
             else:
@@ -384,6 +412,17 @@ class Fragment:
             spread = None if f.in_place else self._spread(f)
             self._slow_step(f, base)
         return True, spread
+
+    def _merged(self, f: InFlight) -> None:
+        """Read the averaged tally: the slow step takes the workers' weighted mean lrs where
+        they took unequal work (:mod:`hvd_slowmo.merge`)."""
+        if f.tally is None:
+            return
+        self.merged = read_tally(f.tally, len(f.lrs), self.parts.comm.size)
+        if self.work is not None:
+            self.work.landed(self.merged)
+        if self.merged.lrs is not None:
+            f.lrs = self.merged.lrs
 
     def _slow_step(self, f: InFlight, base: BaseAlgorithm) -> None:
         """The slow update of the fragment's anchor from the average, at the boundary's lrs;
@@ -471,6 +510,7 @@ class Fragment:
             # Format 1 always started the buffers' average at the boundary (done when saved).
             state_averaged=bool(saved.get("state_averaged", True)),
             fragment=self.index,
+            tally=None if saved.get("tally") is None else saved["tally"].clone(),
         )
 
     def commit_load(self, in_flight: InFlight | None, shares: list[Tensor] | None) -> None:

@@ -31,7 +31,9 @@ from .exchange import make_exchange
 from .fragment import OuterParts
 from .fragments import fragment_of, resolve_fragments
 from .islands import Islands, LocalViews, is_distributed_tensor
+from .merge import check_samples
 from .outer_step import OuterLoop
+from .period import TimedPeriod
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
 from .slow_state import make_slow_state
@@ -51,6 +53,28 @@ def _counter(name: str) -> property:
     return property(
         lambda self: getattr(self.outer.position, name), doc=f"Position: ``{name}`` (read-only)."
     )
+
+
+def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
+    """Refuse unequal work where a worker is several ranks that must step together: the ranks
+    of a node average gradients every step (``worker="node"``, a ``Hierarchy``) and the ranks
+    of an island run FSDP's collectives every step, so each rank planning its own steps
+    (``period_seconds``) would deadlock them; an island's ranks each hold a shard, so a weight
+    per rank (``merge="samples"``) would weight one island's shards differently."""
+    if worker == "process":
+        return
+    if config.timed:
+        raise ValueError(
+            f"period_seconds={config.period_seconds!r} with worker={worker!r}: the ranks of one "
+            "worker step together, while time-based periods plan each rank's steps; use "
+            "worker='process'"
+        )
+    if config.merge != "mean" and isinstance(worker, Islands):
+        raise ValueError(
+            f"merge={config.merge!r} with worker=Islands(...) is not supported: each rank "
+            "weights its own shard, so one island's shards could be weighted differently; use "
+            "merge='mean'"
+        )
 
 
 def _warn_unbalanced(split: list[int], params: list[Tensor], count: int) -> None:
@@ -88,8 +112,9 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         base: the base algorithm; it and the other settings of the algorithm (``tau``,
             ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
             ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
-            ``mix``, ``base_options``: the base algorithm's own keyword options, e.g. a gossip
-            topology) are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
+            ``mix``, ``merge``, ``period_seconds``, ``base_options``: the base algorithm's own
+            keyword options, e.g. a gossip topology) are documented and checked in
+            :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
@@ -123,6 +148,8 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
             ``hvd.init()`` has run, else torch.distributed where it is initialized.
+        clock: the clock of time-based periods (``period_seconds``): seconds as a float,
+            default ``time.monotonic`` (a fake clock makes tests deterministic).
 
     Raises:
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
@@ -161,6 +188,9 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         fragments: int | Sequence[Sequence[str]] = 1,
         eager: str | None = None,
         mix: float = 0.0,
+        merge: str = "mean",
+        period_seconds: float | str | None = None,
+        clock: Callable[[], float] | None = None,
         worker: str | Hierarchy | Islands = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
@@ -188,7 +218,14 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             fragment_modules=fragment_modules,
             eager=eager,
             mix=mix,
+            merge=merge,
+            period_seconds=period_seconds,
         )
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                f"clock must be a callable returning seconds (e.g. time.monotonic), got {clock!r}"
+            )
+        _check_unequal_worker(self.config, worker)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
         split = fragment_of(self.param_names, self.config.fragments, fragment_modules)
@@ -266,6 +303,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             parts,
             lambda: self.config.base(base_comm, **self.config.base_options),
             [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
+            clock,
         )
         self._watch_gradients(params)
 
@@ -280,6 +318,13 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         outer step that landed (over its fragment; ``overlap >= 1``; no communication), or None:
         a measure of how far the replicas drift apart between exact averages."""
         return self.outer.replica_spread
+
+    @property
+    def period(self) -> TimedPeriod | None:
+        """The time-based periods (``period_seconds``): this worker's count for the current
+        period (``steps``), every worker's recorded counts (``plans``) and ``replay(plans)``;
+        None with ``tau`` steps per period."""
+        return self.outer.period
 
     def __repr__(self) -> str:
         return (
@@ -326,8 +371,9 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         return self.comm.bytes_sent
 
     # --- the algorithm --------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One base-algorithm step; every ``tau``-th call also runs the outer step.
+    def step(self, closure: Callable[[], Any] | None = None, samples: float | None = None) -> Any:
+        """One base-algorithm step; every ``tau``-th call also runs the outer step (with
+        ``period_seconds``: the call that ends this worker's planned count for the period).
 
         Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with or without Horovod's
         ``synchronize``/``unscale_``/``skip_synchronize`` recipe) the scaler's inf/NaN verdict is
@@ -339,7 +385,10 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
 
         Args:
             closure: optional, re-evaluates the model and returns the loss (called once).
+            samples: the samples (or tokens) this step processed, weighting this worker's
+                pseudo-gradient under ``merge="samples"``; None counts 1 (every step the same).
         """
+        count = 1.0 if samples is None else check_samples(samples)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -357,7 +406,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         with self.timer("base_comm"):
             self.base.post_step(self.num_steps)
         try:
-            self.outer.advance()
+            self.outer.advance(count)
         except Exception as e:
             # A failed collective (a dead or frozen worker) or a check that raised: say where,
             # without changing the type (hvd.elastic catches HorovodInternalError by type).
@@ -387,8 +436,10 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             RuntimeError: the workers took different numbers of steps.
         """
         self.outer.check_progress()  # a probe in flight shares the name of the one below
-        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps)
-        if len({p["num_steps"] for p in everyone}) > 1:
+        # Time-based periods: the workers' step counts differ by design, their outer steps not.
+        by = "outer_steps" if self.config.timed else "num_steps"
+        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps, by)
+        if len({p[by] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))
 
     def reset_base(self) -> None:

@@ -51,6 +51,7 @@ DEFAULT_LAUNCHES = (
     "tests/test_streaming_horovod.py::test_fragments_and_eager_match_the_reference_on_gloo",
     "tests/test_torchdist.py::test_communicator_collectives_config_check_and_amp[3]",
     "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
+    "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
 TIERS = ("default", "launches", "full")
 

@@ -187,6 +187,8 @@ def test_eager_is_normalised_once_and_picks_its_strategy(eager, estimate, strate
 SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the settings that ask
     "eager": dict(overlap=1, eager=True),
     "codec": dict(compression="int8"),
+    "merge": dict(merge="samples"),
+    "period": dict(period_seconds=1.0),
 }
 
 

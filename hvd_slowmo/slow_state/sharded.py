@@ -140,6 +140,8 @@ class ShardedSlowState(SlowState):
         "each rank holds only its shard of them",
         "codec": "the compressed average sends pseudo-gradients, which need the whole anchor on "
         "every worker",
+        "merge": "the weight's tally would land in one rank's shard of the reduce-scatter",
+        "period": "the step times' tally would land in one rank's shard of the reduce-scatter",
     }
 
     def __init__(
