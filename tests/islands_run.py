@@ -19,12 +19,16 @@ step landed it checks that its shard equals its peer's bit for bit.
 Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE [STEPS [MODE [DEVICE]]]``:
 2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json``. ``CASE`` names a row of
 :data:`CASES`; ``MODE`` ``save`` runs half the steps and saves (each rank its own file),
-``resume`` continues from there in fresh processes; ``DEVICE`` ``cuda`` puts every rank on GPU 0
+``resume`` continues from there in fresh processes, ``restart`` saves after every step and
+kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every rank then
+resumes from the last step all saved); ``DEVICE`` ``cuda`` puts every rank on GPU 0
 (the ranks share it through Gloo: scripts/gpu_check.sh's two-process case).
 """
 
+import datetime
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -116,12 +120,18 @@ def train_step(model, opt, island: int, step: int, device: str) -> None:
 
 
 def run(
-    out: str, case: str, steps: int, start: int = 0, stop: int | None = None, device: str = "cpu"
+    out: str,
+    case: str,
+    steps: int,
+    start: int = 0,
+    stop: int | None = None,
+    device: str = "cpu",
+    restart_at: int | None = None,
 ) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(0)  # every rank shares the one GPU
-    dist.init_process_group("gloo")
+    init_process_group()
     rank = dist.get_rank()
     shape = (2, dist.get_world_size() // 2)
     mesh = init_device_mesh(device, shape, mesh_dim_names=("islands", "shard"))
@@ -137,6 +147,9 @@ def run(
         dist.destroy_process_group()
         return
     ckpt = os.path.join(out, f"state.rank{rank}.pt")
+    if restart_at is not None:
+        start = agreed_start(out, rank)
+        ckpt = os.path.join(out, f"ckpt.{start}.rank{rank}.pt")
     if start:
         saved = torch.load(ckpt, weights_only=False, map_location=device)
         # What an FSDP user saves anyway: each rank its own shards (DTensors), one file a rank.
@@ -144,32 +157,20 @@ def run(
         opt.load_state_dict(saved["opt"])
         ref_model.load_state_dict(saved["ref_model"])
         ref_opt.load_state_dict(saved["ref_opt"])
+        print(f"rank {rank}: resumed at step {start}", flush=True)
     diffs, bitwise, landed = [], [], []
     for step in range(start, stop if stop is not None else steps):
+        marker = os.path.join(out, "killed")
+        if step == restart_at and rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # a lost worker, mid-period
         train_step(model, opt, island, step, device)
         train_step(ref_model, ref_opt, island, step, device)
-        with torch.no_grad():
-            mine = [full(p) for p in island_model.parameters()]
-            ref = list(ref_model.parameters())
-            diffs.append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
-        # The anchor (and, right after an exact average, the parameters) of the ranks holding
-        # one shard must be bitwise identical: the same average, the same arithmetic.
-        same = list(opt.slow_state.state_tensors())
-        whole = opt.config.fragments == 1 and not opt.config.overlap
-        if opt.inner_step == 0 and whole:
-            same += [hvd_slowmo.islands.local(p) for p in island_model.parameters()]
-            landed.append(step)
-        theirs = peers.allgather_object([t.tolist() for t in same])
-        other = theirs[1 - island]
-        bitwise.append(all(torch.equal(t.cpu(), torch.tensor(o)) for t, o in zip(same, other)))
+        record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step)
+        if restart_at is not None:
+            save(island_model, opt, ref_model, ref_opt, f"{out}/ckpt.{step + 1}.rank{rank}.pt")
     if stop is not None:
-        state = {
-            "model": island_model.state_dict(),
-            "opt": opt.state_dict(),
-            "ref_model": ref_model.state_dict(),
-            "ref_opt": ref_opt.state_dict(),
-        }
-        hvd_slowmo.save_checkpoint(state, ckpt)
+        save(island_model, opt, ref_model, ref_opt, ckpt)
     final = [full(p).tolist() for p in island_model.parameters()]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
@@ -178,6 +179,67 @@ def run(
             f,
         )  # fmt: skip
     dist.destroy_process_group()
+
+
+def init_process_group() -> None:
+    """Gloo over torchrun's store, under a prefix per attempt: torchrun keeps its store across
+    restarts (--max-restarts) and the Gloo addresses' keys are the same in every attempt, so a
+    restarted rank could read a peer's stale address and fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt{attempt}", store),
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=120),  # a lost peer ends the launch, not 30 minutes
+    )
+
+
+def record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step) -> None:
+    """After a step: the largest difference from the reference, and whether this rank's outer
+    state (and, right after a whole-model exact average, its shard) equals its peer's."""
+    with torch.no_grad():
+        mine = [full(p) for p in island_model.parameters()]
+        ref = list(ref_model.parameters())
+        diffs.append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
+    # The anchor (and, right after an exact average, the parameters) of the ranks holding one
+    # shard must be bitwise identical: the same average, the same arithmetic.
+    same = list(opt.slow_state.state_tensors())
+    whole = opt.config.fragments == 1 and not opt.config.overlap
+    if opt.inner_step == 0 and whole:
+        same += [hvd_slowmo.islands.local(p) for p in island_model.parameters()]
+        landed.append(step)
+    theirs = peers.allgather_object([t.tolist() for t in same])
+    other = theirs[1 - island]
+    bitwise.append(all(torch.equal(t.cpu(), torch.tensor(o)) for t, o in zip(same, other)))
+
+
+def agreed_start(out: str, rank: int) -> int:
+    """torchrun --max-restarts: the last step every rank saved (an island that had no collective
+    with the killed rank may have saved later steps)."""
+    suffix = f".rank{rank}.pt"
+    mine = [
+        int(n.split(".")[1])
+        for n in os.listdir(out)
+        if n.startswith("ckpt.") and n.endswith(suffix)
+    ]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return max(set.intersection(*map(set, everyone)), default=0)
+
+
+def save(island_model, opt, ref_model, ref_opt, path: str) -> None:
+    state = {
+        "model": island_model.state_dict(),
+        "opt": opt.state_dict(),
+        "ref_model": ref_model.state_dict(),
+        "ref_opt": ref_opt.state_dict(),
+    }
+    hvd_slowmo.save_checkpoint(state, path)
 
 
 def opt_state_bytes(opt) -> int:
@@ -193,5 +255,7 @@ if __name__ == "__main__":
         run(out, case, steps, stop=steps // 2, device=device)
     elif mode == "resume":
         run(out, case, steps, start=steps // 2, device=device)
+    elif mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies before the middle step
+        run(out, case, steps, device=device, restart_at=steps // 2 + 1)
     else:
         run(out, case, steps, device=device)

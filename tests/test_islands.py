@@ -188,3 +188,42 @@ def test_a_state_of_another_island_layout_is_refused():
         with pytest.raises(ValueError, match="loads only into the same layout"):
             saved_config_changes(saved, {"base": "localsgd", "worker": running})
     assert saved_config_changes(saved, dict(saved)) == []
+
+
+@pytest.mark.torchdist
+@pytest.mark.timeout(600)
+def test_torchrun_restart_resumes_the_islands_bitwise(tmp_path):
+    """torchrun --max-restarts=1: rank 1 (island 0) dies before step 8 of 14, mid-period with a
+    fragment in flight; torchrun restarts all four, every rank resumes from the last step all of
+    them saved, and the run ends where the uninterrupted one ends, bit for bit."""
+    import signal
+    import subprocess
+    import sys
+
+    from horovod_launch import ROOT, launch_env
+    from torchrun_launch import free_port
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "killed").mkdir()
+    torchrun(4, [WORKER, str(tmp_path / "full"), "fragments", "14"])
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [exe, "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+           WORKER, str(tmp_path / "killed"), "fragments", "14", "restart"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=500)
+    finally:  # the workers too: torchrun killed alone would leave them running
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, err[-4000:]
+    assert (tmp_path / "killed" / "killed").exists(), "rank 1 never killed itself"
+    assert "exitcode: -9" in err, "torchrun saw no killed worker"
+    starts = {int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "resumed at step" in line}
+    assert len(starts) == 1 and 0 < starts.pop() <= 8, out[-2000:]
+    for full, resumed in zip(_records(tmp_path / "full"), _records(tmp_path / "killed")):
+        assert resumed["final"] == full["final"]
+        assert all(resumed["bitwise"]) and max(resumed["diffs"]) <= ATOL
