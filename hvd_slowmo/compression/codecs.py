@@ -395,7 +395,8 @@ def encode_rows(rows: Tensor, codec: str, block: int = BLOCK_SIZE) -> tuple[Tens
     per_row = _num_blocks(size, block)
     pad = per_row * block - size
     blocks = torch.nn.functional.pad(rows, (0, pad)).view(count * per_row, block)
-    scales = blocks.abs().amax(dim=1) / code_max
+    amax = blocks.abs().amax(dim=1)
+    scales = amax / torch.full_like(amax, code_max)  # a tensor divisor: as encode, see there
     # As encode: a zero scale divides by one (its codes are 0), a NaN or inf one is kept.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = (blocks / divisor[:, None]).view(count, per_row * block)[:, :size]
