@@ -51,7 +51,7 @@ def tensor_bytes(obj: Any) -> int:
 
     total = 0
     for t in walk(obj):
-        t = hvd_slowmo.islands.local(t)
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
@@ -86,7 +86,7 @@ def measure(islands: int, width: int, layers: int, steps: int) -> dict[str, int]
             in_flight = max(in_flight, tensor_bytes(copies))
     opt.flush()
     out = {
-        "params": sum(hvd_slowmo.islands.local(p).numel() for p in model.parameters()),
+        "params": sum(p.to_local().numel() for p in model.parameters()),
         "slow_state": tensor_bytes(opt.slow_state.state_tensors()),
         "residual": tensor_bytes(opt.exchange.state_dict()),
         "in_flight": in_flight,

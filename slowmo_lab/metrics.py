@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from hvd_slowmo.comm import Communicator
-from hvd_slowmo.islands import is_distributed_tensor, local
 
 __all__ = ["TAGS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
 
@@ -50,6 +49,19 @@ _PHASES = ("base_comm", "average", "slow_update")
 _EVAL_KEYS = ("val_loss", "val_accuracy", "val_nll", "train_full_loss")
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a DTensor's (FSDP2's) local shard, any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 @torch.no_grad()
 def consensus_distance(params: Iterable[Tensor], comm: Communicator, inside: Any = None) -> float:
     """Mean distance of the workers' parameters to their average: ``mean_i ||x_i - x_bar||_2``.
@@ -66,7 +78,7 @@ def consensus_distance(params: Iterable[Tensor], comm: Communicator, inside: Any
             shards' squared distances are summed over it (one more scalar allreduce), so the
             value is the whole model's.
     """
-    params = [local(p) for p in params]
+    params = [_local(p) for p in params]
     if not params:
         raise ValueError("consensus_distance: params is empty; pass model.parameters()")
     # float64 so that the subtraction of two nearly equal models does not lose the difference.
@@ -178,7 +190,7 @@ class TrainingMonitor:
         # Sharded islands: each rank holds a shard, summed over the island; a DDP island's
         # ranks hold whole replicas, each measures the whole model.
         inside = None
-        if islands is not None and any(is_distributed_tensor(p) for p in params):
+        if islands is not None and any(_is_dtensor(p) for p in params):
             inside = islands.groups()[1]
         self.last_consensus = consensus_distance(params, self.comm, inside)
         self.measurement_bytes += self.comm.bytes_sent - before
