@@ -49,8 +49,21 @@ _PHASES = ("base_comm", "average", "slow_update")
 _EVAL_KEYS = ("val_loss", "val_accuracy", "val_nll", "train_full_loss")
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a DTensor's (FSDP2's) local shard, any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 @torch.no_grad()
-def consensus_distance(params: Iterable[Tensor], comm: Communicator) -> float:
+def consensus_distance(params: Iterable[Tensor], comm: Communicator, inside: Any = None) -> float:
     """Mean distance of the workers' parameters to their average: ``mean_i ||x_i - x_bar||_2``.
 
     Collective: every worker must call it with the same parameter shapes; all get the same
@@ -58,17 +71,24 @@ def consensus_distance(params: Iterable[Tensor], comm: Communicator) -> float:
     why drift between exact averages matters for SlowMo.
 
     Args:
-        params: this worker's parameters ``x_i``.
-        comm: the communicator over all workers.
+        params: this worker's parameters ``x_i`` (with islands: DTensors, of which this rank
+            measures its local shard).
+        comm: the communicator over all workers (with islands: this rank's shard's peers).
+        inside: with sharded islands, the ``torch.distributed`` group of this rank's island: the
+            shards' squared distances are summed over it (one more scalar allreduce), so the
+            value is the whole model's.
     """
-    params = list(params)
+    params = [_local(p) for p in params]
     if not params:
         raise ValueError("consensus_distance: params is empty; pass model.parameters()")
     # float64 so that the subtraction of two nearly equal models does not lose the difference.
     flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
     mean = flat.clone()
     comm.average_([mean], name="hvd_slowmo.metrics.consensus_mean")
-    dist = torch.linalg.vector_norm(flat - mean).reshape(1)
+    squared = torch.linalg.vector_norm(flat - mean).square().reshape(1)
+    if inside is not None:
+        torch.distributed.all_reduce(squared, group=inside)
+    dist = squared.sqrt()
     comm.average_([dist], name="hvd_slowmo.metrics.consensus_dist")
     return float(dist.item())
 
@@ -166,7 +186,13 @@ class TrainingMonitor:
         t = self._clock()
         before = self.comm.bytes_sent
         params = [p for group in self.opt.param_groups for p in group["params"]]
-        self.last_consensus = consensus_distance(params, self.comm)
+        islands = getattr(self.opt, "islands", None)
+        # Sharded islands: each rank holds a shard, summed over the island; a DDP island's
+        # ranks hold whole replicas, each measures the whole model.
+        inside = None
+        if islands is not None and any(_is_dtensor(p) for p in params):
+            inside = islands.groups()[1]
+        self.last_consensus = consensus_distance(params, self.comm, inside)
         self.measurement_bytes += self.comm.bytes_sent - before
         self._win_consensus.append(self.last_consensus)
         self._t0 += self._clock() - t  # the measurement is not training time
