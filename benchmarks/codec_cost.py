@@ -32,6 +32,7 @@ from bench_timing import median_ms  # benchmarks/, beside this script
 
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.compression import CODECS, as_codec
+from hvd_slowmo.compression.means import mean_start
 
 #: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
 #: codec at all, and is left out).
@@ -83,7 +84,7 @@ def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callabl
     return (
         lambda: spec.encode(x),
         lambda: spec.decode(packet, n),
-        lambda: spec.mean_start(echo, x, "cost", residual).wait(),
+        lambda: mean_start(spec, echo, x, "cost", residual).wait(),
         packet.numel(),
     )
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import SparseCodec, compressed_mean, hierarchical_mean, sparse_mean
+from hvd_slowmo.compression.means import mean_start
 from hvd_slowmo.plan import Cluster, Setting, exchange_traffic, parse_count
 
 #: The table's rows: label -> (codec, hierarchical).
@@ -72,7 +73,7 @@ def counted(numel: int, workers: int, per_node: int) -> dict[str, int]:
         sparse_mean(comm, x, SparseCodec(), "sparse")
         out["sparse all-gather"] = comm.bytes_sent - before
         before = comm.bytes_sent
-        SparseCodec(exchange="owners").mean_start(comm, x, "owners").wait()
+        mean_start(SparseCodec(exchange="owners"), comm, x, "owners").wait()
         out["sparse owners"] = comm.bytes_sent - before
         if hierarchical:
             node, cross = comm.world.split(nodes)[comm.rank], comm.world.split(peers)[comm.rank]

@@ -154,7 +154,7 @@ def run(
         ref_model.load_state_dict(saved["ref_model"])
         ref_opt.load_state_dict(saved["ref_opt"])
         print(f"rank {rank}: resumed at step {start}", flush=True)
-    diffs, bitwise, landed = [], [], []
+    rec: dict = {"diffs": [], "bitwise": [], "landed": [], "consensus": []}
     for step in range(start, stop if stop is not None else steps):
         marker = os.path.join(out, "killed")
         if step == restart_at and rank == 1 and not os.path.exists(marker):
@@ -162,7 +162,7 @@ def run(
             os.kill(os.getpid(), signal.SIGKILL)  # a lost worker, mid-period
         train_step(model, opt, island, step, device)
         train_step(ref_model, ref_opt, island, step, device)
-        record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step)
+        record(opt, island_model, ref_opt, ref_model, peers, island, rec, step)
         if restart_at is not None:
             save(island_model, opt, ref_model, ref_opt, f"{out}/ckpt.{step + 1}.rank{rank}.pt")
     if stop is not None:
@@ -170,8 +170,8 @@ def run(
     final = [full(p).tolist() for p in island_model.parameters()]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
-            {"diffs": diffs, "bitwise": bitwise, "landed": landed, "final": final,
-             "outer_steps": opt.outer_steps, "state_bytes": opt_state_bytes(opt)},
+            {**rec, "final": final, "outer_steps": opt.outer_steps,
+             "state_bytes": opt_state_bytes(opt)},
             f,
         )  # fmt: skip
 
@@ -194,13 +194,27 @@ def init_process_group() -> None:
     )
 
 
-def record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step) -> None:
-    """After a step: the largest difference from the reference, and whether this rank's outer
-    state (and, right after a whole-model exact average, its shard) equals its peer's."""
+def record(opt, island_model, ref_opt, ref_model, peers, island, out: dict, step) -> None:
+    """After a step: the largest difference from the reference, of the parameters and (between
+    exact averages) of the consensus model, and whether this rank's outer state (and, right
+    after a whole-model exact average, its shard) equals its peer's."""
+    diffs, bitwise, landed = out["diffs"], out["bitwise"], out["landed"]
     with torch.no_grad():
         mine = [full(p) for p in island_model.parameters()]
         ref = list(ref_model.parameters())
         diffs.append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
+    if not opt.at_consensus():  # this rank's shards of the islands' average, made whole
+        from torch.distributed.tensor import DTensor
+
+        shards, _ = opt.consensus()
+        whole = [
+            DTensor.from_local(s, p.device_mesh, p.placements).full_tensor()
+            if hasattr(p, "device_mesh")
+            else s
+            for s, p in zip(shards, island_model.parameters())
+        ]
+        want, _ = ref_opt.consensus()
+        out["consensus"].append(max(float((a - b).abs().max()) for a, b in zip(whole, want)))
     # The anchor (and, right after an exact average, the parameters) of the ranks holding one
     # shard must be bitwise identical: the same average, the same arithmetic.
     same = list(opt.slow_state.state_tensors())

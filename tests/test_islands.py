@@ -43,6 +43,10 @@ def _check_equal(rec, case, steps=12):
         problems.append(f"{case}: differs from the unsharded run: {rec['diffs']}")
     if not rec["bitwise"] or not all(rec["bitwise"]):
         problems.append(f"{case}: outer state differs from the peer's: {rec['bitwise']}")
+    # Between exact averages the consensus model (opt.consensus(): this rank's shards of the
+    # islands' average) equals the unsharded run's consensus.
+    if not rec["consensus"] or max(rec["consensus"]) > ATOL:
+        problems.append(f"{case}: consensus differs from the unsharded run's: {rec['consensus']}")
     if rec["outer_steps"] != (steps // 6 if case == "fragments" else steps // 4):
         problems.append(f"{case}: {rec['outer_steps']} outer steps")
     return problems

@@ -13,6 +13,7 @@ from reference_sparse import vector as sparse_vector
 
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import SparseCodec, compressed_mean, hierarchical_mean, sparse_mean
+from hvd_slowmo.compression.means import mean_start
 from hvd_slowmo.plan import Cluster, Setting, exchange_traffic
 
 N = 2000  # uneven over 3, 16, 32 and 64 workers' chunks; one sparse chunk, cut short
@@ -56,7 +57,7 @@ def run_exchanges(m: int) -> list[dict]:
         for key, codec in (("owners", OWNERS), ("sparse-owners", OWNERS_PLANNED)):
             v, residual = inputs("sparse", comm.rank)
             before = comm.bytes_sent
-            mean = codec.mean_start(comm, v, key, residual).wait()
+            mean = mean_start(codec, comm, v, key, residual).wait()
             out[key] = (mean, residual, comm.bytes_sent - before)
         node = comm.world.split(nodes)[comm.rank]
         cross = comm.world.split(peers)[comm.rank]

@@ -22,10 +22,9 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingAverage
 from .codecs import Codec, as_codec, check_transport
-from .exchange import PendingMean
+from .means import PendingCodecMean, mean_start
 from .offload import CodecThread
 from .sparse import SparseCodec
-from .sparse_exchange import PendingSparseMean
 
 __all__ = ["PseudoGradientAverage"]
 
@@ -47,7 +46,7 @@ class PseudoGradientAverage:
             :class:`~hvd_slowmo.compression.sparse.SparseCodec`, whose average is an all-gather
             of sparse packets (:mod:`~hvd_slowmo.compression.sparse_exchange`) and whose error
             feedback decays. The codec's own average is used
-            (:meth:`~hvd_slowmo.compression.codecs.Codec.mean_start`).
+            (:func:`~hvd_slowmo.compression.means.mean_start`).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
 
     Raises:
@@ -129,7 +128,7 @@ class PseudoGradientAverage:
         which: list[int],
         anchor: list[Tensor],
         name: str,
-    ) -> "PendingMean | PendingSparseMean":
+    ) -> PendingCodecMean:
         """The pseudo-gradient, its error feedback, and the codec's mean started."""
         flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
         for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
@@ -149,9 +148,7 @@ class PseudoGradientAverage:
         return pending
 
     @staticmethod
-    def _land(
-        pending: "PendingMean | PendingSparseMean", params: list[Tensor], mine: list[Tensor]
-    ) -> list[Tensor]:
+    def _land(pending: PendingCodecMean, params: list[Tensor], mine: list[Tensor]) -> list[Tensor]:
         """Each parameter's new value ``anchor - mean``, once the mean is in."""
         mean = pending.wait()
         return [
@@ -161,12 +158,12 @@ class PseudoGradientAverage:
 
     def _mean_start(
         self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
-    ) -> "PendingMean | PendingSparseMean":
+    ) -> PendingCodecMean:
         """Start the codec's mean of ``flat`` (summed into a reused buffer with ``reuse``,
         where the codec sums into one)."""
         padded = self.codec.sum_numel(flat.numel())
         out = self._buffer("sum", padded, flat.device) if reuse and padded else None
-        return self.codec.mean_start(self.comm, flat, name, residual, out)
+        return mean_start(self.codec, self.comm, flat, name, residual, out)
 
     @property
     def scratch(self) -> list[Tensor]:

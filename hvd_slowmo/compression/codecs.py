@@ -41,8 +41,6 @@ from .sparse import SparseCodec
 
 if TYPE_CHECKING:  # the exchanges import this module
     from ..comm.base import Communicator
-    from .exchange import PendingMean
-    from .sparse_exchange import PendingSparseMean
 
 __all__ = [
     "BLOCK_SIZE",
@@ -93,10 +91,16 @@ class Encoded(NamedTuple):
 
 class Codec(Protocol):
     """What every codec of the outer exchange speaks: its packet of a flat float32 vector, the
-    vector a packet stands for, the packet's size, the average built from its packets, and its
-    settings as plain values. :class:`DenseCodec` and
-    :class:`~hvd_slowmo.compression.sparse.SparseCodec` implement it; :func:`as_codec` makes
-    one from a user's spelling."""
+    vector a packet stands for, the packet's size, which average is built from its packets
+    (``exchange``: :func:`hvd_slowmo.compression.means.mean_start` starts it; the averages
+    import the codecs, never the other way), and its settings as plain values.
+    :class:`DenseCodec` and :class:`~hvd_slowmo.compression.sparse.SparseCodec` implement it;
+    :func:`as_codec` makes one from a user's spelling."""
+
+    @property
+    def exchange(self) -> str:
+        """``"dense"`` (all-to-all, then all-gather), ``"allgather"`` or ``"owners"`` (sparse)."""
+        ...
 
     def encode(self, x: Tensor) -> Tensor:
         """The uint8 packet of a 1-D float32 vector."""
@@ -111,21 +115,8 @@ class Codec(Protocol):
         ...
 
     def sum_numel(self, numel: int) -> int:
-        """Float32 elements of the buffer :meth:`mean_start` may sum into (``out``; 0: it
-        takes none)."""
-        ...
-
-    def mean_start(
-        self,
-        comm: "Communicator",
-        flat: Tensor,
-        name: str,
-        residual: Tensor | None = None,
-        out: Tensor | None = None,
-    ) -> "PendingMean | PendingSparseMean":
-        """Start the average of ``flat`` over ``comm``'s workers (collective); ``residual``:
-        this worker's error feedback, updated in place; ``out``: a buffer the codec may sum
-        into. The handle's ``wait()`` returns the decoded average, the same bits everywhere."""
+        """Float32 elements of the buffer its mean may sum into
+        (:func:`hvd_slowmo.compression.means.mean_start`'s ``out``; 0: it takes none)."""
         ...
 
     def summary(self) -> "str | dict[str, Any]":
@@ -146,6 +137,7 @@ class DenseCodec:
 
     name: str
     block: int = BLOCK_SIZE
+    exchange: str = "dense"
 
     def encode(self, x: Tensor) -> Tensor:
         """:func:`to_bytes` of :func:`encode`.
@@ -179,27 +171,6 @@ class DenseCodec:
             numel: the vector's length.
         """
         return 0
-
-    def mean_start(
-        self,
-        comm: "Communicator",
-        flat: Tensor,
-        name: str,
-        residual: Tensor | None = None,
-        out: Tensor | None = None,
-    ) -> "PendingMean":
-        """A :class:`~hvd_slowmo.compression.exchange.PendingMean` (``out`` is not used).
-
-        Args:
-            comm: the workers.
-            flat: this worker's vector.
-            name: a label for the collectives.
-            residual: the error-feedback residual, or None.
-            out: unused (the dense mean concatenates its decoded chunks).
-        """
-        from .exchange import PendingMean
-
-        return PendingMean(comm, flat, self.name, name, residual, self.block)
 
     def summary(self) -> str:
         """The name (what states saved before this class hold)."""

@@ -6,7 +6,7 @@ codec's packets only where the links are slow), each worker with a flat float32 
 1. **Inside the node**, an exact fp32 reduce-scatter: local rank ``l`` gets shard ``l`` (as
    :func:`~hvd_slowmo.comm.base.shard_range` splits the vector over ``G``) of its node's mean.
 2. **Across nodes**, the ranks of local rank ``l`` (one per node) average their shards with the
-   codec's own average (:meth:`~hvd_slowmo.compression.codecs.Codec.mean_start`: the dense
+   codec's own average (:func:`~hvd_slowmo.compression.means.mean_start`: the dense
    codecs' all-to-all and all-gather, or the sparse all-gather), with this rank's error
    feedback on its shard: the same bits on every node.
 3. **Inside the node**, an fp32 all-gather of the averaged shards: every worker of every node
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, shard_sizes
 from .codecs import Codec, as_codec, check_transport, check_vector
+from .means import mean_start
 
 __all__ = ["hierarchical_mean"]
 
@@ -65,6 +66,6 @@ def hierarchical_mean(
         )
     check_transport(cross, codec)
     (shard,) = node.reduce_scatter_mean([flat], f"{name}.node")
-    mean = codec.mean_start(cross, shard, f"{name}.cross", residual).wait()
+    mean = mean_start(codec, cross, shard, f"{name}.cross", residual).wait()
     (whole,) = node.allgather_flat([mean], f"{name}.gather")
     return whole

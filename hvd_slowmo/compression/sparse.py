@@ -191,33 +191,6 @@ class SparseCodec:
         """
         return _chunks(numel, self.chunk) * self.chunk if self.exchange == "allgather" else 0
 
-    def mean_start(
-        self,
-        comm: Any,
-        flat: Tensor,
-        name: str,
-        residual: Tensor | None = None,
-        out: Tensor | None = None,
-    ) -> Any:
-        """The average with this codec's decaying error feedback: a
-        :class:`~hvd_slowmo.compression.sparse_exchange.PendingSparseMean` (all-gather), or a
-        :class:`~hvd_slowmo.compression.sparse_owners.PendingOwnerSparseMean` (``"owners"``).
-
-        Args:
-            comm: the workers.
-            flat: this worker's vector.
-            name: a label for the all-gather.
-            residual: the error-feedback residual, or None.
-            out: a buffer of ``ceil(n / chunk) * chunk`` float32 to sum into, or None.
-        """
-        if self.exchange == "owners":
-            from .sparse_owners import PendingOwnerSparseMean  # it imports this module
-
-            return PendingOwnerSparseMean(comm, flat, self, name, residual)
-        from .sparse_exchange import PendingSparseMean  # it imports this module
-
-        return PendingSparseMean(comm, flat, self, name, residual, out=out)
-
 
 def _chunks(numel: int, chunk: int) -> int:
     return math.ceil(numel / chunk)
