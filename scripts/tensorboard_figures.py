@@ -24,11 +24,15 @@ import mnist1d_cnn  # noqa: E402
 from slowmo_lab import dashboard  # noqa: E402
 
 METHODS = {
-    "allreduce": ["--algo", "allreduce"],
-    "localsgd": ["--algo", "localsgd"],
+    "allreduce": ["--algo", "allreduce", "--no-slowmo"],
+    "localsgd": ["--algo", "localsgd", "--no-slowmo"],
     "localsgd-slowmo": ["--algo", "localsgd", "--slowmo", "--slow-momentum", "0.5"],
 }
-PAGES = {"custom_scalars": "tensorboard_custom_scalars.png", "hparams": "tensorboard_hparams.png"}
+# page -> (picture, window size): the HParams table is wide (a column per setting and per tag).
+PAGES = {
+    "custom_scalars": ("tensorboard_custom_scalars.png", (1600, 1000)),
+    "hparams": ("tensorboard_hparams.png", (3000, 700)),
+}
 
 
 def train(logdir: str, seeds: int, epochs: int) -> None:
@@ -60,9 +64,9 @@ def main() -> None:
         if not args.logdir:
             train(logdir, args.seeds, args.epochs)
         with dashboard.serve(logdir) as url:
-            for page, png in PAGES.items():
+            for page, (png, size) in PAGES.items():
                 path = os.path.join(args.out, png)
-                dashboard.screenshot(f"{url}/#{page}", path)
+                dashboard.screenshot(f"{url}/#{page}", path, size=size)
                 print(path)
 
 

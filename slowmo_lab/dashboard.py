@@ -176,13 +176,20 @@ def _runs(url: str) -> list[str]:
         return []
 
 
-def screenshot(url: str, png: str, browser: str = "chromium", timeout_s: float = 120.0) -> None:
+def screenshot(
+    url: str,
+    png: str,
+    browser: str = "chromium",
+    size: tuple[int, int] = (1600, 1000),
+    timeout_s: float = 120.0,
+) -> None:
     """A picture of a TensorBoard page, taken by a headless browser (Debian's ``chromium``).
 
     Args:
         url: the page, e.g. ``f"{address}/#custom_scalars"``.
         png: the file to write.
         browser: the browser's command.
+        size: the window's width and height in pixels.
         timeout_s: how long the browser may take.
 
     Raises:
@@ -190,7 +197,8 @@ def screenshot(url: str, png: str, browser: str = "chromium", timeout_s: float =
     """
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     # Virtual time lets the page's scripts fetch and draw the charts before the picture.
-    cmd += ["--window-size=1600,1000", "--virtual-time-budget=20000", f"--screenshot={png}", url]
+    cmd += [f"--window-size={size[0]},{size[1]}", "--virtual-time-budget=20000"]
+    cmd += [f"--screenshot={png}", url]
     if os.path.exists(png):
         os.remove(png)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
