@@ -25,7 +25,7 @@ device = (
     torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 )
 torch.manual_seed(0)  # the same data and initial model on every rank
-x = torch.randn(4096, 10)
+x = torch.randn(2048, 10)
 data = TensorDataset(x, x.sum(1, keepdim=True))
 # Each rank its own shard, and every rank the same number of batches: SlowMo's outer steps
 # are counted in steps, so a rank with one batch more would wait for an outer step alone.
