@@ -59,6 +59,21 @@ DEFAULT_LAUNCHES = (
     "tests/test_torchdist.py::test_communicator_collectives_config_check_and_amp[3]",
     "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
 )
+# In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
+# processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json
+# has the rest). A file, or one test of a file (every parametrization). New tests take the
+# `slow` mark instead.
+SLOW_IN_PROCESS = (
+    "tests/test_async_start.py",
+    "tests/test_cuda.py::test_codec_cost_runs_tiny_on_cpu",
+    "tests/test_deadline.py",
+    "tests/test_docker.py",
+    "tests/test_gpu_check.py",
+    "tests/test_install_horovod.py",
+    "tests/test_regime_map.py::test_table_and_clearest_cell_from_the_rows",
+    "tests/test_run_log.py::test_docker_check_reads_what_the_example_prints_now",
+    "tests/test_serial.py",
+)
 TIERS = ("fast", "default", "launches", "full")
 #: Each tier's budget in seconds on the 2 cores of the build machine: CI's whole run (lint, the
 #: site, the portability tier, the default and launch tiers) fits in 35 minutes.
@@ -83,6 +98,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="write each collected test's tiers as JSON to FILE (tests/test_tiers.py reads it)",
     )
+    parser.addoption(
+        "--record-durations",
+        metavar="FILE",
+        default=None,
+        help="write each test's seconds (setup, call and teardown) and the load as JSON to FILE "
+        "(tests/data/fast_durations.json is a --tier fast run's)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -99,9 +121,12 @@ def is_launch(item: pytest.Item) -> bool:
 
 
 def is_slow(item: pytest.Item) -> bool:
-    """Whether an in-process ``item`` is too slow for the fast tier: marked ``slow``, or its
-    module (or itself) allows more than the default timeout."""
+    """Whether an in-process ``item`` is too slow for the fast tier: marked ``slow``, listed in
+    :data:`SLOW_IN_PROCESS`, or its module (or itself) allows more than the default timeout."""
     if item.get_closest_marker("slow"):
+        return True
+    test = item.nodeid.split("[")[0]
+    if any(test == s or test.startswith(s + "::") for s in SLOW_IN_PROCESS):
         return True
     mark = item.get_closest_marker("timeout")
     return bool(mark and mark.args and float(mark.args[0]) > DEFAULT_TIMEOUT_S)
@@ -165,10 +190,26 @@ def pytest_terminal_summary(
         terminalreporter.write_sep("-", f"fast tier: tests over {FAST_TEST_S:g} s (mark them slow)")
         for nodeid, seconds in sorted(slow, key=lambda e: -e[1]):
             terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+    record = config.getoption("--record-durations")
+    if record:
+        _record_durations(record, terminalreporter, tier, elapsed)
     over = "  OVER BUDGET" if elapsed > BUDGET_S[tier] else ""
     terminalreporter.write_line(
         f"tier {tier}: {elapsed:.0f} s (budget {BUDGET_S[tier]} s for the whole tier){over}"
     )
+
+
+def _record_durations(
+    path: str, terminalreporter: pytest.TerminalReporter, tier: str, elapsed: float
+) -> None:
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                seconds[r.nodeid] = round(seconds.get(r.nodeid, 0.0) + r.duration, 3)
+    record = {"tier": tier, "elapsed_s": round(elapsed), "load_at_end": os.getloadavg()}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({**record, "seconds": dict(sorted(seconds.items()))}, f, indent=0)
 
 
 @pytest.fixture

@@ -59,3 +59,11 @@ def test_no_launch_nor_recorded_slow_test_in_the_fast_tier(tiers):
     assert not too_slow, f"recorded over {FAST_TEST_S:g} s: mark them slow: {too_slow}"
     total = sum(s for n, s in recorded["seconds"].items() if n in fast)
     assert total < BUDGET_S["fast"], f"the fast tier's recorded tests take {total:.0f} s"
+
+
+def test_every_slow_listing_names_tests_that_exist(tiers):
+    from conftest import SLOW_IN_PROCESS
+
+    for entry in SLOW_IN_PROCESS:
+        assert any(n == entry or n.startswith(entry + "::") for n in tiers), entry
+        assert not any("fast" in names for n, names in tiers.items() if n.startswith(entry)), entry
