@@ -20,6 +20,10 @@ The peers against hvd_slowmo, 10M parameters and 1 s of compute, at 1 Gbit/s and
     sudo .venv/bin/python benchmarks/cluster.py --hosts 4 --rate 1gbit --rate 100mbit \\
         --params 10M --compute-ms 1000 --iters 12 --windows 2 --algorithms peers
 
+``--slow-factor 2`` makes the last host's synthetic compute twice as long (an unequal host: every
+count-based row then runs at its pace; time-based periods are measured by
+``benchmarks/goodput.py``).
+
 The namespaces, links and ``/etc/netns`` files are removed afterwards, also on Ctrl-C / SIGTERM,
 and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
 Only ratios measured within one run mean anything: all hosts share this machine's CPU cores.
@@ -224,6 +228,13 @@ def _parser() -> argparse.ArgumentParser:
         "gradient-ready hooks fire while it goes on (0: all before a cheap backward)",
     )
     p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="the last host's synthetic compute is this many times longer (an unequal host: a "
+        "slower GPU, a throttled node); 1: every host alike",
+    )
+    p.add_argument(
         "--iters",
         type=int,
         default=48,
@@ -293,6 +304,8 @@ def _checked(
         p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:
         p.error("--iters, --windows and --repeats must be >= 1")
+    if not args.slow_factor >= 1.0:
+        p.error(f"--slow-factor must be >= 1, got {args.slow_factor}")
     if not 0.0 <= args.backward_fraction < 1.0:
         p.error(f"--backward-fraction must be in [0, 1), got {args.backward_fraction}")
     try:
@@ -304,6 +317,7 @@ def _checked(
         [
             {"workload": "synthetic", "params": n, "compute_ms": c}
             | {"backward_fraction": args.backward_fraction}
+            | ({"slow_factor": args.slow_factor} if args.slow_factor != 1.0 else {})
             for n, c in zip(sizes, compute)
         ]
         if args.workload == "synthetic"

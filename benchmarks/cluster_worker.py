@@ -143,6 +143,20 @@ class TinyLM(nn.Module):
         )
 
 
+def host_compute_ms(spec: dict[str, Any], rank: int, size: int) -> float:
+    """This host's synthetic compute per iteration: ``compute_ms``, times ``slow_factor`` on
+    the last host (an unequal host; every algorithm of the run then waits for it at its
+    synchronizations).
+
+    Args:
+        spec: the harness's workload description.
+        rank: this host's rank.
+        size: the number of hosts.
+    """
+    slow = spec.get("slow_factor", 1.0) if rank == size - 1 else 1.0
+    return float(spec["compute_ms"]) * slow
+
+
 def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
     """A fresh model (same on every rank) and its training-step function for the spec's workload.
 
@@ -153,7 +167,8 @@ def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
     gen = torch.Generator().manual_seed(1 + hvd.rank())  # each worker its own fixed batch
     b = spec["batch_size"]
     if spec["workload"] == "synthetic":
-        step = synthetic_step(spec["compute_ms"], spec.get("backward_fraction", 0.0))
+        compute_ms = host_compute_ms(spec, hvd.rank(), hvd.size())
+        step = synthetic_step(compute_ms, spec.get("backward_fraction", 0.0))
         return Synthetic(spec["params"]), step
     if spec["workload"] == "resnet18":
         model = ResNet18()

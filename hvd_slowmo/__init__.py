@@ -34,6 +34,7 @@ from .checkpoint import (
 from .comm.hierarchy import Hierarchy
 from .compression.sparse import SparseCodec
 from .config import SlowMoConfig
+from .islands import Islands
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
 
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "DistributedOptimizer",
     "Hierarchy",
+    "Islands",
     "SlowMoConfig",
     "SparseCodec",
     "broadcast_optimizer_state",

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
+from .islands import local
+
 __all__ = ["BUFFER_STRATEGIES", "reset_buffers", "averageable_buffers"]
 
 BUFFER_STRATEGIES = ("reset", "maintain", "average")
@@ -34,7 +36,10 @@ def averageable_buffers(state: dict[Tensor, dict], params: Iterable[Tensor]) -> 
 
     Args:
         state: the wrapped optimizer's ``state`` mapping.
-        params: the parameters, in the order used on every rank.
+        params: the parameters (the state's keys), in the order used on every rank.
+
+    Returns:
+        The buffers' local tensors (a sharded parameter's buffers are sharded like it).
     """
     out: list[Tensor] = []
     for p in params:
@@ -44,5 +49,5 @@ def averageable_buffers(state: dict[Tensor, dict], params: Iterable[Tensor]) -> 
         for key in sorted(entry):
             value = entry[key]
             if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
-                out.append(value)
+                out.append(local(value))
     return out

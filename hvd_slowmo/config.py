@@ -20,6 +20,8 @@ from .buffers import BUFFER_STRATEGIES
 from .comm.base import Communicator
 from .compression.codecs import check_codec
 from .compression.sparse import SparseCodec
+from .merge import MERGES
+from .period import parse_seconds
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -83,6 +85,9 @@ class SlowMoConfig:
             momentum=0.9, nesterov=True)`` (DiLoCo). A custom outer optimizer is applied to the
             *unscaled* pseudo-gradient ``x0 - x_avg`` with its own learning rate (so it does not
             follow the base LR schedule); ``slow_lr`` and ``slow_momentum`` are then unused.
+            With ``fragments > 1`` each landing steps its own fragment's anchor tensors alone
+            (the others hold no gradient, and torch optimizers skip those), so the optimizer must
+            keep its state per tensor (SGD, Adam, ...); not with ``eager``.
         shard_slow_state: keep only this rank's ~1/m shard of the anchor and slow state (ZeRO-1
             style, :mod:`hvd_slowmo.slow_state.sharded`): the exact average becomes a
             reduce-scatter, the slow update runs on the shard and an all-gather returns the new
@@ -112,6 +117,9 @@ class SlowMoConfig:
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
             the model's number of layers; with ``overlap``, ``d <= tau // P`` (one fragment in
             flight at a time). 1 (default) is the whole model at once.
+        fragment_modules: each fragment's module names (``DistributedOptimizer(fragments=[[...],
+            ...])``, as torchtitan's ``module_fqns_per_model_fragment``), or None for the strided
+            split; ``fragments`` is then their number.
         eager: eager updates (arXiv 2502.12996) of the overlapped outer step: while the average
             is in flight every worker continues from a provisional slow step taken with an
             estimate of the average outer gradient; the exact step replaces it at the landing.
@@ -127,6 +135,17 @@ class SlowMoConfig:
             new anchor (:func:`hvd_slowmo.slowmo.land_`); the anchor and slow buffer are not
             touched (identical on every worker). Needs ``overlap >= 1``. 0 (default): the
             landing without mixing, bit for bit.
+        merge: the exact average: ``"mean"`` (default, the paper's) or ``"samples"``, weighted
+            by the samples each worker reported since the outer step's start (``step(samples=n)``;
+            one per base step by default), carried in the same collective
+            (:mod:`hvd_slowmo.merge`; docs/unequal-workers.md). Needs a base that does not
+            communicate every step; not with eager updates, a codec or ``shard_slow_state``.
+        period_seconds: time-based outer periods: ``T`` seconds (a number, or ``"30s"``,
+            ``"500ms"``, ``"2min"``): after a first period of ``tau`` steps, each worker takes
+            the base steps that fit in ``T`` at its measured speed, planned at each outer step
+            from the step times carried in its collective (:mod:`hvd_slowmo.period`). Stored in
+            seconds. Needs a base that does not communicate every step, ``fragments=1`` and
+            ``overlap=0``, no codec nor ``shard_slow_state``. None (default): ``tau`` steps.
     """
 
     base: Any = "localsgd"
@@ -143,8 +162,11 @@ class SlowMoConfig:
     codec: str | SparseCodec | None = None
     error_feedback: bool = False
     fragments: int = 1
+    fragment_modules: tuple[tuple[str, ...], ...] | None = None
     eager: str | None = None
     mix: float = 0.0
+    merge: str = "mean"
+    period_seconds: float | str | None = None
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -161,6 +183,7 @@ class SlowMoConfig:
         self._check_streaming(base)
         self._check_average(base)
         self._check_codec(base)
+        self._check_unequal(base)
         if not base.needs_exact_average and self.buffers == "average":
             warnings.warn(
                 f"buffers='average' with base={base.display_name()!r} averages buffers that "
@@ -343,16 +366,65 @@ class SlowMoConfig:
                 "per worker and returns to 1 only when the whole model is averaged at once; use "
                 "base='localsgd' or 'allreduce', or fragments=1 and eager=None"
             )
-        if callable(self.outer_optimizer):
+        if callable(self.outer_optimizer) and self.eager is not None:
+            # With fragments a landing gives gradients to its own fragment's anchor tensors only,
+            # and a torch optimizer skips tensors without one: a per-fragment step. A provisional
+            # step would have to be taken back, which no torch optimizer can do.
             raise ValueError(
-                f"{what} with a custom outer_optimizer is not supported (its step cannot be "
-                "taken per fragment or provisionally); use outer_optimizer='heavyball' or "
-                "'nesterov'"
+                f"eager={self.eager!r} with a custom outer_optimizer is not supported (a torch "
+                "optimizer cannot step provisionally and take the step back); use "
+                "outer_optimizer='heavyball' or 'nesterov', or eager=None"
             )
         if self.fragments > 1 and self.nonfinite == "skip":
             raise ValueError(
                 "fragments > 1 with nonfinite='skip' is not supported (a skip restarts every "
                 "fragment from its anchor); use nonfinite='raise' or 'ignore'"
+            )
+
+    def _check_unequal(self, base: Any) -> None:
+        """The weighted merge and time-based periods: what they cannot run with that belongs to
+        no layout or exchange (the base algorithm, fragments, overlap, eager updates)."""
+        check_choice("merge", self.merge, MERGES, "merge='samples' weights by the work done")
+        if self.period_seconds is not None:
+            self._put("period_seconds", parse_seconds(self.period_seconds))
+        asked = [
+            s
+            for s, on in (
+                (f"merge={self.merge!r}", self.merge != "mean"),
+                (f"period_seconds={self.period_seconds!r}", self.period_seconds is not None),
+            )
+            if on
+        ]
+        if not asked:
+            return
+        what = " and ".join(asked)
+        if base.communicates_every_step:
+            raise ValueError(
+                f"{what} with base={base.display_name()!r}: a base that communicates every step "
+                "needs the same number of steps on every worker and keeps them in step (AR-SGD "
+                "keeps them identical); use base='localsgd'"
+            )
+        if self.merge == "samples" and self.eager is not None:
+            raise ValueError(
+                f"merge='samples' with eager={self.eager!r} is not supported: the eager estimate "
+                "gives every worker an equal share 1/m of the outer gradient; use eager=None"
+            )
+        if self.period_seconds is None:
+            return
+        needs_equal = [
+            s
+            for s, on in (
+                (f"fragments={self.fragments}", self.fragments > 1),
+                (f"overlap={self.overlap}", self.overlap > 0),
+            )
+            if on
+        ]
+        if needs_equal:
+            raise ValueError(
+                f"period_seconds={self.period_seconds!r} with {' and '.join(needs_equal)} is not "
+                "supported: the fragments' boundaries and the landing of an overlapped outer "
+                "step are placed by step counts within a period of tau steps; use fragments=1 "
+                "and overlap=0 with time-based periods"
             )
 
     # --- what the settings imply -------------------------------------------------------------
@@ -369,8 +441,22 @@ class SlowMoConfig:
             "fragments": f"fragments={self.fragments}" if self.fragments > 1 else "",
             "eager": f"eager={self.eager!r}" if self.estimate else "",
             "codec": f"compression={self.codec!r}" if self.codec is not None else "",
+            "merge": f"merge={self.merge!r}" if self.merge != "mean" else "",
+            "period": f"period_seconds={self.period_seconds!r}"
+            if self.period_seconds is not None
+            else "",
         }
         return {feature: setting for feature, setting in asked.items() if setting}
+
+    @property
+    def timed(self) -> bool:
+        """Time-based periods: the workers take different numbers of base steps."""
+        return self.period_seconds is not None
+
+    @property
+    def tallied(self) -> bool:
+        """A tally travels with the exact average (a weighted merge, or time-based periods)."""
+        return self.merge != "mean" or self.timed
 
     @property
     def base_name(self) -> str:
@@ -425,8 +511,12 @@ class SlowMoConfig:
             "codec": self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
+            **({"fragment_modules": self.fragment_modules} if self.fragment_modules else {}),
             "eager": self.eager,
             "mix": self.mix,
+            # Saved only when set: states and summaries of runs without them are unchanged.
+            **({"merge": self.merge} if self.merge != "mean" else {}),
+            **({"period_seconds": self.period_seconds} if self.period_seconds is not None else {}),
         }
 
 
@@ -521,8 +611,8 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
         running: this optimizer's settings, as it saves them.
 
     Raises:
-        ValueError: another base algorithm, another sharding, or a custom outer optimizer on one
-            side only.
+        ValueError: another base algorithm, another sharding, another layout of islands, or a
+            custom outer optimizer on one side only.
     """
     if not isinstance(saved, dict):
         return []
@@ -538,6 +628,18 @@ def saved_config_changes(saved: Any, running: dict[str, Any]) -> list[str]:
                 f"optimizer has {key}={running[key]!r}; build it with {key}={saved[key]!r} "
                 "to resume, or load only the model's weights to start a new run"
             )
+    islands = [str(c.get("worker", "")).startswith("islands(") for c in (saved, running)]
+    if (islands[0] or islands[1]) and differs("worker"):
+        # Each rank's outer state is its shard of the model under the saved layout: under
+        # another number of islands or ranks per island the shards no longer line up, and
+        # loading them would silently mix pieces of different parameters.
+        raise ValueError(
+            f"load_state_dict: the state was saved with worker={saved['worker']}, this "
+            f"optimizer has worker={running.get('worker')}: an island's outer state is sharded "
+            "like its model, so it loads only into the same layout. Resume with the saved "
+            "layout, or load only the model's weights (torch.distributed.checkpoint reshards "
+            "them) and start a new outer state"
+        )
     custom = [c.get("outer_optimizer") == "custom" for c in (saved, running)]
     if "outer_optimizer" in saved and custom[0] != custom[1]:
         raise ValueError(

@@ -305,7 +305,7 @@ def make_estimate(
     return ESTIMATES[config.estimate](config, comm, slow_state, members)
 
 
-def check_shares(saved: Any, params: list[Tensor], estimate: str | None) -> list[Tensor] | None:
+def check_shares(saved: Any, params: Sequence[Tensor], estimate: str | None) -> list[Tensor] | None:
     """Saved eager shares (``"eager_shares"``: ``{param index: tensor}``), checked against this
     model and copied onto its parameters' devices and dtypes; changes nothing.
 

@@ -57,6 +57,8 @@ from .config import SlowMoConfig
 from .eager import EagerEstimate, GroupSlice, make_estimate
 from .exchange import Exchange, Payload
 from .fragments import boundaries
+from .islands import LocalViews
+from .merge import Merged, Work, make_tally, read_tally
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
 from .slow_state import SlowState
 from .slowmo import land_
@@ -77,7 +79,9 @@ class OuterParts:
         config: the optimizer's configuration.
         comm: the communicator over all workers.
         optimizer: the wrapped optimizer (its param groups' lrs, its buffers).
-        params: every parameter, in the index order used on every rank.
+        params: every parameter as the outer step reads and writes it (its local tensor:
+            :class:`~hvd_slowmo.islands.LocalViews`), in the index order used on every rank;
+            ``params.keys`` are the parameters themselves (the base optimizer's state keys).
         model_buffers: floating-point model buffers (averaged with the fragment that ends the
             period).
         slow_state: the anchor and slow buffer.
@@ -88,7 +92,7 @@ class OuterParts:
     config: SlowMoConfig
     comm: Communicator
     optimizer: torch.optim.Optimizer
-    params: list[Tensor]
+    params: LocalViews
     model_buffers: list[Tensor]
     slow_state: SlowState
     exchange: Exchange
@@ -115,6 +119,8 @@ class InFlight:
         averaged, state_averaged: whether ``sent`` (with the model buffers), and the base
             optimizer's buffers, hold their averages.
         fragment: the fragment's index (0: the whole model).
+        tally: this worker's tally (the merge's weight and lrs, the period's step time),
+            averaged with ``sent`` (:mod:`hvd_slowmo.merge`), or None.
     """
 
     land_at: int
@@ -131,6 +137,7 @@ class InFlight:
     averaged: bool = False
     state_averaged: bool = False
     fragment: int = 0
+    tally: Tensor | None = None
     _probe_handle: PendingAverage | None = None
     _average: PendingAverage | None = None
     _state_average: PendingAverage | None = None
@@ -153,7 +160,9 @@ class InFlight:
             indices: which parameters ``sent`` holds; empty for the whole model.
         """
         if not self.averaged and self._average is None:
-            self._average = exchange.start(Payload(self.sent, self.extra_sent, indices), exact)
+            self._average = exchange.start(
+                Payload(self.sent, self.extra_sent, indices, self.tally), exact
+            )
         if self.state_sent and not self.state_averaged and self._state_average is None:
             self._state_average = comm.average_start(
                 self.state_sent, name="hvd_slowmo.buffer_average"
@@ -212,6 +221,7 @@ class InFlight:
             "mine": self.mine,
             "probe": self.probe,
             "fragment": self.fragment,
+            **({"tally": self.tally} if self.tally is not None else {}),
         }
 
 
@@ -233,6 +243,9 @@ class Fragment:
 
     Attributes:
         in_flight: its outer step in flight, or None.
+        work: what its next pseudo-gradient covers (:class:`~hvd_slowmo.merge.Work`), when a
+            tally travels with its average (``merge="samples"`` or ``period_seconds``), else None.
+        merged: what the tally of its last landed outer step said, or None.
     """
 
     def __init__(
@@ -249,12 +262,20 @@ class Fragment:
         self.ends_period, self.whole = ends_period, whole
         self.parts, self.eager = parts, eager
         self.in_flight: InFlight | None = None
+        cfg = parts.config
+        self.work = Work(cfg.timed, cfg.tau) if cfg.tallied else None
+        self.merged: Merged | None = None
 
     # --- what it is made of ----------------------------------------------------------------
     @property
     def indices(self) -> list[int]:
         """Its parameters' indices for a layout or an exchange: empty for the whole model."""
         return [] if self.whole else self.members
+
+    def keys(self) -> list[Tensor]:
+        """Its parameters themselves (the base optimizer's state keys), in the optimizer's
+        order."""
+        return [self.parts.params.keys[j] for j in self.members]
 
     def live(self) -> list[Tensor]:
         """Its parameters (detached), in the optimizer's order."""
@@ -282,7 +303,14 @@ class Fragment:
 
     # --- the outer step's life -------------------------------------------------------------
     @torch.no_grad()
-    def start(self, base: BaseAlgorithm, num_steps: int, outer_steps: int) -> None:
+    def start(
+        self,
+        base: BaseAlgorithm,
+        num_steps: int,
+        outer_steps: int,
+        samples: float = 0.0,
+        seconds: float | None = None,
+    ) -> None:
         """The boundary: start the outer step's averages and its progress check. With
         ``overlap=d >= 1`` the parameters are snapshot and the worker goes on (from a provisional
         slow step with eager updates); with ``d = 0`` the averages are deferred to :meth:`land`,
@@ -293,18 +321,24 @@ class Fragment:
             base: the base algorithm.
             num_steps: base steps taken in total (for the progress probe).
             outer_steps: boundaries passed (for the progress probe).
+            samples: the samples this worker reported in total (for a weighted merge).
+            seconds: this worker's seconds per base step in the period (time-based periods).
         """
         cfg = self.parts.config
         base.before_average()  # push-sum: every message home, parameters hold numerators
         params, extra = self.live(), self.extra()
-        live = [self.parts.params[j] for j in self.members]
-        state = averageable_buffers(self.parts.optimizer.state, live)
+        state = averageable_buffers(self.parts.optimizer.state, self.keys())
         state = state if cfg.buffers == "average" else []
         f = self._in_flight(base, params, extra, state)
+        if self.work is not None:
+            comm = self.parts.comm
+            ratio = self.work.ratio(samples, num_steps) if cfg.merge == "samples" else 1.0
+            f.tally = make_tally(ratio, f.lrs, seconds, comm.rank, comm.size)
         if cfg.nonfinite != "ignore":
             f.mine = {"at": "outer step", "finite": all_finite(params),
                       "num_steps": num_steps, "outer_steps": outer_steps}  # fmt: skip
-            f.probe = progress_probe(f.mine)
+            # Time-based periods: the step counts differ by design; the outer steps must not.
+            f.probe = progress_probe(f.mine, by="outer_steps" if cfg.timed else "num_steps")
             if base.needs_exact_average:
                 f._probe_handle = self.parts.comm.average_start([f.probe], name=PROGRESS)
             # else (AR-SGD) every worker holds the same parameters after the same steps (or
@@ -368,6 +402,7 @@ class Fragment:
             # Started here: overlap=0, a resumed state, or an exchange that cannot overlap.
             f.start_averages(parts.comm, parts.exchange, cfg.exact_average, self.indices)
             f.finish_averages(deferred=True)
+            self._merged(f)
             if f.in_place:
                 base.after_average(cfg.average)
             else:
@@ -377,6 +412,17 @@ class Fragment:
             spread = None if f.in_place else self._spread(f)
             self._slow_step(f, base)
         return True, spread
+
+    def _merged(self, f: InFlight) -> None:
+        """Read the averaged tally: the slow step takes the workers' weighted mean lrs where
+        they took unequal work (:mod:`hvd_slowmo.merge`)."""
+        if f.tally is None:
+            return
+        self.merged = read_tally(f.tally, len(f.lrs), self.parts.comm.size)
+        if self.work is not None:
+            self.work.landed(self.merged)
+        if self.merged.lrs is not None:
+            f.lrs = self.merged.lrs
 
     def _slow_step(self, f: InFlight, base: BaseAlgorithm) -> None:
         """The slow update of the fragment's anchor from the average, at the boundary's lrs;
@@ -394,7 +440,7 @@ class Fragment:
                 if now and snap is not None:
                     land_(now, snap, avg, cfg.mix)
         if cfg.buffers == "reset":
-            reset_buffers(parts.optimizer.state, [parts.params[j] for j in self.members])
+            reset_buffers(parts.optimizer.state, self.keys())
         if not f.in_place and cfg.average:
             base.after_average(True)  # push-sum weight back to 1
 
@@ -429,14 +475,13 @@ class Fragment:
             ValueError: its tensors do not match this fragment.
         """
         cfg = self.parts.config
-        live = [self.parts.params[j] for j in self.members]
         params, extra = self.live(), self.extra()
         state: list[Tensor] = []
         if cfg.buffers == "average":
             saved_state = base_state.get("state", {})
-            every = self.parts.params
+            every = self.parts.params.keys
             by_param = {p: saved_state[i] for i, p in enumerate(every) if i in saved_state}
-            state = averageable_buffers(by_param, live)
+            state = averageable_buffers(by_param, self.keys())
 
         def like(key: str, model: list[Tensor]) -> list[Tensor]:
             tensors = saved.get(key)
@@ -465,6 +510,7 @@ class Fragment:
             # Format 1 always started the buffers' average at the boundary (done when saved).
             state_averaged=bool(saved.get("state_averaged", True)),
             fragment=self.index,
+            tally=None if saved.get("tally") is None else saved["tally"].clone(),
         )
 
     def commit_load(self, in_flight: InFlight | None, shares: list[Tensor] | None) -> None:
@@ -477,8 +523,7 @@ class Fragment:
         """
         self.eager.load(shares)
         if in_flight is not None and self.parts.config.buffers == "average":
-            live = [self.parts.params[j] for j in self.members]
-            in_flight.state_live = averageable_buffers(self.parts.optimizer.state, live)
+            in_flight.state_live = averageable_buffers(self.parts.optimizer.state, self.keys())
         self.in_flight = in_flight
 
 

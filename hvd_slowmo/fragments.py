@@ -104,8 +104,12 @@ eager paper's uncorrected outer state.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["boundaries", "fragment_of", "layer_of"]
+__all__ = ["boundaries", "fragment_of", "layer_of", "resolve_fragments"]
+
+#: ``fragments=[["layers.0", "layers.1"], ["layers.2", "output"]]``: each fragment's modules.
+ModuleSplit = tuple[tuple[str, ...], ...]
 
 
 def layer_of(name: str) -> str:
@@ -118,21 +122,105 @@ def layer_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def fragment_of(names: Sequence[str], fragments: int) -> list[int]:
+def resolve_fragments(fragments: Any) -> tuple[int, ModuleSplit | None]:
+    """``(P, modules)`` of ``DistributedOptimizer(fragments=...)``: an int is the strided split
+    into ``P`` fragments; a list of lists of module names (torchtitan's
+    ``module_fqns_per_model_fragment``) names each fragment's modules.
+
+    Args:
+        fragments: an int, or a non-empty list of non-empty lists of module names.
+
+    Raises:
+        TypeError: neither form.
+    """
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        return fragments, None
+    ok = (
+        isinstance(fragments, (list, tuple))
+        and len(fragments) > 0
+        and all(
+            isinstance(f, (list, tuple)) and f and all(isinstance(m, str) for m in f)
+            for f in fragments
+        )
+    )
+    if not ok:
+        raise TypeError(
+            f"fragments must be an int (the strided split into that many fragments) or a list "
+            f"of lists of module names, one list per fragment, e.g. [['layers.0', 'layers.1'], "
+            f"['layers.2', 'output']]; got {fragments!r}"
+        )
+    return len(fragments), tuple(tuple(f) for f in fragments)
+
+
+def _owners(modules: ModuleSplit) -> dict[str, int]:
+    """Each named module's fragment; a module named in two fragments is refused."""
+    owner: dict[str, int] = {}
+    for k, mods in enumerate(modules):
+        for mod in mods:
+            if owner.setdefault(mod, k) != k:
+                raise ValueError(
+                    f"fragments names module {mod!r} in fragments {owner[mod]} and {k}; name each "
+                    "module in one fragment"
+                )
+    return owner
+
+
+def _named_split(names: Sequence[str], modules: ModuleSplit) -> list[int]:
+    """Each parameter's fragment from the fragments' module names (a parameter belongs to a
+    module when its name is the module's name followed by ``.``)."""
+    owner = _owners(modules)
+    out, used, missing = [], set(), []
+    for name in names:
+        inside = [m for m in owner if name == m or name.startswith(m + ".")]
+        used.update(inside)
+        hits = sorted({owner[m] for m in inside})
+        if len(hits) > 1:
+            raise ValueError(
+                f"fragments: parameter {name!r} is inside modules of fragments {hits} (one module "
+                "contains another); name disjoint modules"
+            )
+        if not hits:
+            missing.append(name)
+        out.append(hits[0] if hits else -1)
+    unknown = sorted(set(owner) - used)
+    if unknown:
+        layers = list(dict.fromkeys(layer_of(n) for n in names))
+        raise ValueError(
+            f"fragments names modules that hold no parameter of this optimizer: {unknown}; the "
+            f"model's modules with parameters are {layers[:8]}{'...' if len(layers) > 8 else ''} "
+            "(names as in model.named_parameters())"
+        )
+    if missing:
+        raise ValueError(
+            f"fragments leaves parameters {missing[:5]}{'...' if len(missing) > 5 else ''} in no "
+            "fragment; add their modules to one of the lists"
+        )
+    return out
+
+
+def fragment_of(
+    names: Sequence[str], fragments: int, modules: ModuleSplit | None = None
+) -> list[int]:
     """Each parameter's fragment: layers numbered by first appearance, layer ``l`` in fragment
-    ``l mod fragments`` (strided, so each fragment spans the model's depth).
+    ``l mod fragments`` (strided, so each fragment spans the model's depth); or, with
+    ``modules``, the fragment whose modules hold it.
 
     Args:
         names: the parameters' names, in the optimizer's order (the same on every rank).
         fragments: ``P``, the number of fragments (1 <= P <= the number of layers).
+        modules: each fragment's module names (:func:`resolve_fragments`), or None.
 
     Returns:
         The fragment index of each parameter, in ``names``' order.
 
     Raises:
         TypeError: ``fragments`` is not an int.
-        ValueError: ``fragments`` < 1, or more fragments than layers (a fragment would be empty).
+        ValueError: ``fragments`` < 1, or more fragments than layers (a fragment would be empty);
+            with ``modules``: a module named twice or holding no parameter, nested modules in
+            two fragments, a parameter in no fragment.
     """
+    if modules is not None:
+        return _named_split(names, modules)
     if isinstance(fragments, bool) or not isinstance(fragments, int):
         raise TypeError(f"fragments must be an int, got {type(fragments).__name__}")
     layers: dict[str, int] = {}

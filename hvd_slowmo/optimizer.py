@@ -8,24 +8,32 @@ of: the configuration (:mod:`.config`), the base algorithm (:mod:`.bases`), the 
 (:mod:`.slow_state`) and the communicators (:mod:`.comm`).
 """
 
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .amp import GradientSync
+from .amp import MixedPrecision
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
-from .comm.factory import default_communicator, worker_hierarchy
+from .comm.factory import (
+    default_communicator,
+    island_communicators,
+    worker_hierarchy,
+)
 from .comm.hierarchy import Hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, resolve_codec
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
 from .exchange import make_exchange
 from .fragment import OuterParts
-from .fragments import fragment_of
+from .fragments import fragment_of, resolve_fragments
+from .islands import Islands, LocalViews, is_distributed_tensor
+from .merge import check_samples
 from .outer_step import OuterLoop
+from .period import TimedPeriod
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
 from .slow_state import make_slow_state
@@ -47,7 +55,44 @@ def _counter(name: str) -> property:
     )
 
 
-class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptimizer):
+def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
+    """Refuse unequal work where a worker is several ranks that must step together: the ranks
+    of a node average gradients every step (``worker="node"``, a ``Hierarchy``) and the ranks
+    of an island run FSDP's collectives every step, so each rank planning its own steps
+    (``period_seconds``) would deadlock them; an island's ranks each hold a shard, so a weight
+    per rank (``merge="samples"``) would weight one island's shards differently."""
+    if worker == "process":
+        return
+    if config.timed:
+        raise ValueError(
+            f"period_seconds={config.period_seconds!r} with worker={worker!r}: the ranks of one "
+            "worker step together, while time-based periods plan each rank's steps; use "
+            "worker='process'"
+        )
+    if config.merge != "mean" and isinstance(worker, Islands):
+        raise ValueError(
+            f"merge={config.merge!r} with worker=Islands(...) is not supported: each rank "
+            "weights its own shard, so one island's shards could be weighted differently; use "
+            "merge='mean'"
+        )
+
+
+def _warn_unbalanced(split: list[int], params: list[Tensor], count: int) -> None:
+    """Warn when named fragments differ in bytes by more than 2x: the largest one's average
+    is the longest, and with overlap it must hide behind the shortest phase of the period."""
+    size = [0] * count
+    for k, p in zip(split, params):
+        size[k] += p.numel() * p.element_size()
+    if min(size) * 2 < max(size):
+        warnings.warn(
+            f"fragments: the named fragments hold {size} bytes; the largest average takes the "
+            "longest, so balance them by bytes (move modules between the lists) for an even "
+            "stream",
+            stacklevel=3,
+        )
+
+
+class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOptimizer):
     """SlowMo over a base algorithm, as a drop-in for ``horovod.torch.DistributedOptimizer``.
 
     Glossary (paper symbol -> name here): ``tau`` -> ``tau``; ``alpha`` -> ``slow_lr``;
@@ -67,8 +112,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         base: the base algorithm; it and the other settings of the algorithm (``tau``,
             ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
             ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
-            ``mix``, ``base_options``: the base algorithm's own keyword options, e.g. a gossip
-            topology) are documented and checked in :class:`hvd_slowmo.config.SlowMoConfig`.
+            ``mix``, ``merge``, ``period_seconds``, ``base_options``: the base algorithm's own
+            keyword options, e.g. a gossip topology) are documented and checked in
+            :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
             None averages none.
@@ -93,11 +139,17 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.comm.hierarchy`; needs
             ``hvd.init(process_sets="dynamic")``), or a
-            :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts.
+            :class:`~hvd_slowmo.comm.hierarchy.Hierarchy` of two communicators for other layouts,
+            or :class:`~hvd_slowmo.islands.Islands` (a 2-D ``DeviceMesh``): every island of
+            ranks, which shards the model with FSDP2 or replicates it with DDP inside, is one
+            worker, and the outer step runs on each rank's shard with the ranks holding the same
+            shard in the other islands (under ``torchrun``; docs/islands.md).
         communicator: the transport over all ranks; default one over ``engine``.
         engine: who carries the default communicator: ``"horovod"``, ``"torch"``
             (``torch.distributed``, e.g. under ``torchrun``) or ``"auto"``: Horovod where
             ``hvd.init()`` has run, else torch.distributed where it is initialized.
+        clock: the clock of time-based periods (``period_seconds``): seconds as a float,
+            default ``time.monotonic`` (a fake clock makes tests deterministic).
 
     Raises:
         TypeError, ValueError: for invalid arguments, or a configuration that differs across
@@ -133,10 +185,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
         overlap: int = 0,
-        fragments: int = 1,
+        fragments: int | Sequence[Sequence[str]] = 1,
         eager: str | None = None,
         mix: float = 0.0,
-        worker: str | Hierarchy = "process",
+        merge: str = "mean",
+        period_seconds: float | str | None = None,
+        clock: Callable[[], float] | None = None,
+        worker: str | Hierarchy | Islands = "process",
         communicator: Communicator | None = None,
         engine: str = "auto",
         **base_options: Any,
@@ -144,6 +199,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         # Everything is validated before any state is created, so a bad argument leaves nothing.
         check_base_optimizer(optimizer, DistributedOptimizer)
         codec, compression = resolve_codec(codec, compression)
+        fragments, fragment_modules = resolve_fragments(fragments)
         self.config = SlowMoConfig(
             base=base,
             base_options=base_options,
@@ -159,14 +215,46 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             codec=codec,
             error_feedback=error_feedback,
             fragments=fragments,
+            fragment_modules=fragment_modules,
             eager=eager,
             mix=mix,
+            merge=merge,
+            period_seconds=period_seconds,
         )
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                f"clock must be a callable returning seconds (e.g. time.monotonic), got {clock!r}"
+            )
+        _check_unequal_worker(self.config, worker)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_names = param_names(params, named_parameters)
-        split = fragment_of(self.param_names, self.config.fragments)
-        # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
-        self.comm = default_communicator(communicator, compression, engine)
+        split = fragment_of(self.param_names, self.config.fragments, fragment_modules)
+        if fragment_modules is not None:
+            _warn_unbalanced(split, params, self.config.fragments)
+        #: The islands of ``worker=Islands(...)``, or None.
+        self.islands = worker if isinstance(worker, Islands) else None
+        self._world_comm: Communicator | None = None  # the settings check's, with islands
+        self._island_comm: Communicator | None = None  # this rank's island, with islands
+        if self.islands is not None:
+            self.islands.check_params(
+                params, self.param_names, self.config.base_name, self.config.nonfinite
+            )
+            self.comm, self._island_comm, self._world_comm = island_communicators(
+                self.islands, communicator, compression, engine
+            )
+            worker = "process"  # one island is one worker: no node level
+        else:
+            sharded = [n for n, p in zip(self.param_names, params) if is_distributed_tensor(p)]
+            if sharded:
+                raise ValueError(
+                    f"parameters {sharded[:3]} are DTensors (FSDP2 or tensor parallel): a rank "
+                    "holds only its shard, so the ranks sharing the model must act as one "
+                    "worker. Under torchrun pass worker=hvd_slowmo.Islands(mesh) with a 2-D "
+                    "DeviceMesh (across islands x inside them); under horovodrun shard nothing "
+                    "and use worker='node' (docs/islands.md)"
+                )
+            # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
+            self.comm = default_communicator(communicator, compression, engine)
         if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
             raise ValueError(
                 f"codec={codec!r} needs a communicator with alltoall_flat and "
@@ -181,6 +269,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         ]
         #: The parameters, in the index order used on every rank (and in the saved state).
         self.params = params
+        if self.islands is not None:
+            self._check_island_replicas()
         #: Cumulative wall-clock seconds per phase (for time-per-iteration breakdowns).
         #: ``"average"`` counts only the exposed part of the exact average (with ``overlap``,
         #: the time spent at the boundary and waiting for it to land).
@@ -203,7 +293,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             config=self.config,
             comm=self.comm,
             optimizer=optimizer,
-            params=params,
+            params=LocalViews(params),
             model_buffers=self.model_buffers,
             slow_state=self.slow_state,
             exchange=self.exchange,
@@ -213,6 +303,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             parts,
             lambda: self.config.base(base_comm, **self.config.base_options),
             [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
+            clock,
         )
         self._watch_gradients(params)
 
@@ -227,6 +318,13 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         outer step that landed (over its fragment; ``overlap >= 1``; no communication), or None:
         a measure of how far the replicas drift apart between exact averages."""
         return self.outer.replica_spread
+
+    @property
+    def period(self) -> TimedPeriod | None:
+        """The time-based periods (``period_seconds``): this worker's count for the current
+        period (``steps``), every worker's recorded counts (``plans``) and ``replay(plans)``;
+        None with ``tau`` steps per period."""
+        return self.outer.period
 
     def __repr__(self) -> str:
         return (
@@ -273,8 +371,9 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         return self.comm.bytes_sent
 
     # --- the algorithm --------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One base-algorithm step; every ``tau``-th call also runs the outer step.
+    def step(self, closure: Callable[[], Any] | None = None, samples: float | None = None) -> Any:
+        """One base-algorithm step; every ``tau``-th call also runs the outer step (with
+        ``period_seconds``: the call that ends this worker's planned count for the period).
 
         Under ``torch.amp.GradScaler`` (``scaler.step(opt)``, with or without Horovod's
         ``synchronize``/``unscale_``/``skip_synchronize`` recipe) the scaler's inf/NaN verdict is
@@ -286,7 +385,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
 
         Args:
             closure: optional, re-evaluates the model and returns the loss (called once).
+            samples: the samples (or tokens) this step processed, weighting this worker's
+                pseudo-gradient under ``merge="samples"``; None counts 1 (every step the same).
         """
+        count = 1.0 if samples is None else check_samples(samples)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -304,7 +406,7 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
         with self.timer("base_comm"):
             self.base.post_step(self.num_steps)
         try:
-            self.outer.advance()
+            self.outer.advance(count)
         except Exception as e:
             # A failed collective (a dead or frozen worker) or a check that raised: say where,
             # without changing the type (hvd.elastic catches HorovodInternalError by type).
@@ -334,8 +436,10 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
             RuntimeError: the workers took different numbers of steps.
         """
         self.outer.check_progress()  # a probe in flight shares the name of the one below
-        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps)
-        if len({p["num_steps"] for p in everyone}) > 1:
+        # Time-based periods: the workers' step counts differ by design, their outer steps not.
+        by = "outer_steps" if self.config.timed else "num_steps"
+        everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps, by)
+        if len({p[by] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))
 
     def reset_base(self) -> None:
@@ -355,6 +459,8 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
     def _settings(self) -> dict[str, Any]:
         """The configuration as saved and compared across ranks, with the run's layout."""
         worker = "process" if self.node_comm is None else f"node({self.node_comm.size} ranks)"
+        if self.islands is not None:
+            worker = f"islands({self.islands.count} x {self.islands.ranks_per_island} ranks)"
         return {
             **self.config.summary(),
             "num_model_buffers": len(self.model_buffers),
@@ -364,5 +470,30 @@ class DistributedOptimizer(GradientSync, ConsensusView, SavedState, WrappedOptim
     def check_consistent(self) -> None:
         """Raise on every rank if any rank is configured differently (settings, parameter names,
         shapes, dtypes). Collective."""
+        # A DTensor's shape is the whole parameter's, so with islands every rank of the job can
+        # be compared: a rank of one island configured unlike its island's other ranks would
+        # run another outer schedule and hang the island's FSDP collectives.
         params = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]
-        check_same_everywhere(self.comm, {**self._settings(), "params": params})
+        check_same_everywhere(self._world_comm or self.comm, {**self._settings(), "params": params})
+
+    def _check_island_replicas(self) -> None:
+        """With unsharded (DDP) islands, raise on every rank if the ranks of an island start from
+        different parameters (a missing broadcast: each would train its own model). Collective
+        over the job (every rank raises, none waits); FSDP islands hold one copy per shard and
+        skip it."""
+        if self.islands is None or self._world_comm is None:
+            return
+        if any(is_distributed_tensor(p) for p in self.params):
+            return
+        with torch.no_grad():
+            mine = [float(p.double().sum()) for p in self.params]
+        everyone = self._world_comm.allgather_object((self.islands.index, mine))
+        first: dict[int, list[float]] = {}
+        for island, sums in everyone:
+            if first.setdefault(island, sums) != sums:
+                raise ValueError(
+                    f"worker=Islands(...): the ranks of island {island} hold different "
+                    "parameters at construction; replicate the model inside each island (DDP "
+                    "does when it wraps the model, or broadcast the parameters) before building "
+                    "the optimizer"
+                )

@@ -27,6 +27,7 @@ from .bases.base import BaseAlgorithm
 from .buffers import reset_buffers
 from .eager import check_shares
 from .fragment import Fragment, InFlight, OuterParts, make_fragments
+from .period import TimedPeriod
 from .state_format import check_in_flight
 
 __all__ = ["InFlight", "OuterLoop", "Position"]
@@ -64,12 +65,18 @@ class OuterLoop:
             every change of workers).
         split: the parameter indices of each fragment
             (:func:`hvd_slowmo.fragments.fragment_of`); None: one fragment, the whole model.
+        clock: the clock of time-based periods (``period_seconds``; default
+            ``time.monotonic``).
 
     Attributes:
         position: the step counters (:class:`Position`).
         fragments: the fragments (:class:`~hvd_slowmo.fragment.Fragment`), in period order.
         base: the base algorithm.
         exchange: the parameters' exchange (:mod:`hvd_slowmo.exchange`).
+        samples: the samples this worker reported in total (``step(samples=n)``; one per base
+            step by default), for a weighted merge.
+        period: the time-based periods (:class:`~hvd_slowmo.period.TimedPeriod`), or None:
+            ``tau`` base steps per period.
         replica_spread: this worker's RMS distance ``|s_i - avg|`` from the workers' average at
             the boundary of the last outer step that landed, over its fragment (no
             communication; ``overlap >= 1`` only), or None.
@@ -80,6 +87,7 @@ class OuterLoop:
         parts: OuterParts,
         make_base: Callable[[], BaseAlgorithm],
         split: list[list[int]] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.parts, self.config, self.comm = parts, parts.config, parts.comm
         self.exchange = parts.exchange
@@ -88,8 +96,17 @@ class OuterLoop:
         self.fragments = make_fragments(parts, split or [list(range(len(parts.params)))])
         self._at = {f.boundary: f for f in self.fragments}  # inner step -> whose boundary
         self.replica_spread: float | None = None
+        self.samples = 0.0
+        seconds = self.config.period_seconds  # seconds: parsed by the configuration
+        self.period = (
+            None
+            if seconds is None
+            else TimedPeriod(float(seconds), self.config.tau, self.comm.rank, self.comm.size, clock)
+        )
+        if self.period is not None:
+            self.period.begin()
         self.base = make_base()
-        self.base.attach(parts.params)
+        self.base.attach(parts.params.keys)
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -112,7 +129,7 @@ class OuterLoop:
         """A fresh base algorithm for the current workers (gossip graph, transport, push-sum
         weight); messages of the previous one still in flight are dropped."""
         self.base = self._make_base()
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     def add_params(self, new: list[Tensor]) -> None:
         """Parameters appended to the (single) fragment by ``add_param_group``.
@@ -123,33 +140,53 @@ class OuterLoop:
         (whole,) = self.fragments  # config: add_param_group needs fragments=1
         whole.members.extend(range(len(self.parts.params) - len(new), len(self.parts.params)))
         whole.eager.extend(new)
-        self.base.attach(self.parts.params)
+        self.base.attach(self.parts.params.keys)
 
     # --- the schedule ----------------------------------------------------------------------
-    def advance(self) -> None:
+    def advance(self, samples: float = 1.0) -> None:
         """After a base step: count it; land the outer steps whose delay is up, then start
         (and with ``overlap=0`` land) the outer step of the fragment whose boundary this is;
         the boundary of the fragment that ends the period turns the counters over. Collective
-        then."""
+        then.
+
+        Args:
+            samples: the samples (or tokens) the step processed, for a weighted merge.
+        """
         pos = self.position
         pos.num_steps += 1
         pos.inner_step += 1
+        self.samples += samples
         for fragment in self.fragments:
             if fragment.in_flight is not None:
                 fragment.in_flight.poll()
         for fragment in self.fragments:
             if fragment.due(pos.inner_step):
                 self._land(fragment)
-        starting = self._at.get(pos.inner_step)
-        if starting is None:
-            return
+        starting = self._starting(pos.inner_step)
+        if starting is not None:
+            self._boundary(starting)
+
+    def _boundary(self, starting: Fragment) -> None:
+        """Start (and with ``overlap=0`` land) ``starting``'s outer step; turn the counters
+        over at the period's end."""
+        pos, period = self.position, self.period
+        seconds = None if period is None else period.seconds_per_step(pos.inner_step)
         with self.parts.timer("average"):
-            starting.start(self.base, pos.num_steps, pos.outer_steps)
+            starting.start(self.base, pos.num_steps, pos.outer_steps, self.samples, seconds)
         if self.config.overlap == 0:
             self._land(starting)
         if starting.ends_period:
             pos.inner_step = 0
             pos.outer_steps += 1
+            if period is not None:
+                period.begin()  # the wait at the outer step is not the worker's step time
+
+    def _starting(self, inner_step: int) -> Fragment | None:
+        """The fragment whose boundary is ``inner_step`` (time-based periods: the one fragment,
+        at this period's planned count), or None."""
+        if self.period is not None:
+            return self.fragments[0] if inner_step == self.period.steps else None
+        return self._at.get(inner_step)
 
     def _land(self, fragment: Fragment) -> None:
         """Land ``fragment``'s outer step; a non-finite worker (``nonfinite="skip"``) restarts
@@ -158,6 +195,8 @@ class OuterLoop:
         if spread is not None:
             self.replica_spread = spread
         if landed:
+            if self.period is not None and fragment.merged is not None:
+                self.period.replan(fragment.merged.seconds)
             return
         self._back_to_anchor(reset=True)
         self.base.after_average(True)
@@ -172,8 +211,11 @@ class OuterLoop:
         params = self.parts.params
         self.parts.slow_state.restore_([p.detach() for p in params])
         self.exchange.reset()
+        for f in self.fragments:
+            if f.work is not None:  # the next pseudo-gradients start here
+                f.work.restart(self.samples, self.position.num_steps)
         if reset:
-            reset_buffers(self.parts.optimizer.state, params)
+            reset_buffers(self.parts.optimizer.state, params.keys)
 
     def flush(self) -> None:
         """Land the outer steps in flight now, and mix gossip messages in flight. Collective."""
@@ -209,6 +251,9 @@ class OuterLoop:
         for fragment in self.fragments:
             fragment.drop()  # the in-flight average and the shares belong to the old workers
         self.rebuild_base()
+        if self.period is not None:  # its slots and plan follow the new ranks
+            self.period.rank, self.period.size = self.comm.rank, self.comm.size
+            self.period.begin()
         captured = self.parts.slow_state.captured
         dropped = pos.inner_step - back_to
         # With several fragments the others are off their anchors even when nothing is dropped.
@@ -218,6 +263,9 @@ class OuterLoop:
             periods_back = -(back_to // tau)  # a negative offset is in an earlier period
             pos.inner_step = back_to + periods_back * tau
             pos.outer_steps -= periods_back
+            for f in self.fragments:
+                if f.work is not None:
+                    f.work.restart(self.samples, pos.num_steps)
             who = f"outer step {pos.outer_steps}"
             who = f"every fragment of {who}" if len(self.fragments) > 1 else who
             what = (
@@ -277,7 +325,43 @@ class OuterLoop:
             else {**flight.state_dict(), "fragments": len(self.fragments)},
             "eager_shares": None if shares is None else dict(enumerate(shares)),
             "exchange": self.exchange.state_dict(),
+            # Only with a weighted merge or time-based periods (older states lack them).
+            **self._unequal_state(),
         }
+
+    def _unequal_state(self) -> dict[str, Any]:
+        """The ``"work"`` (samples, each fragment's marks and unit) and ``"period"`` entries."""
+        out: dict[str, Any] = {}
+        if any(f.work is not None for f in self.fragments):
+            out["work"] = {
+                "samples": self.samples,
+                "fragments": [f.work.state_dict() for f in self.fragments if f.work is not None],
+            }
+        if self.period is not None:
+            out["period"] = self.period.state_dict()
+        return out
+
+    def load_unequal(self, work: Any, period: Any) -> None:
+        """Take back :meth:`_unequal_state`'s entries (after :meth:`commit_load`; never raises);
+        absent or damaged (a state saved without them): the marks start at the loaded step and
+        the unit stays.
+
+        Args:
+            work: the saved ``"work"`` entry, or None.
+            period: the saved ``"period"`` entry, or None.
+        """
+        pos = self.position
+        total = work.get("samples") if isinstance(work, dict) else None
+        if isinstance(total, (int, float)) and not isinstance(total, bool):
+            self.samples = float(total)
+        saved = work.get("fragments", []) if isinstance(work, dict) else []
+        for f in self.fragments:
+            if f.work is None:
+                continue
+            if len(saved) != len(self.fragments) or not f.work.load(saved[f.index]):
+                f.work.restart(self.samples, pos.num_steps)
+        if self.period is not None:
+            self.period.load(period if isinstance(period, dict) else None)
 
     def prepare_load(
         self, position: dict[str, Any], saved: Any, base_state: dict[str, Any]

@@ -27,7 +27,12 @@ __all__ = [
 
 
 def gather_progress(
-    comm: Communicator, at: str, finite: bool, num_steps: int, outer_steps: int
+    comm: Communicator,
+    at: str,
+    finite: bool,
+    num_steps: int,
+    outer_steps: int,
+    by: str = "num_steps",
 ) -> list[dict[str, Any]]:
     """Every worker's progress, in rank order. Collective.
 
@@ -43,12 +48,13 @@ def gather_progress(
         finite: whether this worker's parameters are finite.
         num_steps: this worker's base steps so far.
         outer_steps: this worker's outer steps so far.
+        by: the count compared (:func:`progress_probe`).
 
     Raises:
         RuntimeError: workers are at different places (one finishing, one at an outer step).
     """
     mine = {"at": at, "finite": finite, "num_steps": num_steps, "outer_steps": outer_steps}
-    probe = progress_probe(mine)
+    probe = progress_probe(mine, by)
     comm.average_([probe], name=PROGRESS)
     return read_progress(comm, probe, mine)
 
@@ -57,14 +63,16 @@ def gather_progress(
 PROGRESS = "hvd_slowmo.progress"
 
 
-def progress_probe(mine: dict[str, Any]) -> Tensor:
+def progress_probe(mine: dict[str, Any], by: str = "num_steps") -> Tensor:
     """The 4 numbers :func:`gather_progress` averages: non-finite flag, finishing flag, step
     count and its square (an overlapped outer step averages it in the background).
 
     Args:
         mine: this worker's ``{"at", "finite", "num_steps", "outer_steps"}``.
+        by: the count every worker must agree on: ``"num_steps"``, or ``"outer_steps"`` where
+            the workers take different numbers of base steps (time-based periods).
     """
-    n = float(mine["num_steps"])
+    n = float(mine[by])
     bad, finishing = (0.0 if mine["finite"] else 1.0), (1.0 if mine["at"] == "finish" else 0.0)
     return torch.tensor([bad, finishing, n, n * n], dtype=torch.float64)
 

@@ -83,7 +83,7 @@ class SavedState:
         Raises:
             ValueError: a state from an unknown format version, another model, or configuration.
         """
-        s = check_saved_state(state_dict, len(self.params), self.tau)
+        s = check_saved_state(state_dict, len(self.params), self._inner_limit(state_dict))
         position = s["position"]
         changes = saved_config_changes(s.get("config"), self._settings())
         loaded = self.slow_state.prepare_load(
@@ -98,6 +98,7 @@ class SavedState:
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
         self.slow_state.commit_load(loaded)
         self.outer.commit_load(position, in_flight, shares, s.get("exchange"))
+        self.outer.load_unequal(s.get("work"), s.get("period"))
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
             warnings.warn(
@@ -112,6 +113,16 @@ class SavedState:
             self.adopt_world(
                 f"a state saved by {saved_size} workers was loaded by {self.comm.size}"
             )
+
+    def _inner_limit(self, state_dict: Any) -> int:
+        """The bound of a saved ``inner_step``: ``tau``, or with time-based periods the saved
+        period's planned count (a worker may take more than ``tau`` steps in a period)."""
+        saved = state_dict.get("slowmo") if isinstance(state_dict, dict) else None
+        period = saved.get("period") if isinstance(saved, dict) else None
+        steps = period.get("steps") if isinstance(period, dict) else None
+        if self.outer.period is None or not isinstance(steps, int):
+            return self.tau
+        return max(self.tau, steps)
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         """Give every rank ``root_rank``'s full optimizer state (base state, anchor, slow buffer,

@@ -4,8 +4,9 @@
 # NCCL into the environment (one rank per GPU), and staged (CUDA tensors through host memory, so
 # two ranks can share the GPU) into OUT/staged-horovod. Meanwhile the `cuda` tests that need no
 # Horovod run (thread workers; two processes over torch.distributed's Gloo). Each Horovod's tests
-# start as soon as it is built; then the ResNet-50 benchmark (benchmarks/gpu_resnet50.py) and
-# the codec cost (benchmarks/codec_cost.py) run alone on the GPU. Every step has its own log in
+# start as soon as it is built (every test group in pytest's full tier; a group that selects no
+# test fails); then the ResNet-50 benchmark (benchmarks/gpu_resnet50.py) and the codec cost
+# (benchmarks/codec_cost.py) run alone on the GPU. Every step has its own log in
 # OUT and a timeout cut to what the budget has left; a summary of figures (each step's status
 # and time, the benchmark's rows, device, driver, torch and CUDA versions) ends the run and is
 # written to OUT/summary.md and OUT/summary.json. Exit status: 0 when every step passed.
@@ -96,10 +97,7 @@ INSTALL=("$ROOT/scripts/install_horovod.sh" --python "$PY" --mpi "$MPI")
 [ -z "$WHEELHOUSE" ] || INSTALL+=(--wheelhouse "$WHEELHOUSE")
 
 # Each step's own limit (seconds) and what the steps after it keep back.
-declare -A WANT=(
-  [facts]=30 [nccl]=300 [staged]=300 [tests-threads]=240 [tests-torchdist]=240
-  [tests-nccl]=150 [tests-staged]=150 [bench]=90 [codec]=45
-)
+declare -A WANT=([facts]=30 [nccl]=300 [staged]=300 [bench]=90 [codec]=45)
 # What a step keeps back for the steps after it (seconds): a build, some time for the Horovod
 # tests after it and the benchmarks; a test group (they all run beside the builds or after
 # them), the benchmarks; the ResNet-50 benchmark, the codec cost. Another 5 s are for the
@@ -112,14 +110,23 @@ wanted bench && RESERVE_AFTER_TESTS=$(( RESERVE_AFTER_BENCH + (QUICK ? 30 : 45) 
 RESERVE_AFTER_BUILDS=$RESERVE_AFTER_TESTS
 wanted tests && RESERVE_AFTER_BUILDS=$(( RESERVE_AFTER_TESTS + (QUICK ? 20 : 45) ))
 
-# The pytest selection of each test step (tests/test_cuda.py; markers in pytest.ini).
-TEST_FILE=$ROOT/tests/test_cuda.py
-declare -A TEST_SELECT=(
-  [tests-threads]="-m|cuda and not horovod and not torchdist"
-  [tests-torchdist]="-m|cuda and torchdist"
-  [tests-nccl]="-m|cuda and horovod|-k|not staged"
-  [tests-staged]="-m|cuda and horovod|-k|staged"
-)
+# The test groups, in order: each is one pytest process over one test file (markers in
+# pytest.ini), in the full tier of tests/conftest.py (its default tier deselects the launches),
+# with its own limit (s), log and timeout. `test_group NAME LIMIT AFTER SELECTION [FILE]`: AFTER
+# is when it starts (start: at once; nccl, staged: as soon as that Horovod is built, and the
+# staged one is handed to it); SELECTION is pytest's arguments, separated by |; FILE is relative
+# to the repository (default tests/test_cuda.py). A group that selects no test fails.
+TEST_TIER=full
+TEST_GROUPS=()
+declare -A TEST_SELECT=() TEST_AFTER=() TEST_FILE=()
+test_group() {
+  TEST_GROUPS+=("$1"); WANT[$1]=$2; TEST_AFTER[$1]=$3; TEST_SELECT[$1]=$4
+  TEST_FILE[$1]=${5:-tests/test_cuda.py}
+}
+test_group tests-threads 240 start "-m|cuda and not horovod and not torchdist"
+test_group tests-torchdist 240 start "-m|cuda and torchdist"
+test_group tests-nccl 150 nccl "-m|cuda and horovod|-k|not staged"
+test_group tests-staged 150 staged "-m|cuda and horovod|-k|staged"
 if [ "$QUICK" = 1 ]; then
   TEST_SELECT[tests-threads]="-m|cuda and not horovod and not torchdist|-k|base_on_device"
   TEST_SELECT[tests-nccl]="-m|cuda and horovod|-k|np1"
@@ -135,13 +142,13 @@ bench_cmds() {
 }
 bench_cmds
 
-# pytest's command for a test step (pytest-timeout bounds each test where it is installed).
+# pytest's command for a test group (pytest-timeout bounds each test where it is installed).
 PYTEST_TIMEOUT=""
 pytest_cmd() {
   local name=$1 sel
   IFS='|' read -r -a sel <<<"${TEST_SELECT[$name]}"
-  CMD=("$PY" -m pytest "$TEST_FILE" "${sel[@]}" -v -rA -p no:cacheprovider --rootdir "$ROOT"
-       --junitxml "$OUT/$name.xml")
+  CMD=("$PY" -m pytest "$ROOT/${TEST_FILE[$name]}" "${sel[@]}" --tier "$TEST_TIER" -v -rA
+       -p no:cacheprovider --rootdir "$ROOT" --junitxml "$OUT/$name.xml")
   if [ -z "$PYTEST_TIMEOUT" ]; then  # asked once
     PYTEST_TIMEOUT=no
     if [ "$DRY" = 1 ] || "$PY" -c 'import pytest_timeout' 2>/dev/null; then PYTEST_TIMEOUT=yes; fi
@@ -151,10 +158,14 @@ pytest_cmd() {
 
 if [ "$DRY" = 1 ]; then
   show() { local a out=""; for a in "$@"; do out+=" $(printf '%q' "$a")"; done; echo "${out# }"; }
-  tests_of() {
+  tests_of() {  # WHEN: the groups that start then
     local t
     wanted tests || return 0
-    for t in "$@"; do pytest_cmd "$t"; echo "  $t: $(show "${CMD[@]}")"; done
+    for t in "${TEST_GROUPS[@]}"; do
+      [ "${TEST_AFTER[$t]}" = "$1" ] || continue
+      pytest_cmd "$t"
+      echo "  $t: $(show "${CMD[@]}")"
+    done
   }
   echo "gpu_check: plan (--dry-run: nothing runs), budget ${BUDGET}s, ${CORES} cores, out $OUT"
   echo "steps: $STEPS${MAX_STEP:+ (no step over ${MAX_STEP}s)}"
@@ -163,13 +174,13 @@ if [ "$DRY" = 1 ]; then
   wanted nccl && echo "  nccl: $(show "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu yes)"
   wanted staged && echo "  staged: $(show "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu staged \
     --target "$OUT/staged-horovod")"
-  tests_of tests-threads tests-torchdist
+  tests_of start
   echo "  for compute capabilities ${HOROVOD_BUILD_CUDA_CC_LIST:-of the GPUs present (from torch)}"
   echo "3. as each build ends, its tests (in parallel):"
   wanted nccl || echo "  (no nccl step: the environment's Horovod, if any)"
-  tests_of tests-nccl
+  tests_of nccl
   wanted staged || echo "  (no staged step: a staged Horovod from an earlier call in OUT, if any)"
-  tests_of tests-staged
+  tests_of staged
   echo "4. alone on the GPU:"
   wanted bench && echo "  bench: $(show "${BENCH[@]}")"
   wanted codec && echo "  codec: $(show "${CODEC[@]}")"
@@ -227,17 +238,27 @@ start() {
 }
 # finish NAME: wait for a started step and record it; returns its exit status.
 finish() {
-  local name=$1 rc end status
+  local name=$1 rc end status empty=0
   [ -n "${PID[$name]:-}" ] || return 1
   wait "${PID[$name]}"
   read -r rc end < "$OUT/.$name.rc" || { rc=1; end=$(date +%s); }
   unset "PID[$name]"
-  case "$rc" in
-    0) status=passed ;;
-    124|137) status="TIMED OUT after ${LIMIT[$name]}s" ;;
-    *) status="FAILED (exit $rc)" ;;
-  esac
+  # A test group whose selection collects nothing (pytest's exit 5, "0 selected") checked
+  # nothing: a failure, said as such.
+  if [ -n "${TEST_SELECT[$name]:-}" ] && { [ "$rc" = 5 ] \
+       || { [ "$rc" = 0 ] && grep -q '/ 0 selected' "$OUT/$name.log"; }; }; then
+    rc=5 empty=1
+    status="FAILED: no test selected"
+  else
+    case "$rc" in
+      0) status=passed ;;
+      124|137) status="TIMED OUT after ${LIMIT[$name]}s" ;;
+      *) status="FAILED (exit $rc)" ;;
+    esac
+  fi
   echo "gpu_check: -- $name $status ($(( end - BEGAN[$name] ))s)"
+  [ "$empty" = 0 ] || echo "gpu_check: $name: no test selected by pytest" \
+    "${TEST_SELECT[$name]//|/ } --tier $TEST_TIER in ${TEST_FILE[$name]}"
   if [ "$rc" != 0 ]; then FAILED=1; tail -n 30 "$OUT/$name.log"; fi
   record "$name" "$status" "$(( end - BEGAN[$name] ))" "${LIMIT[$name]}"
   return "$rc"
@@ -247,12 +268,22 @@ summary() {
   echo
   "$PY" "$ROOT/scripts/gpu_summary.py" "$OUT" || { echo "(summary failed)"; cat "$OUT/steps.tsv"; }
 }
+# start_tests WHEN [ENV...]: start the test groups that start then, with ENV.
 start_tests() {
   wanted tests || return 0
-  local name=$1
-  pytest_cmd "$name"
+  local when=$1 name
   shift
-  start "$name" "$RESERVE_AFTER_TESTS" env "$@" "${CMD[@]}" || true
+  for name in "${TEST_GROUPS[@]}"; do
+    [ "${TEST_AFTER[$name]}" = "$when" ] || continue
+    pytest_cmd "$name"
+    start "$name" "$RESERVE_AFTER_TESTS" env "$@" "${CMD[@]}" || true
+  done
+}
+# skip_tests WHEN REASON: the test groups that would start then do not run, for REASON.
+skip_tests() {
+  wanted tests || return 0
+  local name
+  for name in "${TEST_GROUPS[@]}"; do [ "${TEST_AFTER[$name]}" != "$1" ] || skip "$name" "$2"; done
 }
 
 # shellcheck disable=SC2329  # exported and run by `run_step facts ... bash -c facts`
@@ -305,18 +336,17 @@ fi
 wanted nccl && start nccl "$RESERVE_AFTER_BUILDS" env "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu yes
 wanted staged && start staged "$RESERVE_AFTER_BUILDS" env "${BUILD_ENV[@]}" "${INSTALL[@]}" --gpu staged \
   --target "$STAGED"
-start_tests tests-threads
-start_tests tests-torchdist
+start_tests start
 # Phase 2: each Horovod's tests as soon as it is built (whichever build ends first).
 built() {  # NAME OK: start the tests of the Horovod that step NAME built (OK=1) or say why not
   case "$1" in
     nccl)
-      if [ "$2" = 1 ]; then start_tests tests-nccl
-      elif wanted tests; then skip tests-nccl "the NCCL Horovod did not build"; fi ;;
+      if [ "$2" = 1 ]; then start_tests nccl
+      else skip_tests nccl "the NCCL Horovod did not build"; fi ;;
     staged)
-      if [ "$2" = 1 ]; then start_tests tests-staged "HVD_SLOWMO_STAGED_HOROVOD=$STAGED"
-      elif wanted tests; then
-        skip tests-staged "no staged Horovod (the staged step failed, or was not run: --steps staged)"
+      if [ "$2" = 1 ]; then start_tests staged "HVD_SLOWMO_STAGED_HOROVOD=$STAGED"
+      else
+        skip_tests staged "no staged Horovod (the staged step failed, or was not run: --steps staged)"
       fi ;;
   esac
 }
@@ -339,7 +369,7 @@ while [ ${#BUILDING[@]} -gt 0 ]; do
   BUILDING=("${LEFT[@]}")
   [ ${#BUILDING[@]} -eq 0 ] || sleep 1
 done
-for name in tests-threads tests-torchdist tests-nccl tests-staged; do
+for name in "${TEST_GROUPS[@]}"; do
   [ -z "${PID[$name]:-}" ] || finish "$name"
 done
 # Phase 3: the benchmarks, alone on the GPU.

@@ -4,7 +4,7 @@ written to ``OUT/summary.md`` (and ``OUT/summary.json``), from the files the che
 Reads (each optional; what is missing is said so in the table):
   steps.tsv    one line per step: name, status, seconds, limit (written by gpu_check.sh)
   facts.json   device, driver, Python, torch and CUDA versions (the facts step)
-  tests-*.log  pytest's last line: passed / failed / skipped counts
+  tests-*.log  pytest's last line: passed / failed / skipped / deselected counts
   bench.log    benchmarks/gpu_resnet50.py's Markdown tables: the ms/iteration rows
   codec.json   benchmarks/codec_cost.py's rows: ms per MB of encode, decode and mean
 
@@ -21,7 +21,9 @@ from typing import Any
 
 __all__ = ["bench_rows", "collect", "pytest_counts", "render", "step_rows"]
 
-_PYTEST_TOTALS = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)\b")
+_PYTEST_TOTALS = re.compile(
+    r"(\d+) (passed|failed|skipped|deselected|error|errors|xfailed|xpassed)\b"
+)
 
 
 def step_rows(text: str) -> list[dict[str, str]]:
@@ -35,7 +37,7 @@ def step_rows(text: str) -> list[dict[str, str]]:
 
 def pytest_counts(log: str) -> dict[str, int]:
     """The counts of pytest's final summary line (``== 3 passed, 1 skipped in 9.1s ==``) in a
-    log; empty when pytest never got that far (killed by its timeout)."""
+    log, ``deselected`` included; empty when pytest never got that far (killed by its timeout)."""
     for line in reversed(log.splitlines()):
         if line.startswith("=") and " in " in line and _PYTEST_TOTALS.search(line):
             counts: dict[str, int] = {}
@@ -107,11 +109,20 @@ def collect(out_dir: str) -> dict[str, Any]:
     }
 
 
-def _tests_cell(counts: dict[str, int] | None) -> str:
+def _tests_cell(row: dict[str, Any]) -> str:
+    """A test group's pytest counts, or what is known when there are none: it selected no test
+    (the check's status says so, or every collected test was deselected), it timed out, or its
+    log says why."""
+    counts = row.get("tests")
     if counts is None:
         return ""
+    if "no test selected" in row["status"] or (counts and set(counts) == {"deselected"}):
+        deselected = counts.get("deselected")
+        return "no test selected" + (f" ({deselected} deselected)" if deselected else "")
     if not counts:
-        return "no pytest summary (killed?)"
+        if row["status"].startswith("TIMED OUT"):
+            return "no pytest summary (timed out)"
+        return f"no pytest summary (see {row['step']}.log)"
     return ", ".join(f"{n} {what}" for what, n in counts.items())
 
 
@@ -132,7 +143,7 @@ def render(summary: dict[str, Any]) -> str:
     for row in summary["steps"]:
         lines.append(
             f"| {row['step']} | {row['status']} | {row['seconds']} ({row['limit']}) | "
-            f"{_tests_cell(row.get('tests'))} |"
+            f"{_tests_cell(row)} |"
         )
     bench = summary["bench"]
     lines.append("")

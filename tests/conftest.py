@@ -52,12 +52,14 @@ DEFAULT_LAUNCHES = (
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-gloo]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-mpi]",
     "tests/test_horovod_core.py::test_configuration_mismatch_is_an_error_not_a_hang",
+    "tests/test_islands.py::test_two_islands_equal_the_unsharded_run",
     "tests/test_overlap_horovod.py::test_anchors_bitwise_equal_and_match_reference[np3-gloo]",
     "tests/test_sharded.py::test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded[np2-gloo]",
     "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np2-gloo]",
     "tests/test_streaming_horovod.py::test_fragments_and_eager_match_the_reference_on_gloo",
     "tests/test_torchdist.py::test_communicator_collectives_config_check_and_amp[3]",
     "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
+    "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
 # In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
 # processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json

@@ -67,6 +67,8 @@ def reference_streaming(
     model_fn: Callable[[], nn.Module] = make_model,
     average: Average | None = None,
     mix: float = 0.0,
+    outer_sgd: tuple[float, float] | None = None,
+    spreads: list[list[float]] | None = None,
 ) -> tuple[list[nn.Module], list[list[torch.Tensor]]]:
     """Replay streaming (and eager) SlowMo over Local SGD for ``m`` workers.
 
@@ -78,6 +80,11 @@ def reference_streaming(
     ``eager``: False, True (the estimate with the other workers' previous shares ``c_i``) or
     ``"local"`` (the worker's own outer gradient alone). ``mix``: the mixing factor at each
     landing (the model buffers mix the same way, with their average in place of ``x0``).
+    ``outer_sgd=(lr, momentum)``: the slow update is a custom outer optimizer, torch's SGD over
+    the fragment's anchor with the unscaled pseudo-gradient ``x0 - avg`` (``buf <- momentum buf +
+    g`` after a first ``buf = g``; ``x0 <- x0 - lr buf``), stepped for the landing fragment alone.
+    ``spreads``, if given, receives at every landing each worker's RMS distance of its snapshot
+    ``s_i`` from ``avg`` over the fragment's elements (``opt.replica_spread``).
 
     Returns:
         Each worker's model, and the anchor (all parameters) after every landing, in order.
@@ -99,14 +106,33 @@ def reference_streaming(
     pending: dict[int, tuple] = {}  # fragment -> (lands at, gamma, avg, bases, buffer avg, snaps)
     anchors = []
 
+    sgd_bufs: dict[int, torch.Tensor] = {}
+
     def land(f: int) -> None:
-        _, gamma, avg, bases, avg_b, snap_b = pending.pop(f)
+        _, gamma, avg, bases, avg_b, snap_b, raw = pending.pop(f)
+        if spreads is not None:
+            count = sum(avg[j].numel() for j in members[f])
+            spreads.append(
+                [
+                    (
+                        sum(float((r[j] - avg[j]).double().square().sum()) for j in members[f])
+                        / count
+                    )
+                    ** 0.5
+                    for r in raw
+                ]
+            )
         for j in members[f]:
             if eager is True:
                 for c in others:
                     c[j] = c[j] + (anchor[j] - avg[j]) * (1.0 / gamma)
             diff = avg[j] - anchor[j]
-            if plain:
+            if outer_sgd is not None:
+                lr, momentum = outer_sgd
+                g = anchor[j] - avg[j]
+                sgd_bufs[j] = g.clone() if j not in sgd_bufs else sgd_bufs[j] * momentum + g
+                anchor[j] = torch.add(anchor[j], sgd_bufs[j], alpha=-lr)
+            elif plain:
                 anchor[j] = avg[j].clone()
             else:
                 slow[j] = torch.add(slow[j] * slow_momentum, diff, alpha=-1.0 / gamma)
@@ -140,6 +166,7 @@ def reference_streaming(
             got = average(members[f], snaps, [anchor[j] for j in members[f]])
             avg = dict(zip(members[f], got))
         bases = [{j: params[i][j].detach().clone() for j in members[f]} for i in range(m)]
+        raw = [dict(b) for b in bases]  # the snapshots, before eager moves the bases
         snap_b, avg_b = None, None
         if f == fragments - 1:  # the model buffers travel with the last fragment
             snap_b = [[b.clone() for b in bufs[i]] for i in range(m)]
@@ -157,7 +184,7 @@ def reference_streaming(
                     step = torch.add(est, u_hat, alpha=slow_momentum) if nesterov else u_hat
                     bases[i][j] = torch.add(anchor[j], step, alpha=-slow_lr * gamma)
                     params[i][j].copy_(bases[i][j])
-        pending[f] = (n + delay, gamma, avg, bases, avg_b, snap_b)
+        pending[f] = (n + delay, gamma, avg, bases, avg_b, snap_b, raw)
 
     for k in range(steps):
         if lr_schedule is not None:

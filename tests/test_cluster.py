@@ -476,6 +476,24 @@ def test_sweep_table_and_plot(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_slow_factor_slows_the_last_host_only():
+    spec = importlib.util.spec_from_file_location(
+        "cluster_worker", os.path.join(ROOT, "benchmarks", "cluster_worker.py")
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    workload = {"workload": "synthetic", "compute_ms": 100.0, "slow_factor": 2.0}
+    assert [worker.host_compute_ms(workload, r, 4) for r in range(4)] == [100.0] * 3 + [200.0]
+    assert worker.host_compute_ms({"compute_ms": 50}, 3, 4) == 50.0  # no factor: alike
+    p = cluster._parser()
+    _, workloads, _, _ = cluster._checked(p, p.parse_args(["--slow-factor", "2", "--hosts", "4"]))
+    assert workloads[0]["slow_factor"] == 2.0
+    _, workloads, _, _ = cluster._checked(p, p.parse_args([]))
+    assert "slow_factor" not in workloads[0]  # specs of alike hosts unchanged
+    with pytest.raises(SystemExit):
+        cluster._checked(p, p.parse_args(["--slow-factor", "0.5"]))
+
+
 def test_synthetic_backward_sleeps_between_layers(monkeypatch):
     spec = importlib.util.spec_from_file_location(
         "cluster_worker", os.path.join(ROOT, "benchmarks", "cluster_worker.py")

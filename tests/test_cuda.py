@@ -8,6 +8,7 @@ torch finds no CUDA GPU.
   equals the same run on the CPU; ranks are bitwise equal after every exact average.
 - Horovod's GradScaler recipe with fp16 autocast, with and without an overflow forced on one rank.
 - ``channels_last`` parameters; bf16 + fp16 + fp32 parameters (one flat gossip message per dtype).
+- The int8 and fp8 codecs: the same codes, scales and decoded values on the device as on the CPU.
 - Under horovodrun: Horovod's grouped average of device tensors and SlowMo on the device
   (``-np 1``: NCCL on a GPU); two ranks sharing one GPU with a Horovod built by
   ``install_horovod.sh --gpu staged`` (CUDA tensors staged through host memory: NCCL refuses two
@@ -31,6 +32,7 @@ from torch import nn
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.compression import decode, encode
 
 from amp_run import mlp
 from device_run import (
@@ -396,6 +398,34 @@ def timeline_activities(path) -> set:
     return {e.get("name") for e in events if isinstance(e, dict) and e.get("ph") == "B"}
 
 
+#: The largest code of each scaled codec (the block's absmax maps to it).
+CODE_MAX = {"int8": 127.0, "fp8": 448.0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", list(CODE_MAX))
+def test_codec_bits_equal_on_device(codec, device):
+    """A scaled codec's scale is absmax / code_max rounded once to float32, on every device, so
+    the codes and the decoded values are the CPU's bits. Dividing by a Python number, torch on
+    CUDA multiplies by the float32 reciprocal instead, one ulp off for many blocks: the H200's
+    fp8 run differed from its CPU replay by that ulp (issue 35)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = 64  # of 256 elements (the default block), magnitudes from 1e-3 to 10
+    magnitude = torch.logspace(-3, 1, blocks).repeat_interleave(256)
+    x = torch.randn(blocks * 256, generator=g) * magnitude
+    amax = x.view(blocks, 256).abs().amax(dim=1)
+    # float64 holds a float32 quotient exactly enough (53 >= 2 * 24 + 2 bits) that rounding it
+    # to float32 gives the correctly rounded float32 quotient.
+    exact = (amax.double() / CODE_MAX[codec]).float()
+    by_reciprocal = amax * torch.tensor(1 / CODE_MAX[codec], dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, exact), "these blocks would not catch a reciprocal"
+    want = encode(x, codec)
+    got = encode(x.to(device), codec)
+    assert torch.equal(got.scales.cpu(), exact), "not the correctly rounded absmax / code_max"
+    assert torch.equal(got.codes.cpu().view(torch.uint8), want.codes.view(torch.uint8))
+    assert torch.equal(decode(got, codec).cpu(), decode(want, codec))
+
+
 @pytest.mark.horovod
 @pytest.mark.parametrize("device", DEVICES)
 def test_horovod_average_and_slowmo_on_device_np1(tmp_path, device):
@@ -501,7 +531,8 @@ def staged_horovodrun(np_: int, args: list[str]) -> None:
 CUDA_TOLERANCE = {
     name: (
         (1e-9, 1e-11, "float64 on both devices: only the kernels' summation order differs; "
-         "the codecs' float32 payload is rounded from values equal to ~1e-16")
+         "the codecs' float32 payload is rounded from values equal to ~1e-16, and their "
+         "scales are the same bits on both (test_codec_bits_equal_on_device)")
         if f64
         else (0.0, 5e-3, "fp16 autocast: the GPU's fp16 GEMMs accumulate in another order than "
               "the CPU's, so activations differ by fp16 ulps (2^-11 relative); 10 steps at "
@@ -584,6 +615,30 @@ def test_two_processes_torch_distributed_gloo(tmp_path, device):
         env={"GLOO_SOCKET_IFNAME": "lo"},
     )
     check_features(tmp_path, device)
+
+
+ISLANDS = os.path.join(os.path.dirname(__file__), "islands_run.py")
+
+
+@pytest.mark.torchdist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["fragments", "ddp"], ids=["fsdp", "ddp"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_islands_on_the_device(tmp_path, device, case):
+    """Islands (worker=Islands(mesh)): 2 islands of one rank each under torchrun, FSDP2 (with
+    fragments, overlap and eager updates) or DDP inside, on the device (on a GPU both ranks
+    share it through Gloo); each equals the unsharded 2-worker run beside it (tests/islands_run.py),
+    and the ranks' outer states are bitwise identical at every step."""
+    torchrun(
+        2,
+        [ISLANDS, str(tmp_path), case, "12", "full", device],
+        timeout=540,
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(rec["diffs"]) == 12 and max(rec["diffs"]) <= 1e-6, rec["diffs"]
+        assert all(rec["bitwise"]), rec["bitwise"]
 
 
 def test_check_features_catches_one_ulp(tmp_path):

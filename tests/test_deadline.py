@@ -203,3 +203,60 @@ def test_horovod_peer_frozen_past_the_deadline_is_a_timeout_naming_it(controller
     assert proc.returncode != 0
     assert 2.0 <= float(took) < 2.0 + SLACK, took
     assert "rank 0 waited 2 s for average 'frozen'" in message, message
+
+
+class _FakeTime:
+    """``time.monotonic`` and ``time.sleep`` of a fake clock: a sleep moves it, nothing else."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("deadline", [0.5, 2.0, 600.0])
+def test_the_mpi_and_horovod_wait_gives_up_at_its_deadline_not_later(monkeypatch, deadline):
+    """The wait of the MPI and Horovod transports (``wait_until``) on a fake clock: it raises
+    once the deadline has passed, within one poll interval (5 ms), so a deadline doubled (or
+    slack of any size) fails here, which the timing checks above (deadline + 2.5 s) cannot
+    see."""
+    from hvd_slowmo.comm import deadline as module
+
+    fake = _FakeTime()
+    monkeypatch.setattr(module, "time", fake)
+    began = fake.now
+    with pytest.raises(CollectiveTimeout, match="never"):
+        module.wait_until(lambda: False, deadline, lambda: "never")
+    assert deadline < fake.now - began <= deadline + 5e-3 + 1e-9, fake.now - began
+    fake.now = began
+    polls = []
+    module.wait_until(lambda: polls.append(fake.now) or len(polls) > 3, deadline, lambda: "x")
+    assert fake.now - began < deadline  # done in time: no error
+
+
+def test_thread_deadline_long_against_the_slack_is_kept():
+    """The thread transport's deadline, long against the slack (6 s against 2.5 s): a doubled
+    deadline (12 s) would fail this."""
+    long = 6.0
+    gave_up = threading.Event()
+    took = []
+
+    def worker(comm):
+        _collective(comm, "average")
+        if comm.rank == 1:
+            gave_up.wait(60)
+            return
+        began = time.monotonic()
+        try:
+            _collective(comm, "average")
+        finally:
+            took.append(time.monotonic() - began)
+            gave_up.set()
+
+    with pytest.raises(CollectiveTimeout):
+        run_threads(2, worker, timeout=long)
+    assert long <= took[0] < long + SLACK < 2 * long, took

@@ -1,15 +1,18 @@
 """scripts/gpu_check.sh on a CPU: its flags, its plan (``--dry-run``), its steps (each logged and
 bounded by a timeout cut to the budget, the two Horovod builds and the test groups in parallel),
-the build environment it hands on untouched (an exported ``CC`` stays the C compiler), and the
-summary of figures (scripts/gpu_summary.py, also on a recorded log). The fake interpreter and
-tools of tests/test_install_horovod.py stand in for torch and the Horovod builds; pytest and the
-two benchmarks are recorded instead of run. What it does on a real GPU: docs/gpu.md.
+the build environment it hands on untouched (an exported ``CC`` stays the C compiler), its test
+groups' selections (each collects at least one test of tests/test_cuda.py, checked by pytest's
+own collection; a group that selects none fails, saying so), and the summary of figures
+(scripts/gpu_summary.py, also on a recorded log). The fake interpreter and tools of
+tests/test_install_horovod.py stand in for torch and the Horovod builds; pytest and the two
+benchmarks are recorded instead of run. What it does on a real GPU: docs/gpu.md.
 """
 
 import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,6 +54,11 @@ record["end"] = time.time()
 with open(os.path.join(os.environ["FAKE_LOG"], "runs.jsonl"), "a") as f:
     f.write(json.dumps(record) + "\\n")
 recorded = os.environ.get("FAKE_RECORDED")
+empty = os.environ.get(f"FAKE_EMPTY_{name}".replace("-", "_"))
+if kind.startswith("pytest") and empty is not None:  # the selection collects nothing
+    print("collected 62 items / 62 deselected / 0 selected")
+    print("========== 62 deselected in 0.50s ==========")
+    sys.exit(int(empty))
 if kind.startswith("pytest"):
     print("========== 3 passed, 1 skipped in 2.50s ==========")
 elif kind == "bench" and recorded:
@@ -158,8 +166,8 @@ def test_every_step_runs_offline_from_a_bundle(box):
         assert build["HOROVOD_BUILD_CUDA_CC_LIST"] == "90", flavour
         assert build["CC"] == "/opt/cc-of-the-image", flavour
         assert build["MAKEFLAGS"] == f"-j{half}", flavour
-    # Each test group: its selection of tests/test_cuda.py, unbuffered, the repo first on the
-    # path; only the staged group gets the staged Horovod.
+    # Each test group: its selection of tests/test_cuda.py in the full tier, unbuffered, the
+    # repo first on the path; only the staged group gets the staged Horovod.
     by_kind = {r["kind"]: r for r in runs(box)}
     selections = {
         "tests-threads": "cuda and not horovod and not torchdist",
@@ -172,6 +180,7 @@ def test_every_step_runs_offline_from_a_bundle(box):
         args = run["args"]
         assert args[2].endswith("tests/test_cuda.py") and run["cwd"] == ROOT, args
         assert args[args.index("-m", 3) + 1] == mark, args
+        assert args[args.index("--tier") + 1] == "full", args
         assert run["env"]["PYTHONUNBUFFERED"] == "1" and run["env"]["PYTHONPATH"].startswith(ROOT)
         assert run["env"]["CC"] == "/opt/cc-of-the-image"
         want_staged = str(staged) if name == "tests-staged" else None
@@ -264,7 +273,29 @@ def test_a_hanging_step_times_out_and_the_rest_still_runs(box):
     assert done["tests-torchdist"][0] == "passed" and done["bench"][0] == "passed"
     # Unbuffered output survived the kill
     assert "fake pytest:tests-threads ran" in (box.out / "tests-threads.log").read_text()
-    assert "no pytest summary (killed?)" in (box.out / "summary.md").read_text()
+    assert "| tests-threads | TIMED OUT after 2s |" in (box.out / "summary.md").read_text()
+    assert "no pytest summary (timed out)" in (box.out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("rc", ["5", "0"], ids=["exit-5", "0-selected"])
+def test_a_group_that_selects_no_test_fails_saying_so(box, rc):
+    """The H200 run of issue 35: three groups collected nothing (pytest's exit 5, "0 selected")
+    and the summary guessed "killed?". A group that checks nothing fails, and says so. (pytest
+    itself exits 5 then; the check also reads "0 selected" in the log, whatever the exit.)"""
+    proc = gpu_check(box, "--steps", "tests", env={"FAKE_EMPTY_tests_nccl": rc})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    done = steps(box)
+    assert done["tests-nccl"][0] == "FAILED: no test selected"
+    assert done["tests-threads"][0] == "passed" and done["tests-torchdist"][0] == "passed"
+    assert "gpu_check: -- tests-nccl FAILED: no test selected" in proc.stdout
+    assert (
+        "gpu_check: tests-nccl: no test selected by pytest -m cuda and horovod -k not staged "
+        "--tier full in tests/test_cuda.py"
+    ) in proc.stdout
+    summary = (box.out / "summary.md").read_text()
+    assert "| tests-nccl | FAILED: no test selected |" in summary
+    assert "| no test selected (62 deselected) |" in summary
+    assert "killed?" not in proc.stdout
 
 
 def test_the_budget_bounds_the_whole_run(box):
@@ -359,6 +390,73 @@ def test_bad_flags_are_clear_errors(box, args, message):
     assert not (box.out / "facts.log").exists()
 
 
+# --- each group's selection, collected by pytest on the real test file ---------------------------
+def plan_groups(*args: str) -> dict[str, list[str]]:
+    """Each test group's pytest arguments (those after ``-m pytest``) in the plan that
+    ``gpu_check.sh --dry-run ARGS`` prints: what the check runs, quoted as it runs it."""
+    proc = subprocess.run(
+        ["bash", SCRIPT, "--dry-run", "--python", sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    groups = {}
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"  (tests-[\w-]+): (.*)", line)
+        if m:
+            cmd = shlex.split(m.group(2))
+            assert cmd[1:3] == ["-m", "pytest"], cmd
+            groups[m.group(1)] = cmd[3:]
+    return groups
+
+
+class _Collected:
+    """A pytest plugin that keeps the ids of the tests a session selected."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.ids = [item.nodeid for item in session.items]
+
+
+def collected(args: list[str]) -> list[str]:
+    """The tests that pytest ARGS selects, by pytest's own collection, in this process (no test
+    runs: ``--collect-only``); empty when it selects none (pytest's exit 5)."""
+    plugin = _Collected()
+    rc = pytest.main([*args, "--collect-only", "-q"], plugins=[plugin])
+    assert rc in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED), (
+        f"pytest {shlex.join(args)} --collect-only: exit {rc}"
+    )
+    return plugin.ids
+
+
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_every_group_selects_tests(mode, tmp_path):
+    """Each group's exact arguments, tier included, collect at least one test (the H200 run's
+    groups collected none: their launches were deselected by the default tier); in a full run the
+    groups share no test and together hold every ``cuda`` test of their files, so a new one
+    cannot be left out of the check."""
+    groups = plan_groups("--steps", "tests", *(["--quick"] if mode == "quick" else []))
+    assert set(groups) == set(TEST_STEPS)
+    selected = {}
+    for name, args in groups.items():
+        assert args[args.index("--tier") + 1] == "full", (name, args)
+        args[args.index("--junitxml") + 1] = str(tmp_path / f"{name}.xml")
+        selected[name] = collected(args)
+        assert selected[name], f"{name} selects no test: pytest {shlex.join(args)}"
+    if mode == "full":
+        files = sorted({args[0] for args in groups.values()})
+        assert os.path.join(ROOT, "tests", "test_cuda.py") in files, files
+        every = collected(
+            [*files, "-m", "cuda", "--tier", "full", "-p", "no:cacheprovider", "--rootdir", ROOT]
+        )
+        ids = [t for name in TEST_STEPS for t in selected[name]]
+        assert len(ids) == len(set(ids)), "a test is in two groups"
+        assert sorted(ids) == sorted(every)
+
+
 # --- no build variable is ever assigned ---------------------------------------------------------
 #: Names a build environment exports (GNU make's implicit variables, CMake's and Horovod's
 #: inputs): assigning one in the script would change every build under it (issue 26: CC=90).
@@ -438,13 +536,17 @@ def test_summary_of_a_recorded_check(tmp_path):
     assert bench["Horovod DistributedOptimizer"]["ms"].startswith("not run")
     assert {r["measure"] for r in got["bench"]["targets"]} >= {"SlowMo state / parameter bytes"}
     rows = {r["step"]: r for r in got["steps"]}
-    assert rows["tests-threads"]["tests"] == {"passed": 12, "failed": 1, "skipped": 2}
+    assert rows["tests-threads"]["tests"] == {
+        "passed": 12,
+        "failed": 1,
+        "skipped": 2,
+        "deselected": 44,
+    }
     assert rows["tests-staged"]["tests"] == {}  # killed: no pytest summary line
     text = summary.render(got)
     assert "NVIDIA H100 80GB" in text and "driver 580" in text and "torch 2.11.0+cu130" in text
-    assert (
-        "| tests-staged | TIMED OUT after 150s | 150 (150) | no pytest summary (killed?) |" in text
-    )
+    staged = "| tests-staged | TIMED OUT after 150s | 150 (150) | no pytest summary (timed out) |"
+    assert staged in text
     assert "| AR-SGD + SlowMo | 35.16 | 1.008x |" in text
     assert "| sparse | cpu | n/a:" in text
     # The command writes both files and prints the table.
@@ -473,9 +575,11 @@ def test_summary_of_a_recorded_check(tmp_path):
             {"failed": 1, "passed": 2, "skipped": 3, "error": 1},
         ),
         ("=== 2 errors in 0.1s ===", {"error": 2}),
+        ("=== 62 deselected in 0.50s ===", {"deselected": 62}),
+        ("=== 3 passed, 59 deselected in 9.00s ===", {"passed": 3, "deselected": 59}),
         ("tests/test_cuda.py::test_x PASSED", {}),
     ],
-    ids=["passed", "mixed", "errors", "no-summary"],
+    ids=["passed", "mixed", "errors", "deselected", "passed-deselected", "no-summary"],
 )
 def test_pytest_counts(line, counts):
     assert load_summary_module().pytest_counts(f"collected 9 items\n{line}\n") == counts

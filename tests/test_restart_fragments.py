@@ -146,3 +146,58 @@ def test_one_fragment_restart_is_unchanged():
         assert (opt.num_steps, opt.inner_step, opt.outer_steps) == (0, 0, 0)
 
     run_threads(2, worker)
+
+
+def _momentum_restart(comm, buffers):
+    """Two base steps into an outer step of SGD(momentum=0.9), then a restart."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()  # the same start on every worker (one seed, in order)
+    opt = DistributedOptimizer(
+        SGD(model.parameters(), lr=0.1, momentum=0.9),
+        communicator=comm,
+        named_parameters=model.named_parameters(),
+        tau=4,
+        buffers=buffers,
+    )
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, comm.rank + 1.0)
+        opt.step()
+    before = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+    opt.adopt_world("a test")
+    return model, opt, before
+
+
+def test_restart_with_reset_buffers_clears_the_momentum_of_the_dropped_steps():
+    """buffers='reset', SGD(momentum=0.9): a restart two steps into an outer step drops those
+    steps' momentum with them (the base optimizer's state is empty), so the next step starts its
+    momentum afresh (buffer == gradient), from the anchor."""
+
+    def worker(comm):
+        model, opt, before = _momentum_restart(comm, "reset")
+        assert all(b.abs().sum() > 0 for b in before.values())  # there was momentum to drop
+        assert (opt.num_steps, opt.inner_step) == (0, 0)
+        assert all(p not in opt.optimizer.state for p in model.parameters())
+        anchor = [a.clone() for a in opt.slow_state.anchor]
+        for p, a in zip(model.parameters(), anchor):
+            assert torch.equal(p.detach(), a)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 5.0)
+        opt.step()
+        for p, a in zip(model.parameters(), anchor):
+            assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 5.0))
+            torch.testing.assert_close(p.detach(), a - 0.1 * 5.0, rtol=0, atol=1e-15)
+
+    run_threads(2, worker)
+
+
+def test_restart_with_maintained_buffers_keeps_the_momentum():
+    """A test of the test above: buffers='maintain' keeps each worker's momentum through the
+    restart (only the parameters go back to the anchor)."""
+
+    def worker(comm):
+        model, opt, before = _momentum_restart(comm, "maintain")
+        for n, p in model.named_parameters():
+            assert torch.equal(opt.state[p]["momentum_buffer"], before[n])
+
+    run_threads(2, worker)

@@ -541,3 +541,35 @@ def test_horovod_communicator_rejects_unknown_reduce_scatter():
         match="reduce_scatter must be one of 'auto', 'reducescatter', 'alltoall', got 'ring'",
     ):
         HorovodCommunicator(reduce_scatter="ring")
+
+
+def test_sharded_reduce_scatter_runs_behind_the_overlapped_steps():
+    """With overlap the reduce-scatter starts at the boundary on the exchange's own thread
+    (started, not deferred to the landing), and its shard waits in ``sent`` for the landing."""
+
+    def worker(comm):
+        model = make_model()
+        opt = build(comm, model, tau=4, overlap=2, shard_slow_state=True, slow_momentum=0.5)
+        seen = []
+        for k in range(6):
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+            f = opt.outer.in_flight
+            seen.append(None if f is None else (f._average is None or f._average.started))
+        return seen
+
+    for seen in run_threads(2, worker):
+        assert seen[3] is True  # in flight after the boundary at step 4, already started
+        assert seen[5] is None  # landed at step 6
+
+
+def test_sharded_reduce_scatter_over_torch_distributed_waits_for_the_landing():
+    """torch.distributed pairs collectives by order per group: no second thread, deferred."""
+    from hvd_slowmo.exchange.sharded import ShardedExchange
+
+    comm = ThreadWorld(2).communicator(0)
+    assert ShardedExchange(comm, None, overlap=2)._thread is not None  # type: ignore[arg-type]
+    comm.collectives_any_thread = False  # as TorchDistCommunicator declares
+    assert ShardedExchange(comm, None, overlap=2)._thread is None  # type: ignore[arg-type]
+    assert ShardedExchange(ThreadWorld(2).communicator(0), None, overlap=0)._thread is None  # type: ignore[arg-type]

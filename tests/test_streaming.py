@@ -187,6 +187,8 @@ def test_eager_is_normalised_once_and_picks_its_strategy(eager, estimate, strate
 SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the settings that ask
     "eager": dict(overlap=1, eager=True),
     "codec": dict(compression="int8"),
+    "merge": dict(merge="samples"),
+    "period": dict(period_seconds=1.0),
 }
 
 
@@ -235,18 +237,47 @@ def test_thread_workers_equal_the_reference_bitwise(case, one_intra_op_thread):
         m, steps, tau=tau, overlap=d, fragments=p, eager=EAGER_ARG.get(eager, eager),
         slow_lr=alpha, slow_momentum=beta, buffers=buffers, outer_optimizer=outer,
     )  # fmt: skip
+    spreads: list[list[float]] = []
     want, anchors = reference_streaming(
-        m, steps, tau, d, p, eager, alpha, beta, SGD, buffers, lr_at, outer == "nesterov"
-    )
+        m, steps, tau, d, p, eager, alpha, beta, SGD, buffers, lr_at, outer == "nesterov",
+        spreads=spreads,
+    )  # fmt: skip
     assert len(anchors) >= 3
     assert_same_models([r[0] for r in got], want)
     for per_rank in zip(*[r[1] for r in got]):  # the anchor: bitwise the same on every rank
         for tensors in zip(*per_rank):
             assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
     assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
-    spreads = [r[2].replica_spread for r in got]  # measured at overlapped landings only
-    assert all((s is not None and s > 0) if d else s is None for s in spreads), spreads
+    # The replica spread, measured at overlapped landings only, against its value: each worker's
+    # RMS distance from the average over the last landed fragment (eager: reconstructed from the
+    # provisional anchor, hence a tolerance; a dropped 1/m or a flipped sign is far outside it).
+    got_spreads = [r[2].replica_spread for r in got]
+    if d:
+        assert got_spreads == pytest.approx(spreads[-1], rel=1e-4), (got_spreads, spreads[-1])
+        assert len(set(spreads[-1])) == m  # the workers' distances differ: a rank mix-up shows
+    else:
+        assert got_spreads == [None] * m
     assert all((r[2].outer.eager_shares is not None) == (eager is True) for r in got)
+
+
+@pytest.mark.parametrize(
+    "tau,d,p", [(6, 1, 3), (4, 0, 2), (4, 2, 2)], ids=["p3-d1", "p2-d0", "p2-d2"]
+)
+def test_custom_outer_optimizer_per_fragment_equals_the_reference_bitwise(
+    tau, d, p, one_intra_op_thread
+):
+    """A torch optimizer as the outer step with fragments: each landing steps the landing
+    fragment's anchor tensors alone (the others have no gradient, so torch skips them)."""
+    m, steps = 3, 15
+    outer = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.6)  # noqa: E731
+    got = run(m, steps, tau=tau, overlap=d, fragments=p, outer_optimizer=outer)
+    want, anchors = reference_streaming(
+        m, steps, tau, d, p, False, 1.0, 0.0, SGD, "reset", lr_at, outer_sgd=(0.7, 0.6)
+    )
+    assert len(anchors) >= 3
+    assert_same_models([r[0] for r in got], want)
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1][-1], anchors[-1]))
+    assert all(torch.equal(a, b) for r in got[1:] for a, b in zip(r[1][-1], got[0][1][-1]))
 
 
 CODEC_CASES = {  # tau, overlap, fragments, eager, codec, error feedback
@@ -551,3 +582,55 @@ def test_nonfinite_raise_names_the_rank_and_eager_skip_restarts_from_the_anchor(
             assert all(torch.equal(p, a) for p, a in zip(params, anchor))
         with pytest.raises(FloatingPointError, match=r"rank\(s\) \[1\]"):
             run_threads(2, lambda c: worker(c, nonfinite="raise", fragments=2))
+
+
+# --- fragments named by module (torchtitan's module_fqns_per_model_fragment) -------------------
+
+
+def test_fragments_named_by_module_equal_the_same_split_given_as_a_count(one_intra_op_thread):
+    """Layers 0, 2, 3 strided into 2 fragments are {0, 3} and {2}: naming those modules gives the
+    same run, bit for bit."""
+    kw = dict(tau=4, overlap=2, slow_lr=0.7, slow_momentum=0.6)
+    by_count = run(2, 9, fragments=2, **kw)
+    by_name = run(2, 9, fragments=[["0", "3"], ["2"]], **kw)
+    for a, b in zip(by_count, by_name):
+        assert all(torch.equal(p, q) for p, q in zip(a[0].parameters(), b[0].parameters()))
+    summary = by_name[0][2].config.summary()  # saved in the state, compared across ranks
+    assert summary["fragment_modules"] == (("0", "3"), ("2",))
+    other = run(2, 9, fragments=[["0"], ["2", "3"]], **kw)  # another split: another run
+    assert not torch.equal(next(other[0][0].parameters()), next(by_name[0][0].parameters()))
+
+
+NAMED_REFUSED = {
+    "unknown-module": ([["0", "2"], ["3", "head"]], "hold no parameter.*'head'"),
+    "parameter-left-out": ([["0"], ["2"]], r"leaves parameters \['3.weight', '3.bias'\]"),
+    "module-twice": ([["0", "2"], ["2", "3"]], "module '2' in fragments 0 and 1"),
+    "not-a-list-of-lists": (["0", "2"], "list of lists of module names"),
+    "empty-fragment": ([["0", "2", "3"], []], "list of lists of module names"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMED_REFUSED))
+def test_named_fragments_that_do_not_fit_the_model_are_refused(case):
+    fragments, message = NAMED_REFUSED[case]
+    model = make_model()
+    with pytest.raises((ValueError, TypeError), match=message):
+        DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+            tau=4,
+            fragments=fragments,
+        )
+
+
+def test_named_fragments_unbalanced_in_bytes_are_warned():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    with pytest.warns(UserWarning, match="balance them by bytes"):
+        DistributedOptimizer(
+            SGD(model.parameters()),
+            named_parameters=model.named_parameters(),
+            communicator=ThreadWorld(1).communicator(0),
+            tau=4,
+            fragments=[["0"], ["1"]],
+        )

@@ -257,7 +257,7 @@ class Communicator(abc.ABC):
         workers_share_process: the workers are threads of one process (thread workers,
             :mod:`hvd_slowmo.comm.local`), so they share autograd's device threads: the end of
             a backward pass, run there, must not wait for the other workers
-            (:mod:`hvd_slowmo.amp`).
+            (:mod:`hvd_slowmo.bases.gradient_path`).
     """
 
     rank: int

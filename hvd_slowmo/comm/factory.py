@@ -25,6 +25,7 @@ __all__ = [
     "default_communicator",
     "gossip_transport",
     "horovod_node_hierarchy",
+    "island_communicators",
     "torch_node_hierarchy",
     "worker_hierarchy",
 ]
@@ -159,6 +160,46 @@ def worker_hierarchy(
             if level is not comm:
                 level.share_counter(comm)
     return hierarchy
+
+
+def island_communicators(
+    islands: Any, communicator: Communicator | None, compression: Any, engine: str
+) -> tuple[Communicator, Communicator, Communicator]:
+    """The communicators of ``worker=Islands(mesh)``, over the mesh's process groups.
+
+    Args:
+        islands: the :class:`~hvd_slowmo.islands.Islands`.
+        communicator: the user's communicator: must be None (the mesh decides the groups).
+        compression: the payload's compression of the outer exchange's allreduce, or None.
+        engine: must be ``"auto"`` or ``"torch"``: islands run over torch.distributed.
+
+    Returns:
+        ``(across, inside, world)``: this rank's shard peers in the other islands (the outer
+        step's), its own island's ranks, and every rank of the job (the settings check's).
+
+    Raises:
+        ValueError: a ``communicator``, or ``engine="horovod"``.
+    """
+    from .torchdist import TorchDistCommunicator
+
+    if communicator is not None:
+        raise ValueError(
+            "worker=Islands(mesh) builds its communicators from the mesh; leave communicator "
+            "out (it is None by default)"
+        )
+    if engine == "horovod":
+        raise ValueError(
+            "worker=Islands(mesh) runs over torch.distributed (the mesh's process groups), not "
+            "Horovod: launch with torchrun and pass engine='auto' or 'torch'. Under horovodrun "
+            "use worker='node' with a model every rank holds whole (docs/islands.md)"
+        )
+    across, inside = islands.groups()
+    outer = TorchDistCommunicator(group=across, compression=compression)
+    island = TorchDistCommunicator(group=inside)
+    world = TorchDistCommunicator()
+    for level in (island, world):
+        level.share_counter(outer)
+    return outer, island, world
 
 
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}

@@ -17,11 +17,13 @@ codec       codes                            scales                          byt
 
 Blocks: block ``b`` of an encoded vector is its elements ``[b * block, (b + 1) * block)``; the
 last block may be shorter. The blocks belong to the vector handed to :func:`encode` (one chunk of
-the exchange), not to the model's tensors. Casts and ``fp8`` round to nearest, ties to even;
-``int8`` rounds with ``torch.round`` (to nearest, ties to even). A block whose scale is zero
-(all zeros, or an absmax so small that ``absmax / 127`` underflows, below about 1.8e-43) has
-codes 0 and decodes to zeros. A block holding a NaN or an infinity decodes to NaN everywhere
-(its scale is NaN or inf), so a non-finite value is never silently turned into a finite one.
+the exchange), not to the model's tensors. A scale is ``absmax / 127`` (or ``/ 448``) rounded
+to the nearest float32, the same bits on the CPU and on CUDA. Casts and ``fp8`` round to
+nearest, ties to even; ``int8`` rounds with ``torch.round`` (to nearest, ties to even). A block
+whose scale is zero (all zeros, or an absmax so small that ``absmax / 127`` underflows, below
+about 1.8e-43) has codes 0 and decodes to zeros. A block holding a NaN or an infinity decodes to
+NaN everywhere (its scale is NaN or inf), so a non-finite value is never silently turned into a
+finite one.
 ``fp16`` overflows to inf beyond 65504, like ``hvd.Compression.fp16``.
 
 Used for the pseudo-gradient average of SlowMo's outer step (arXiv 1910.00643): the codes carry
@@ -172,7 +174,12 @@ def encode(x: Tensor, codec: str, block: int = BLOCK_SIZE) -> Encoded:
         return Encoded(x.to(dtype, copy=True), x.new_empty(0))
     code_max = _CODE_MAX[codec]
     rows = _blocked(x, block)
-    scales = rows.abs().amax(dim=1) / code_max if rows.numel() else x.new_empty(0)
+    amax = rows.abs().amax(dim=1) if rows.numel() else x.new_empty(0)
+    # Divided by a tensor, not a Python number: for a CPU scalar divisor CUDA multiplies by its
+    # float32 reciprocal instead (torch's div_true_kernel_cuda), one ulp off the CPU's correctly
+    # rounded quotient for many absmax values (1/448 and 1/127 are not exact in binary: about
+    # 55% and 5% of them). A tensor divisor is an IEEE division on every device: equal bits.
+    scales = amax / torch.full_like(amax, code_max)
     # A zero scale divides by one instead (its codes are 0); a NaN or inf scale is kept for the
     # decode, which then yields NaN for the whole block.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))

@@ -38,7 +38,7 @@ def make_exchange(comm: Communicator, config: SlowMoConfig, slow_state: SlowStat
     """
     exchange: Exchange
     if isinstance(slow_state, ShardedSlowState):
-        exchange = ShardedExchange(comm, slow_state)
+        exchange = ShardedExchange(comm, slow_state, config.overlap)
     elif config.codec is not None:
         exchange = CompressedExchange(comm, slow_state, config.codec, config.error_feedback)
     else:

@@ -36,11 +36,16 @@ class Payload:
             that ends the period).
         indices: the parameters' indices in the optimizer's order; empty: all of them, in order
             (the one-fragment case).
+        tally: this worker's float64 tally (:func:`hvd_slowmo.merge.make_tally`: its weight
+            ``r_i`` first), averaged in place in the same collective, with ``params`` weighted
+            by ``r_i`` (:func:`hvd_slowmo.merge.weighted_start`); None: the plain mean. An
+            exchange that cannot carry it declares ``"merge"`` and ``"period"`` unsupported.
     """
 
     params: list[Tensor]
     extra: list[Tensor] = field(default_factory=list)
     indices: Sequence[int] = ()
+    tally: Tensor | None = None
 
 
 class Exchange(abc.ABC):
@@ -51,7 +56,8 @@ class Exchange(abc.ABC):
 
     Attributes:
         name: the exchange's name, for messages.
-        unsupported: features (``"fragments"``, ``"eager"``, ``"codec"``) it cannot run with,
+        unsupported: features (``"fragments"``, ``"eager"``, ``"codec"``, ``"merge"``,
+            ``"period"``) it cannot run with,
             each with the reason (checked by :meth:`check_supported`).
     """
 

@@ -34,6 +34,12 @@ class CompressedExchange(PlainExchange):
     """
 
     name = "compressed"
+    unsupported = {
+        "merge": "the weights must travel uncompressed beside the codes, which the codec's "
+        "all-to-all does not carry",
+        "period": "the step times must travel uncompressed beside the codes, which the codec's "
+        "all-to-all does not carry",
+    }
 
     def __init__(
         self,

@@ -3,6 +3,7 @@ of the average; the slow update then all-gathers the new anchor into the paramet
 :mod:`hvd_slowmo.slow_state.sharded`)."""
 
 from ..comm.base import Communicator, PendingAverage
+from ..compression.offload import CodecThread
 from ..slow_state import ShardedSlowState
 from .base import Exchange, Payload
 
@@ -12,23 +13,39 @@ __all__ = ["ShardedExchange"]
 class ShardedExchange(Exchange):
     """The average that :class:`~hvd_slowmo.slow_state.ShardedSlowState` consumes.
 
-    It runs when the handle is waited for (``started`` is False): the reduce-scatter's result
-    is the layout's own until its slow update, so it cannot be in flight across base steps.
+    With ``overlap >= 1`` and a transport that pairs collectives started from two threads
+    (:attr:`~hvd_slowmo.comm.base.Communicator.collectives_any_thread`: Horovod, MPI, the thread
+    workers), the reduce-scatter runs on a thread of its own from the boundary on, while the
+    worker takes its ``d`` base steps, and its shard waits in the layout for the landing's slow
+    update and all-gather: the overlap hides it as it hides the full layout's allreduce. Otherwise
+    (``overlap=0``, or torch.distributed, whose collectives pair by order per process group, so
+    one started from a second thread could cross the training thread's) it runs when the handle
+    is waited for (``started`` is False). Either way the same operations on the same tensors: the
+    same bits.
 
     Args:
         comm: the communicator over all workers.
         slow_state: the sharded slow state.
+        overlap: the configuration's ``overlap``.
     """
 
     name = "sharded"
     unsupported = ShardedSlowState.unsupported
 
-    def __init__(self, comm: Communicator, slow_state: ShardedSlowState) -> None:
+    def __init__(self, comm: Communicator, slow_state: ShardedSlowState, overlap: int = 0) -> None:
         super().__init__(comm)
         self.slow_state = slow_state
+        background = overlap >= 1 and comm.size > 1 and comm.collectives_any_thread
+        self._thread = CodecThread(comm.counter) if background else None
 
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
         p = payload
-        return PendingAverage(
-            lambda: self.slow_state.average_(p.params, p.extra, exact, p.indices), started=False
-        )
+
+        def reduce_scatter() -> None:
+            self.slow_state.average_(p.params, p.extra, exact, p.indices)
+
+        if self._thread is None:
+            return PendingAverage(reduce_scatter, started=False)
+        devices = {t.device for t in [*p.params, *p.extra] if t.is_cuda}
+        job = self._thread.submit(reduce_scatter, devices)
+        return PendingAverage(job.wait, progress=job.done)

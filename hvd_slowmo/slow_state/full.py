@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..islands import local
 from .base import LoadedSlowState, ParamGroups, SlowState, SlowView
 
 __all__ = ["FullSlowState"]
@@ -20,7 +21,7 @@ def _flat_params(param_groups: ParamGroups) -> tuple[list[Tensor], list[int]]:
     params: list[Tensor] = []
     groups: list[int] = []
     for g, group in enumerate(param_groups):
-        params.extend(p.detach() for p in group["params"])
+        params.extend(local(p).detach() for p in group["params"])
         groups.extend([g] * len(group["params"]))
     return params, groups
 
@@ -51,7 +52,8 @@ class FullSlowState(SlowState):
     def add_group_(self, param_groups: ParamGroups) -> None:
         if self.captured:
             self._extend(
-                [p.detach().clone() for p in param_groups[-1]["params"]], len(param_groups) - 1
+                [local(p).detach().clone() for p in param_groups[-1]["params"]],
+                len(param_groups) - 1,
             )
 
     def update_(

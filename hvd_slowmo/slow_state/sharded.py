@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, shard_range
 from ..config import SlowMoConfig
+from ..islands import local
 from ..timing import PhaseTimer
 from .base import LoadedSlowState, ParamGroups, SlowState
 
@@ -107,7 +108,7 @@ def _unflatten_into_(params: Indexed, bucket: Bucket, flat: Tensor) -> None:
 
 
 def _params(param_groups: ParamGroups) -> list[Tensor]:
-    return [p.detach() for g in param_groups for p in g["params"]]
+    return [local(p).detach() for g in param_groups for p in g["params"]]
 
 
 class ShardedSlowState(SlowState):
@@ -139,6 +140,8 @@ class ShardedSlowState(SlowState):
         "each rank holds only its shard of them",
         "codec": "the compressed average sends pseudo-gradients, which need the whole anchor on "
         "every worker",
+        "merge": "the weight's tally would land in one rank's shard of the reduce-scatter",
+        "period": "the step times' tally would land in one rank's shard of the reduce-scatter",
     }
 
     def __init__(
@@ -156,11 +159,10 @@ class ShardedSlowState(SlowState):
             )
         super().__init__(comm, config, timer)
         self.buckets: list[Bucket] | None = None  # set at capture (the first step)
-        self._averages: list[Tensor] | None = None  # this rank's shards of the exact average
         self._split = None if split is None or len(set(split)) <= 1 else list(split)
 
     def _layout(self, param_groups: ParamGroups) -> list[Bucket]:
-        groups = [g["params"] for g in param_groups]
+        groups = [[local(p) for p in g["params"]] for g in param_groups]
         return make_buckets(groups, self.comm.rank, self.comm.size, self._split)
 
     def _chosen(self, indices: Sequence[int]) -> list[int]:
@@ -201,39 +203,50 @@ class ShardedSlowState(SlowState):
         self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
     ) -> None:
         """The exact average as this layout needs it (:class:`hvd_slowmo.exchange.ShardedExchange`
-        calls it): a reduce-scatter of each bucket, this rank's shard of the average kept for
-        :meth:`update_`, and an allreduce of the model buffers. Collective.
+        calls it): a reduce-scatter of each bucket, this rank's shard of the average written into
+        its range of ``params`` (the other ranges keep this worker's values), and an allreduce of
+        the model buffers. Collective.
+
+        The shard lives in ``params`` (the outer step's ``sent``), not in this object: a state
+        saved between the average and the landing carries it, and :meth:`update_` reads it from
+        there in the same process or a new one.
 
         Args:
             params: the parameters (detached): all of them in the optimizer's order, or those
-                of ``indices``.
+                of ``indices``; this rank's ranges are overwritten with the average.
             extra: other tensors averaged in place (floating-point model buffers).
             exact: whether the parameters need averaging (False: they are identical on every
-                rank, like AR-SGD's: each rank slices its shard).
+                rank, like AR-SGD's: each rank's range already is the average).
             indices: which parameters ``params`` are (one fragment); empty for all.
         """
         assert self.buckets is not None, "the anchor is captured at the first step"
         chosen = [self.buckets[i] for i in self._chosen(indices)]
         if extra:
             self.comm.average_(extra, name="hvd_slowmo.exact_average")
+        if not exact:
+            return
         by_index = dict(zip(indices, params)) if indices else params
         flats = [_flatten(by_index, b) for b in chosen]
-        if exact:
-            self._averages = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
-        else:  # the parameters are identical on every rank (AR-SGD): slice, no reduce-scatter
-            self._averages = [f[b.start : b.end].clone() for f, b in zip(flats, chosen)]
+        shards = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
+        for flat, shard, b in zip(flats, shards, chosen):
+            flat[b.start : b.end] = shard
+            _unflatten_into_(by_index, b, flat)
 
     @torch.no_grad()
     def update_(
         self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
     ) -> None:
-        assert self._averages is not None, "average_ comes first"
-        averages, self._averages = self._averages, None
         chosen = self._chosen(indices)
+        by_index = dict(zip(indices, params)) if indices else params
+        assert self.buckets is not None
+        averages = [
+            _flatten(by_index, self.buckets[i])[self.buckets[i].start : self.buckets[i].end]
+            for i in chosen
+        ]
         self._slow_update_(averages, param_groups, chosen if indices else ())
         del averages
         with self.timer("average"):  # communication, though inside the slow update
-            self._gather_anchor_into_(dict(zip(indices, params)) if indices else params, chosen)
+            self._gather_anchor_into_(by_index, chosen)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
