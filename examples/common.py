@@ -764,7 +764,11 @@ def load_checkpoint(
 def progress(
     iterable: Iterable[Any], rank: int, args: argparse.Namespace, **kwargs: Any
 ) -> Iterable[Any]:
-    """A tqdm bar on rank 0 (unless --no-progress); the plain iterable elsewhere.
+    """A tqdm bar on rank 0 when its output (stderr) is a terminal and not --no-progress; the
+    plain iterable otherwise.
+
+    A bar redraws its line with carriage returns: in a ``horovodrun`` or CI log that is one
+    endless line, so there the epoch lines of :func:`train` are the whole log of progress.
 
     Args:
         iterable: what to iterate.
@@ -772,7 +776,7 @@ def progress(
         args: the parsed flags.
         kwargs: passed to tqdm (desc, total, ...).
     """
-    if rank != 0 or args.no_progress:
+    if rank != 0 or args.no_progress or not sys.stderr.isatty():
         return iterable
     from tqdm import tqdm
 

@@ -241,9 +241,10 @@ class Setting:
     def label(self) -> str:
         """A short name: ``"hier int8, fragments=4, overlap=3"``."""
         name = ("hier " if self.hierarchical else "") + self.codec
+        tail = " (not an optimizer option yet)" if self.hierarchical else ""
         if self.fragments == 1 and self.overlap == 0:
-            return f"{name}, no overlap"
-        return f"{name}, fragments={self.fragments}, overlap={self.overlap}"
+            return f"{name}, no overlap{tail}"
+        return f"{name}, fragments={self.fragments}, overlap={self.overlap}{tail}"
 
 
 @dataclass(frozen=True)
@@ -557,8 +558,8 @@ _PREFERENCE = ("fp32", "bf16", "fp16", "int8", "fp8", "sparse", "sparse-owners")
 
 
 def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Prediction:
-    """The setting to run: among those within ``within`` of the best utilization, the least
-    lossy codec (fp32, then int8, then sparse; flat before hierarchical, since a hierarchical
+    """The setting to run: among the settings the optimizer runs (not the hierarchical ones, which
+    it cannot run yet) within ``within`` of the best utilization, the least lossy codec (fp32, then int8, then sparse; flat before hierarchical, since a hierarchical
     exchange is exact only inside the node), then the fewest fragments and the least overlap
     (the least staleness).
 
@@ -568,8 +569,11 @@ def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Predic
     """
     if not predictions:
         raise ValueError("recommend: no predictions")
-    best = max(p.utilization for p in predictions)
-    near = [p for p in predictions if p.utilization >= best - within]
+    # The hierarchical exchange is a building block (compression.hierarchical_mean), not yet an
+    # optimizer setting: it is predicted, never recommended.
+    runnable = [p for p in predictions if not p.setting.hierarchical] or list(predictions)
+    best = max(p.utilization for p in runnable)
+    near = [p for p in runnable if p.utilization >= best - within]
 
     def rank(p: Prediction) -> tuple:
         order = _PREFERENCE.index(p.setting.codec) if p.setting.codec in _PREFERENCE else 99
