@@ -558,10 +558,10 @@ _PREFERENCE = ("fp32", "bf16", "fp16", "int8", "fp8", "sparse", "sparse-owners")
 
 
 def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Prediction:
-    """The setting to run: among the settings the optimizer runs (not the hierarchical ones, which
-    it cannot run yet) within ``within`` of the best utilization, the least lossy codec (fp32, then int8, then sparse; flat before hierarchical, since a hierarchical
-    exchange is exact only inside the node), then the fewest fragments and the least overlap
-    (the least staleness).
+    """The setting to run: among the settings the optimizer runs (not the hierarchical ones,
+    which it cannot run yet) within ``within`` of the best utilization, the least lossy codec
+    (fp32, then int8, then sparse), then the fewest fragments and the least overlap (the least
+    staleness).
 
     Args:
         predictions: from :func:`predict`.

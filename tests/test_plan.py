@@ -159,7 +159,8 @@ def test_command_line_prints_every_setting_and_a_recommendation(capsys):
     assert text == capsys.readouterr().out.rstrip("\n")
     hier = " (not an optimizer option yet)"
     labels = ("fp32, no overlap", "int8, fragments=1, overlap=1", "sparse, fragments=4, overlap=3",
-              "hier int8, no overlap" + hier, "hier sparse, fragments=4, overlap=3" + hier)  # fmt: skip
+              "hier int8, no overlap" + hier,
+              "hier sparse, fragments=4, overlap=3" + hier)  # fmt: skip
     for label in labels:
         assert f"| {label} | 12 |" in text
     assert "Memory per GPU: parameters 5.2 GB" in text
