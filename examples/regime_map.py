@@ -353,7 +353,8 @@ def lm_report(rows: list[dict], tune_tau: int) -> tuple[str, dict[int, dict[int,
     """
     parts, shares = [], {}
     for (params, steps), rs in lm_sizes(rows).items():
-        parts.append(f"## {params:,} parameters, {steps} steps: {' '.join(rs[0].get('flags', []))}")
+        flags = " ".join(rs[0].get("flags", []))
+        parts.append(f"## {params:,} parameters, {steps} steps: {flags}")
         tuning, chosen = lm_tuning(rs)
         if tuning.count("\n") > 1:
             parts.append(f"Tuning (seeds {TUNING_SEEDS[0]}-{TUNING_SEEDS[-1]}):\n{tuning}")

@@ -20,9 +20,11 @@ PYTHON=${PYTHON:-python}
 GRID=0.4/0.8,0.4/0.9,0.7/0.8,0.7/0.9,1/0.8,1/0.9
 for size in "64 2 16" "96 3 28" "128 4 40"; do
     read -r width layers epochs <<<"$size"
-    lm=("$PYTHON" examples/regime_map.py lm --out "$OUT" --jobs "$JOBS" --logdir "runs/lm_sizes/w$width")
+    lm=("$PYTHON" examples/regime_map.py lm --out "$OUT" --jobs "$JOBS")
+    lm+=(--logdir "runs/lm_sizes/w$width")
     flags=(-- --width "$width" --layers "$layers" --heads 4 --context 64 --batch-size 16)
     flags+=(--steps-per-epoch 32 --epochs "$epochs" --val-batches 4)
-    "${lm[@]}" --methods local-adamw-slowmo --taus 16 --seed-from 100 --seeds 3 --outer "$GRID" "${flags[@]}"
+    "${lm[@]}" --methods local-adamw-slowmo --taus 16 --seed-from 100 --seeds 3 --outer "$GRID" \
+        "${flags[@]}"
     "${lm[@]}" --taus 16,64 --seeds 3 --outer tuned --tune-tau 16 "${flags[@]}"
 done
