@@ -7,14 +7,18 @@ on thread workers of this one process (``launch.run_in_threads``: no launcher).
     python examples/regime_map.py lm --out runs/lm.jsonl --taus 16,64 --seeds 3 -- --width 64
     python examples/regime_map.py lm --out runs/lm.jsonl --methods local-adamw-slowmo \
         --taus 64 --seed-from 100 --outer 0.4/0.9,0.7/0.9,1/0.9 -- --width 64
-    python examples/regime_map.py lm-report runs/lm.jsonl
+    python examples/regime_map.py lm --out runs/lm.jsonl --outer tuned --tune-tau 64 \
+        --jobs 2 -- --width 64
+    python examples/regime_map.py lm-report runs/lm.jsonl --png share.png
 
 ``lm`` is the language-model table (examples/char_lm.py on 4 thread workers): AR-AdamW, Local
 AdamW with a plain average, and Local AdamW + SlowMo with an outer Nesterov at each ``--outer``
 setting (outer lr / momentum; default DiLoCo's 0.7 / 0.9) per tau and seed, the validation loss
-at equal steps; flags after ``--`` go to char_lm.py (the model's size, the steps). Seeds 100-102
-are the tuning seeds: ``lm-report`` prints their table per setting and leaves them out of the
-test table.
+at equal steps; flags after ``--`` go to char_lm.py (the model's size, the steps), and a run
+is known by them too, so one file holds several sizes. Seeds 100-102 are the tuning seeds;
+``--outer tuned`` runs the setting the size's tuning at ``--tune-tau`` chose. ``lm-report``
+prints, per size (parameters, steps), the tuning table and the test tables (the tuning seeds
+left out), and draws the share of the gap SlowMo wins back against the size.
 
 Every method at every worker count trains with the same peak lr (``--peak-lr``, 0.1: the
 value tuned at 4 workers), not the linearly scaled one: at 8 and 16 workers the scaled peak
@@ -149,45 +153,148 @@ def lm_outer(row: dict) -> tuple[float, float] | None:
     return (row.get("slow_lr", DILOCO_OUTER[0]), row.get("slow_momentum", DILOCO_OUTER[1]))
 
 
-def run_lm(args) -> None:
-    """Per seed: AR-AdamW once (it does not depend on tau), then per tau Local AdamW and Local
-    AdamW + SlowMo at each ``--outer`` setting; one JSON line per finished run, finished runs
-    are not run again."""
+def lm_run_key(row: dict) -> tuple:
+    """A language-model row's run: (method, tau, seed, outer setting, char_lm.py's flags).
+
+    Args:
+        row: a row of ``lm``'s JSON lines.
+    """
+    return (row["method"], row["tau"], row["seed"], lm_outer(row), tuple(row.get("flags", ())))
+
+
+def tuned_outer(rows: list[dict], flags: list[str], tau: int) -> tuple[float, float]:
+    """The outer setting :func:`lm_tuning` chose at ``tau`` among the rows of one size (the
+    rows run with char_lm.py's ``flags``).
+
+    Args:
+        rows: ``lm``'s rows.
+        flags: char_lm.py's flags of the size (the size, the steps).
+        tau: the tau the tuning ran at (``--tune-tau``).
+    """
+    same = [r for r in rows if tuple(r.get("flags", ())) == tuple(flags)]
+    chosen = lm_tuning(same)[1].get(tau)
+    if chosen is None:
+        raise ValueError(
+            f"--outer tuned: no complete tuning at tau {tau} for the flags {flags}; run the "
+            f"grid first (--methods local-adamw-slowmo --taus {tau} --seed-from "
+            f"{TUNING_SEEDS[0]} --seeds {len(TUNING_SEEDS)} --outer LR/MOM,...) or name --outer"
+        )
+    return chosen
+
+
+def _lm_run(args, method: str, tau: int, seed: int, outer: tuple[float, float] | None) -> dict:
+    """Train one language-model run on thread workers and append its row to ``args.out``."""
     import char_lm
 
+    flags = LM_METHODS[method] + ["--tau", str(tau), "--seed", str(seed)]
+    name = f"{method}_tau{tau}_s{seed}"
+    if outer is not None:
+        flags += ["--slow-lr", str(outer[0]), "--slow-momentum", str(outer[1])]
+        name += f"_o{outer[0]:g}m{outer[1]:g}"
+    flags += ["--no-progress", "--log-every", "1000000", "--device", "cpu"]
+    flags += ["--logdir", args.logdir, "--run-name", name]
+    flags += args.lm_flags
+    summary = run_in_threads(args.workers, lambda: char_lm.main(flags))[0]
+    row = dict(method=method, tau=tau, seed=seed, workers=args.workers)
+    if outer is not None:
+        row.update(slow_lr=outer[0], slow_momentum=outer[1])
+    row.update({k: summary[k] for k in ("val_loss", "train_loss", "steps", "wall_s")})
+    row.update(diverged=summary["diverged"], params=summary["params"])
+    row.update(corpus_sha256=summary["corpus_sha256"], flags=args.lm_flags)
+    with open(args.out, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")  # one write of one line: safe beside another job's
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_lm(args, pool: Executor | None = None) -> None:
+    """Per seed: AR-AdamW once (it does not depend on tau), then per tau Local AdamW and Local
+    AdamW + SlowMo at each ``--outer`` setting (``tuned``: the one the size's tuning at
+    ``--tune-tau`` chose); ``args.jobs`` runs at a time, each in a process of its own (``pool``:
+    another executor, for tests); one JSON line per finished run, finished runs are not run
+    again.
+
+    Args:
+        args: the ``lm`` command's arguments.
+        pool: the executor (default: ``args.jobs`` spawned processes).
+    """
     unknown = set(args.methods.split(",")) - set(LM_METHODS)
     if unknown:
         raise ValueError(f"--methods: {sorted(unknown)} unknown; choose from {list(LM_METHODS)}")
-    outers = parse_outer(args.outer)
-    done = {(r["method"], r["tau"], r["seed"], lm_outer(r)) for r in _done(args.out)}
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: needs at least 1 (runs at a time)")
+    rows = _done(args.out)
+    if args.outer == "tuned":
+        outers = [tuned_outer(rows, args.lm_flags, args.tune_tau)]
+    else:
+        outers = parse_outer(args.outer)
+    # A run is its method, tau, seed, outer setting and char_lm.py's flags (the size, the
+    # steps): one file holds several sizes.
+    done = {lm_run_key(r) for r in rows}
     taus = [int(t) for t in args.taus.split(",")]
+    todo = []
     for seed in range(args.seed_from, args.seed_from + args.seeds):
         plan: list[tuple[str, int, tuple[float, float] | None]] = [("ar-adamw", taus[0], None)]
         for t in taus:
             plan.append(("local-adamw", t, None))
             plan += [("local-adamw-slowmo", t, o) for o in outers]
-        plan = [p for p in plan if p[0] in args.methods.split(",")]
-        for method, tau, outer in plan:
-            if (method, tau, seed, outer) in done:
-                continue
-            flags = LM_METHODS[method] + ["--tau", str(tau), "--seed", str(seed)]
-            name = f"{method}_tau{tau}_s{seed}"
-            if outer is not None:
-                flags += ["--slow-lr", str(outer[0]), "--slow-momentum", str(outer[1])]
-                name += f"_o{outer[0]:g}m{outer[1]:g}"
-            flags += ["--no-progress", "--log-every", "1000000", "--device", "cpu"]
-            flags += ["--logdir", args.logdir, "--run-name", name]
-            flags += args.lm_flags
-            summary = run_in_threads(args.workers, lambda f=flags: char_lm.main(f))[0]
-            row = dict(method=method, tau=tau, seed=seed, workers=args.workers)
-            if outer is not None:
-                row.update(slow_lr=outer[0], slow_momentum=outer[1])
-            row.update({k: summary[k] for k in ("val_loss", "train_loss", "steps", "wall_s")})
-            row.update(diverged=summary["diverged"], params=summary["params"])
-            row.update(corpus_sha256=summary["corpus_sha256"], flags=args.lm_flags)
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+        todo += [
+            (method, tau, seed, outer)
+            for method, tau, outer in plan
+            if method in args.methods.split(",")
+            and (method, tau, seed, outer, tuple(args.lm_flags)) not in done
+        ]
+    pool = pool or ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    with pool:
+        futures = [pool.submit(_lm_run, args, *run) for run in todo]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # a run that raised stops the queue (the running ones finish)
+            raise
+
+
+def lm_paired(rows: list[dict], outer: tuple[float, float]) -> dict[int, dict[str, list]]:
+    """Per tau with test runs of all three methods: the seeds every method finished and their
+    validation losses in seed order (AR-AdamW's from any tau: it does not depend on tau).
+
+    Args:
+        rows: ``lm``'s rows of one size (the tuning seeds, TUNING_SEEDS, are left out).
+        outer: SlowMo's setting (outer lr, momentum).
+
+    Returns:
+        ``{tau: {"seeds", "ar", "lo", "sm"}}``, the last three lists of losses.
+    """
+    by = {
+        (r["method"], r["tau"], r["seed"]): r["val_loss"]
+        for r in rows
+        if r["seed"] not in TUNING_SEEDS and lm_outer(r) in (None, outer)
+    }
+    ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
+    out = {}
+    for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
+        lo = {s: v for (m, t, s), v in by.items() if m == "local-adamw" and t == tau}
+        sm = {s: v for (m, t, s), v in by.items() if m == "local-adamw-slowmo" and t == tau}
+        seeds = sorted(set(ar) & set(lo) & set(sm))
+        if seeds:
+            out[tau] = {"seeds": seeds} | {
+                k: [d[s] for s in seeds] for k, d in (("ar", ar), ("lo", lo), ("sm", sm))
+            }
+    return out
+
+
+def won_back(paired: dict[str, list]) -> float | None:
+    """The share of Local AdamW's mean gap to AR-AdamW that SlowMo wins back (1: all of it);
+    None where there is no gap to win back.
+
+    Args:
+        paired: one tau of :func:`lm_paired`.
+    """
+    n = len(paired["seeds"])
+    gap = (sum(paired["lo"]) - sum(paired["ar"])) / n
+    return (sum(paired["lo"]) - sum(paired["sm"])) / n / gap if gap > 0 else None
 
 
 def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str:
@@ -196,36 +303,102 @@ def lm_table(rows: list[dict], outer: tuple[float, float] = DILOCO_OUTER) -> str
     the share of Local AdamW's gap to AR-AdamW that SlowMo wins back.
 
     Args:
-        rows: ``lm``'s rows (the test seeds: the tuning seeds, TUNING_SEEDS, are left out).
+        rows: ``lm``'s rows of one size (the tuning seeds, TUNING_SEEDS, are left out).
         outer: the SlowMo setting (outer lr, momentum) the table shows.
     """
-    by = {
-        (r["method"], r["tau"], r["seed"]): r["val_loss"]
-        for r in rows
-        if r["seed"] not in TUNING_SEEDS and lm_outer(r) in (None, outer)
-    }
-    ar = {s: v for (m, _, s), v in by.items() if m == "ar-adamw"}
     lines = [
         f"| tau | seeds | AR-AdamW | Local AdamW | + SlowMo (Nesterov {outer[0]:g}/{outer[1]:g}) "
         "| local - AR (paired) | SlowMo - local (paired) | won back |",
         "|---" * 8 + "|",
     ]
-    for tau in sorted({t for (m, t, _) in by if m != "ar-adamw"}):
-        lo = {s: v for (m, t, s), v in by.items() if m == "local-adamw" and t == tau}
-        sm = {s: v for (m, t, s), v in by.items() if m == "local-adamw-slowmo" and t == tau}
-        seeds = sorted(set(ar) & set(lo) & set(sm))
-        if not seeds:
-            continue
-        a, b, c = ([d[s] for s in seeds] for d in (ar, lo, sm))
-        gap, change = (sum(b) - sum(a)) / len(seeds), (sum(c) - sum(b)) / len(seeds)
-        # The share of the base's gap to AR-AdamW that SlowMo wins back (no gap: no share).
-        won = f"{-change / gap:.0%}" if gap > 0 else "-"
+    for tau, p in lm_paired(rows, outer).items():
+        a, b, c = p["ar"], p["lo"], p["sm"]
+        gap, change = (sum(b) - sum(a)) / len(a), (sum(c) - sum(b)) / len(a)
+        share = won_back(p)
         lines.append(
-            f"| {tau} | {len(seeds)} | {_mean_std(a, 3)} | {_mean_std(b, 3)} | "
+            f"| {tau} | {len(a)} | {_mean_std(a, 3)} | {_mean_std(b, 3)} | "
             f"{_mean_std(c, 3)} | {gap:+.3f} ({_paired(b, a)}) | "
-            f"{change:+.3f} ({_paired(c, b)}) | {won} |"
+            f"{change:+.3f} ({_paired(c, b)}) | {'-' if share is None else f'{share:.0%}'} |"
         )
     return "\n".join(lines)
+
+
+def lm_sizes(rows: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """The rows by size, (parameters, steps), smallest first; a run recorded twice (two files
+    read together) is kept once, the first.
+
+    Args:
+        rows: ``lm``'s rows, of one file or several.
+    """
+    out: dict[tuple[int, int], list[dict]] = {}
+    seen = set()
+    for r in rows:
+        key = (r["params"], r["steps"])
+        if (key, lm_run_key(r)) not in seen:
+            seen.add((key, lm_run_key(r)))
+            out.setdefault(key, []).append(r)
+    return dict(sorted(out.items()))
+
+
+def lm_report(rows: list[dict], tune_tau: int) -> tuple[str, dict[int, dict[int, tuple]]]:
+    """Per size: its tuning table, and its test tables, the setting its tuning at ``tune_tau``
+    chose first (every tested setting: the others are shown too, labelled by their setting).
+
+    Args:
+        rows: ``lm``'s rows, of one size or several.
+        tune_tau: the tau whose tuning picks the size's setting.
+
+    Returns:
+        (the text, ``{params: {tau: (share won back or None, seeds)}}`` at the chosen setting).
+    """
+    parts, shares = [], {}
+    for (params, steps), rs in lm_sizes(rows).items():
+        flags = " ".join(rs[0].get("flags", []))
+        parts.append(f"## {params:,} parameters, {steps} steps: {flags}")
+        tuning, chosen = lm_tuning(rs)
+        if tuning.count("\n") > 1:
+            parts.append(f"Tuning (seeds {TUNING_SEEDS[0]}-{TUNING_SEEDS[-1]}):\n{tuning}")
+        outer = chosen.get(tune_tau)
+        tested = {lm_outer(r) for r in rs if r["seed"] not in TUNING_SEEDS} - {None}
+        if outer is None:
+            parts.append(f"Not tuned at tau {tune_tau} (yet): the table of every tested setting.")
+        elif outer not in tested:
+            parts.append(f"Tuned at tau {tune_tau}: {outer[0]:g}/{outer[1]:g}; no test run yet.")
+        else:
+            paired = lm_paired(rs, outer)
+            shares[params] = {t: (won_back(p), len(p["seeds"])) for t, p in paired.items()}
+        for o in sorted(tested, key=lambda o: o != outer):
+            parts.append(lm_table(rs, o))
+    return "\n\n".join(parts), shares
+
+
+def share_figure(shares: dict[int, dict[int, tuple]], png: str) -> None:
+    """The share of Local AdamW's gap that SlowMo wins back against the model's size, a line
+    per tau, each point labelled with its paired seeds (:func:`lm_report`'s ``shares``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for tau in sorted({t for per in shares.values() for t in per}):
+        pts = [
+            (p, per[tau])
+            for p, per in sorted(shares.items())
+            if per.get(tau, (None,))[0] is not None
+        ]
+        ax.plot([p for p, _ in pts], [100 * s for _, (s, _) in pts], "o-", label=f"tau {tau}")
+        for p, (s, n) in pts:
+            ax.annotate(f"{n} seeds", (p, 100 * s), textcoords="offset points", xytext=(4, 4))
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("gap won back by SlowMo (%)")
+    ax.set_title("Byte-level LM, 4 workers: Local AdamW's gap to AR-AdamW\nthat SlowMo wins back")
+    if shares:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 def lm_tuning(rows: list[dict]) -> tuple[str, dict[int, tuple[float, float]]]:
@@ -546,13 +719,18 @@ def parser() -> argparse.ArgumentParser:
     lm.add_argument(
         "--outer",
         default="{:g}/{:g}".format(*DILOCO_OUTER),
-        help="SlowMo's settings, OUTER_LR/MOMENTUM pairs, comma-separated (default: DiLoCo's)",
+        help="SlowMo's settings, OUTER_LR/MOMENTUM pairs, comma-separated (default: DiLoCo's), "
+        "or 'tuned': the one the size's tuning rows in --out chose at --tune-tau",
     )
+    lm.add_argument("--tune-tau", type=int, default=16, help="the tau of --outer tuned's tuning")
+    lm.add_argument("--jobs", type=int, default=1, help="runs at a time, a process each")
     lm.add_argument("--workers", type=int, default=4)
     lm.add_argument("--logdir", default="runs/regime_lm")
     lm.add_argument("lm_flags", nargs="*", help="after --: char_lm.py's flags (size, steps)")
     lm_rep = sub.add_parser("lm-report")
-    lm_rep.add_argument("jsonl")
+    lm_rep.add_argument("jsonl", nargs="+", help="lm's rows (several files: read together)")
+    lm_rep.add_argument("--tune-tau", type=int, default=16, help="the tau whose tuning is used")
+    lm_rep.add_argument("--png", default=None, help="the figure of the share won back per size")
     return p
 
 
@@ -565,13 +743,13 @@ def main(argv=None) -> int:
         run_lm(args)
         return 0
     if args.cmd == "lm-report":
-        rows = _done(args.jsonl)
-        tuning, _ = lm_tuning(rows)
-        if tuning.count("\n") > 1:
-            print(f"Tuning (seeds {TUNING_SEEDS[0]}-{TUNING_SEEDS[-1]}):\n{tuning}\n")
-        test = {lm_outer(r) for r in rows if r["seed"] not in TUNING_SEEDS} - {None}
-        for outer in sorted(test, key=lambda o: o != DILOCO_OUTER):
-            print(lm_table(rows, outer) + "\n")
+        missing = [p for p in args.jsonl if not os.path.exists(p)]
+        if missing:
+            raise ValueError(f"lm-report: {missing} not found; name lm's --out files")
+        text, shares = lm_report([r for p in args.jsonl for r in _done(p)], args.tune_tau)
+        print(text)
+        if args.png:
+            share_figure(shares, args.png)
         return 0
     table, change = cells_table(_done(args.jsonl))
     print(table)

@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+import char_lm  # noqa: E402
 import compare  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import regime_map  # noqa: E402
@@ -220,6 +221,137 @@ def test_lm_table_shows_one_outer_setting_and_no_tuning_seed():
 def test_lm_rejects_an_unknown_method(tmp_path):
     with pytest.raises(ValueError, match="'adam'"):
         regime_map.main(["lm", "--out", str(tmp_path / "x.jsonl"), "--methods", "adam"])
+
+
+def fake_lm(calls: list[list[str]]):
+    """A stand-in for char_lm.main: records its flags; the loss is set by the method, the seed
+    and (SlowMo) the outer lr, so that the outer lr 1 is the best setting."""
+
+    def main(flags: list[str]) -> dict:
+        calls.append(flags)
+        value = lambda name: flags[flags.index(name) + 1]  # noqa: E731
+        loss = 2.0 + 0.01 * int(value("--seed"))
+        if "--slowmo" in flags:
+            loss += 0.2 + abs(float(value("--slow-lr")) - 1.0)
+        elif "localsgd" in flags:
+            loss += 0.4
+        steps = 32 * int(value("--epochs"))
+        return dict(
+            val_loss=loss,
+            train_loss=loss,
+            steps=steps,
+            wall_s=1.0,
+            diverged=False,
+            params=100 * int(value("--width")),
+            corpus_sha256="fake",
+        )
+
+    return main
+
+
+def test_lm_keys_runs_by_size_and_runs_the_setting_the_size_tuned(tmp_path, monkeypatch):
+    calls: list[list[str]] = []
+    monkeypatch.setattr(char_lm, "main", fake_lm(calls))
+    monkeypatch.setattr(regime_map, "run_in_threads", lambda n, fn: [fn()])
+    out = str(tmp_path / "lm.jsonl")
+
+    def lm(argv: list[str], width: int) -> None:
+        argv = ["lm", "--out", out, "--logdir", str(tmp_path), "--jobs", "2"] + argv
+        args = regime_map.parser().parse_args(argv + ["--", "--width", str(width), "--epochs", "2"])
+        regime_map.run_lm(args, pool=ThreadPoolExecutor(args.jobs))
+
+    tune = ["--methods", "local-adamw-slowmo", "--taus", "16", "--seed-from", "100"]
+    tune += ["--outer", "0.4/0.8,1/0.8"]
+    with pytest.raises(ValueError, match="--outer tuned: no complete tuning at tau 16"):
+        lm(["--outer", "tuned"], 64)
+    lm(tune, 64)
+    assert len(calls) == 2 * 3  # 2 settings x 3 tuning seeds
+    lm(tune, 96)  # another size in the same file: its runs are not the first size's
+    assert len(calls) == 12
+    lm(tune, 64)  # resumed: nothing left to run
+    assert len(calls) == 12
+    with pytest.raises(ValueError, match="no complete tuning at tau 64"):
+        lm(["--outer", "tuned", "--tune-tau", "64"], 64)
+    lm(["--outer", "tuned", "--taus", "16,64", "--seeds", "2"], 64)
+    test = calls[12:]
+    assert len(test) == 2 * 5  # per seed: AR, then Local and SlowMo at tau 16 and 64
+    slowmo = [f for f in test if "--slowmo" in f]
+    assert len(slowmo) == 4 and all(f[f.index("--slow-lr") + 1] == "1.0" for f in slowmo)
+    assert all(f[f.index("--width") + 1] == "64" for f in test)
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 22 and {r["params"] for r in rows} == {6400, 9600}
+
+
+def lm_rows(params: int, gap: float, won: float, tested: bool = True) -> list[dict]:
+    """One size's rows: its tuning at tau 16 (1/0.8 the best) and, if ``tested``, test seeds 0-2
+    at tau 16 where Local AdamW trails AR-AdamW by ``gap`` and SlowMo wins back ``won`` of it."""
+    size = dict(params=params, steps=512, flags=["--width", str(params)], diverged=False)
+    rows = [
+        dict(
+            size,
+            method="local-adamw-slowmo",
+            tau=16,
+            seed=s,
+            slow_lr=lr,
+            slow_momentum=0.8,
+            val_loss=loss,
+        )
+        for lr, loss in ((1.0, 2.1), (0.4, 2.2))
+        for s in regime_map.TUNING_SEEDS
+    ]
+    for s in (0, 1, 2) if tested else ():
+        base = 2.0 + 0.01 * s
+        rows.append(dict(size, method="ar-adamw", tau=16, seed=s, val_loss=base))
+        rows.append(dict(size, method="local-adamw", tau=16, seed=s, val_loss=base + gap))
+        loss = base + gap * (1 - won)
+        rows.append(
+            dict(
+                size,
+                method="local-adamw-slowmo",
+                tau=16,
+                seed=s,
+                slow_lr=1.0,
+                slow_momentum=0.8,
+                val_loss=loss,
+            )
+        )
+    return rows
+
+
+def test_lm_report_prints_each_size_and_the_share_it_wins_back(tmp_path, capsys):
+    small, big, untested = (
+        lm_rows(1000, 0.1, 0.5),
+        lm_rows(9000, 0.2, 0.25),
+        lm_rows(500, 0, 0, False),
+    )
+    sizes = regime_map.lm_sizes(big + small + small + untested)  # small twice: kept once
+    assert list(sizes) == [(500, 512), (1000, 512), (9000, 512)]
+    assert sizes[(1000, 512)] == small
+
+    text, shares = regime_map.lm_report(big + small + untested, tune_tau=16)
+    assert shares.keys() == {1000, 9000}
+    assert shares[1000][16][0] == pytest.approx(0.5) and shares[1000][16][1] == 3
+    assert shares[9000][16][0] == pytest.approx(0.25)
+    assert text.index("## 500 parameters") < text.index(
+        "## 1,000 parameters, 512 steps: --width 1000"
+    )
+    assert "| 16 | 1 | 0.8 | 3 | 2.100 ± 0.000 |" in text and "Nesterov 1/0.8" in text
+    assert "Tuned at tau 16: 1/0.8; no test run yet." in text  # the untested size
+    assert "| +0.100 (the same difference on every seed: no t) |" in text and "| 50% |" in text
+    text, shares = regime_map.lm_report(small, tune_tau=64)
+    assert shares == {} and "Not tuned at tau 64 (yet)" in text and "| 50% |" in text
+    assert regime_map.won_back(dict(seeds=[0], ar=[2.0], lo=[2.0], sm=[1.9])) is None  # no gap
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in small))
+    second.write_text("".join(json.dumps(r) + "\n" for r in small + big))
+    png = tmp_path / "share.png"
+    regime_map.main(["lm-report", str(first), str(second), "--png", str(png)])
+    printed = capsys.readouterr().out
+    assert printed.count("## ") == 2 and printed.count("| 50% |") == 1
+    assert png.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="missing.jsonl"):
+        regime_map.main(["lm-report", str(tmp_path / "missing.jsonl")])
 
 
 def test_the_committed_map_has_a_clearest_cell():
