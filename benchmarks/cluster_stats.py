@@ -54,7 +54,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         repeats: :func:`window_stats` outputs extended with ``iteration_ms``, ``iterations``,
             ``rank_median_ms``, ``bytes_per_iter``, ``peak_bytes_per_step``, ``bytes_computed``
             and, for hvd_slowmo, ``phase_ms_per_iter`` and ``bytes_per_outer_step``; the
-            workers' peak resident memory ``max_rss_mb`` where measured (the largest is kept).
+            workers' peak resident memory ``max_rss_mb`` where measured (the largest is kept), and
+            hvd_slowmo's ``held_bytes`` per part (:func:`hvd_slowmo.memory.held_bytes`).
     """
     if not repeats:
         raise ValueError("pool_repeats needs at least one measurement")
@@ -77,6 +78,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     if all("max_rss_mb" in r for r in repeats):
         out["max_rss_mb"] = max(r["max_rss_mb"] for r in repeats)
+    if all(r.get("held_bytes") for r in repeats):  # hvd_slowmo's parts (the last repeat's)
+        out["held_bytes"] = repeats[-1]["held_bytes"]
     if all("bytes_per_outer_step" in r for r in repeats):
         out["bytes_per_outer_step"] = statistics.fmean(r["bytes_per_outer_step"] for r in repeats)
     if "phase_ms_per_iter" in repeats[0]:

@@ -40,6 +40,7 @@ from cluster_algorithms import ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm
 from cluster_stats import cluster_stamps, pool_repeats, ring_bytes, window_stats
 
 import hvd_slowmo
+from hvd_slowmo.memory import held_bytes
 
 Step = Callable[[nn.Module], None]
 
@@ -344,6 +345,9 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     timings0 = dict(opt.timings) if comm is not None else {}
     stamps, sent = _timed(iteration, n, comm, host_pause(spec, hvd.rank(), hvd.size()))
     timings1 = dict(opt.timings) if comm is not None else {}
+    # What each part of the optimizer holds at the end of the timed steps (an average in flight
+    # included), beside the process's peak resident memory (measured after the row).
+    held = held_bytes(opt) if comm is not None else None
     if comm is not None:
         # Untimed: land what is still in flight, so the next row's collectives (same names) never
         # meet this row's, and its buffers are freed with the optimizer.
@@ -368,6 +372,7 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
         out["peak_bytes_per_step"] = max(b - a for a, b in zip(sent, sent[1:]))
         out["bytes_computed"] = False
         out["phase_ms_per_iter"] = {k: 1e3 * (v - timings0[k]) / n for k, v in timings1.items()}
+        out["held_bytes"] = held
     elif algo.kind in ("horovod", "ddp", "postlocal"):
         # Gloo's ring volume (not counted): every step, or one parameter average per `tau` steps.
         out["bytes_per_iter"] = ring_bytes(grad_bytes, hvd.size()) / algo.tau
@@ -422,6 +427,13 @@ def main() -> None:
                 msg = (
                     f"{r['median_ms']:.1f} ms/it [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                     f"over {r['windows']} windows, peak RSS {r['max_rss_mb']:.0f} MB"
+                    + (
+                        "; held: "
+                        + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r["held_bytes"].items())
+                        + f" (sum {sum(r['held_bytes'].values()) / 2**20:.0f} MB)"
+                        if r.get("held_bytes")
+                        else ""
+                    )
                     if r.get("available", True)
                     else "not available: " + r["reason"]
                 )

@@ -3,18 +3,20 @@
 For every codec (fp16, bf16, int8, fp8, the sparse one with its defaults, and any other that
 :mod:`hvd_slowmo.compression` has: each is tried, and one that does not work says why) on the
 CPU and, where there is one, on the GPU, the median over repeats of:
-  - encode: :func:`~hvd_slowmo.compression.encode` of the whole vector and its wire packet
-    (sparse: :func:`~hvd_slowmo.compression.sparse_encode`);
-  - decode: the packet back to float32 (sparse: ``sparse_decode_dense``);
-  - mean: one worker's arithmetic in a compressed mean of ``--workers`` workers, without the
-    wire: encode its vector in ``workers`` chunks, decode and sum ``workers`` received chunks
-    of its own share, encode the mean, decode the ``workers`` gathered chunks (what
-    :class:`~hvd_slowmo.compression.PendingMean` computes around its all-to-all and
-    all-gather); sparse: the error feedback's update, the encode, the residual's correction,
-    the decode and sum of ``workers`` gathered packets (what
-    :class:`~hvd_slowmo.compression.PendingSparseMean` computes around its all-gather).
-Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``). Printed as a
-Markdown table, and with ``--json PATH`` written as JSON (scripts/gpu_summary.py reads it).
+  - encode: the codec's packet of the whole vector (:meth:`~hvd_slowmo.compression.Codec.encode`);
+  - decode: the packet back to float32 (:meth:`~hvd_slowmo.compression.Codec.decode`);
+  - mean: one worker's whole share of a compressed mean of ``--workers`` workers with error
+    feedback, run by the library's own average (:meth:`~hvd_slowmo.compression.Codec.mean_start`)
+    over an echo communicator whose every worker sends what this one sends, so the wire is a
+    copy: the error feedback, the encode, (dense codecs) the decode and sum of ``workers``
+    chunks, the re-encode and the decode of the gathered chunks, (sparse) the decode and sum
+    of ``workers`` packets;
+  - copy: a plain ``copy_`` of the same float32 bytes, timed beside each codec in the same run,
+    and the mean's cost as a multiple of it.
+Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``), the median of
+``--repeats``; the 1-minute load average is printed before and after (timings are only worth
+reading from a quiet machine). Printed as a Markdown table, and with ``--json PATH`` written as
+JSON (scripts/gpu_summary.py reads it).
 
 Usage: python benchmarks/codec_cost.py [--mb 64] [--repeats 10] [--workers 4] [--device cpu,cuda]
        python benchmarks/codec_cost.py --mb 0.25 --repeats 2   # seconds on a CPU
@@ -22,22 +24,15 @@ Usage: python benchmarks/codec_cost.py [--mb 64] [--repeats 10] [--workers 4] [-
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 
 import torch
 from bench_timing import median_ms  # benchmarks/, beside this script
 
-from hvd_slowmo.compression import (
-    CODECS,
-    SparseCodec,
-    check_codec,
-    decode,
-    encode,
-    sparse_decode_dense,
-    sparse_encode,
-)
-from hvd_slowmo.compression import codecs as codec_module
-from hvd_slowmo.compression.sparse import sparse_sum
+from hvd_slowmo.comm.base import Communicator
+from hvd_slowmo.compression import CODECS, as_codec
+from hvd_slowmo.compression.means import mean_start
 
 #: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
 #: codec at all, and is left out).
@@ -54,50 +49,42 @@ def codec_names() -> list[str]:
     return names
 
 
-def local_mean(x: torch.Tensor, codec: str, workers: int) -> torch.Tensor:
-    """One worker's arithmetic in a compressed mean of ``workers`` (the wire left out): every
-    worker is assumed to send what this one sends."""
-    chunks = list(x.tensor_split(workers))
-    sent = [codec_module.to_bytes(encode(c, codec)) for c in chunks]
-    mine = chunks[0].numel()
-    total = decode(codec_module.from_bytes(sent[0], mine, codec), codec)
-    for _ in range(1, workers):
-        total += decode(codec_module.from_bytes(sent[0], mine, codec), codec)
-    reduced = codec_module.to_bytes(encode(total / workers, codec))
-    return torch.cat(
-        [decode(codec_module.from_bytes(reduced, mine, codec), codec) for _ in range(workers)]
-    )
+class Echo(Communicator):
+    """``size`` workers that all send what this one (rank 0) sends: a codec's mean runs its
+    whole arithmetic, and the wire is a copy."""
 
+    supports_alltoall = True
 
-def sparse_local_mean(x: torch.Tensor, residual: torch.Tensor, codec: SparseCodec, workers: int):
-    """One worker's arithmetic in a sparse mean of ``workers`` with error feedback (the wire
-    left out; every worker assumed to send this one's packet): the residual's update and
-    encode, the residual's correction, the decode and sum of the gathered packets."""
-    contribution = residual.mul_(codec.ef_decay).add_(x)
-    packet = sparse_encode(contribution, codec)
-    residual.sub_(sparse_decode_dense(packet, x.numel(), codec))
-    gathered = packet.expand(workers, -1)
-    return sparse_sum(gathered, x.numel(), codec).div_(workers)
+    def __init__(self, size: int) -> None:
+        self.rank, self.size = 0, size
+
+    def _average_(self, tensors: list, name: str) -> int:
+        return 0
+
+    def _allgather_object(self, obj: object) -> list:
+        return [obj] * self.size
+
+    def _broadcast_object(self, obj: object, root_rank: int) -> object:
+        return obj
+
+    def _alltoall_flat(self, sends: list, recv_numels: list, name: str) -> list:
+        return [sends[0]] * self.size  # every worker's chunk 0 is this one's
+
+    def _allgather_flat(self, shards: list, name: str) -> list:
+        return [torch.cat([s] * self.size) for s in shards]
 
 
 def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callable, Callable, int]:
     """The codec's encode, decode and mean of ``x`` as functions, and its packet's bytes."""
     n = x.numel()
-    spec = check_codec(codec, x.device)
-    if isinstance(spec, SparseCodec):
-        packet = sparse_encode(x, spec)
-        residual = torch.zeros_like(x)
-        return (
-            lambda: sparse_encode(x, spec),
-            lambda: sparse_decode_dense(packet, n, spec),
-            lambda: sparse_local_mean(x, residual, spec, workers),
-            packet.numel(),
-        )
-    packet = codec_module.to_bytes(encode(x, codec))
+    spec = as_codec(codec, x.device)
+    packet = spec.encode(x)
+    residual = torch.zeros_like(x)
+    echo = Echo(workers)
     return (
-        lambda: codec_module.to_bytes(encode(x, codec)),
-        lambda: decode(codec_module.from_bytes(packet, n, codec), codec),
-        lambda: local_mean(x, codec, workers),
+        lambda: spec.encode(x),
+        lambda: spec.decode(packet, n),
+        lambda: mean_start(spec, echo, x, "cost", residual).wait(),
         packet.numel(),
     )
 
@@ -111,9 +98,12 @@ def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: 
         x = torch.randn(n, generator=g).to(device)
         enc, dec, mean, nbytes = _steps(codec, x, workers)
         per_mb = n * 4 / 2**20
+        out = torch.empty_like(x)
         row["encode_ms_per_mb"] = median_ms(enc, repeats, device) / per_mb
         row["decode_ms_per_mb"] = median_ms(dec, repeats, device) / per_mb
         row["mean_ms_per_mb"] = median_ms(mean, repeats, device) / per_mb
+        row["copy_ms_per_mb"] = median_ms(lambda: out.copy_(x), repeats, device) / per_mb
+        row["mean_per_copy"] = row["mean_ms_per_mb"] / row["copy_ms_per_mb"]
         row["wire_bytes_per_fp32_byte"] = nbytes / (n * 4)
     except (ValueError, TypeError, RuntimeError, KeyError) as e:  # a codec this torch lacks
         row["error"] = f"{type(e).__name__}: {e}"
@@ -142,11 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.device
         else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     )
+    load_before = os.getloadavg()[0]
     rows = [
         measure(codec, torch.device(d), args.mb, args.repeats, args.workers)
         for d in devices
         for codec in codec_names()
     ]
+    load_after = os.getloadavg()[0]
     where = ", ".join(
         torch.cuda.get_device_name(0) if d == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         for d in devices
@@ -157,21 +149,28 @@ def main(argv: list[str] | None = None) -> dict:
         "workers": args.workers,
         "devices": where,
         "torch": torch.__version__,
+        "load_before": load_before,
+        "load_after": load_after,
         "rows": rows,
     }
     print(
         f"codec cost: {args.mb:g} MB of float32, median of {args.repeats}, mean of "
-        f"{args.workers} workers; {where}; torch {torch.__version__}"
+        f"{args.workers} workers with error feedback; {where}; torch {torch.__version__}; "
+        f"1-minute load average {load_before:.2f} before, {load_after:.2f} after"
     )
-    print("| codec | device | encode ms/MB | decode ms/MB | mean ms/MB | wire bytes / fp32 bytes |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| codec | device | encode ms/MB | decode ms/MB | mean ms/MB | copy ms/MB | mean / copy "
+        "| wire bytes / fp32 bytes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['codec']} | {r['device']} | n/a: {r['error']} | | | |")
+            print(f"| {r['codec']} | {r['device']} | n/a: {r['error']} | | | | | |")
         else:
             print(
                 f"| {r['codec']} | {r['device']} | {r['encode_ms_per_mb']:.4f} | "
                 f"{r['decode_ms_per_mb']:.4f} | {r['mean_ms_per_mb']:.4f} | "
+                f"{r['copy_ms_per_mb']:.4f} | {r['mean_per_copy']:.1f}x | "
                 f"{r['wire_bytes_per_fp32_byte']:.3f} |"
             )
     if args.json:

@@ -4,7 +4,10 @@ Prints, measured in one run:
   - the slow step's time as a ratio to one base optimizer step (SGD, Nesterov momentum),
   - its amortized share of a Local SGD iteration (forward + backward + step) at tau=12,
   - the memory SlowMo adds over the base optimizer (anchor + slow buffer) as a multiple of the
-    parameter bytes, and the temporary memory the slow step allocates (torch profiler).
+    parameter bytes, and the temporary memory the slow step allocates (torch profiler);
+  - the bytes each part of the optimizer holds (:func:`hvd_slowmo.memory.held_bytes`:
+    parameters, gradients, base optimizer state, anchor, slow buffer, residual, in flight,
+    codec scratch) as multiples of the parameter bytes.
 
 Usage: python benchmarks/slowmo_overhead.py [--batch 32] [--repeats 20] [--tau 12]
 The outer step runs on one worker here (no communication): this isolates the slow update's
@@ -21,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import ThreadWorld
+from hvd_slowmo.memory import held_bytes
 from hvd_slowmo.slowmo import slow_momentum_step_
 
 
@@ -102,6 +106,10 @@ def main() -> None:
         f"{state_bytes / param_bytes:.2f}x | <= 2x |"
     )
     print(f"| temporary memory allocated by the slow step | {temp_bytes} bytes | |")
+    held = held_bytes(opt)  # each part the optimizer keeps, each storage once
+    for part, nbytes in held.items():
+        print(f"| held: {part} / parameter bytes | {nbytes / param_bytes:.2f}x | |")
+    print(f"| held: all parts / parameter bytes | {sum(held.values()) / param_bytes:.2f}x | |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ outer Nesterov (outer lr 0.7, momentum 0.9), compared by validation loss at equa
     python examples/char_lm.py --threads 4 --algo localsgd --slowmo --tau 64 \\
         --slow-lr 0.7 --slow-momentum 0.9 --outer-optimizer nesterov
     torchrun --nproc-per-node 8 examples/char_lm.py --device cuda --amp --amp-dtype bf16 ...
+    torchrun --nproc-per-node 4 examples/char_lm.py --islands 2 --slowmo --tau 32 ...
+
+``--islands N`` splits the job into N islands (docs/islands.md): each island shards the model
+over its ranks with FSDP2 (``--islands-inner ddp``: replicates it with DDP), its ranks train on
+different slices of the island's batch of ``--batch-size`` sequences, and the islands are the
+SlowMo workers (Local AdamW inside, the outer step every tau steps between islands).
 
 The corpus needs no download and is the same wherever the project's dependencies are
 installed: the top-level ``*.py`` modules of the running CPython's standard library (the pinned
@@ -27,7 +33,16 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Task, add_common_args, allreduce_sums, run_cli, setup, train, write_summary
+from common import (
+    Task,
+    add_common_args,
+    allreduce_sums,
+    run_cli,
+    setup,
+    shard_islands,
+    train,
+    write_summary,
+)
 
 #: Fraction of the corpus (its end) held out as the validation text.
 VAL_FRACTION = 0.1
@@ -136,6 +151,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--val-batches", type=int, default=16, help="validation windows / 16, per worker"
     )
     g.add_argument("--corpus-bytes", type=int, default=0, help="0: the whole corpus")
+    g.add_argument(
+        "--islands",
+        type=int,
+        default=0,
+        help="SlowMo between this many islands of ranks (torchrun; must divide the world size), "
+        "each training one model sharded with FSDP2 over its ranks; --batch-size is then per "
+        "island (0: every process is one worker)",
+    )
+    g.add_argument(
+        "--islands-inner",
+        default="fsdp",
+        choices=("fsdp", "ddp"),
+        help="inside an island: shard the model with FSDP2 or replicate it with DDP",
+    )
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # setup() picks a GPU whenever one is visible
@@ -147,21 +176,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_text, val_text = data[:split], data[split:]
     model = ByteLM(args.width, args.layers, args.heads, args.context).to(device)
     rank, size, n = hvd.rank(), hvd.size(), args.context
+    islands = shard_islands(model, args, hvd, device, model.blocks.layers) if args.islands else None
+    net = islands.module if islands is not None else model  # what the forward pass calls
+    # Each worker (a process, or an island) draws its own batches; an island's ranks each take
+    # their slice of the island's batch.
+    worker = islands.index if islands is not None else rank
+    rows = islands.rows(args.batch_size) if islands is not None else slice(None)
 
     def batches(epoch: int) -> list[torch.Tensor]:
-        g = torch.Generator().manual_seed((args.seed * 1_000_003 + epoch) * 4099 + rank)
+        g = torch.Generator().manual_seed((args.seed * 1_000_003 + epoch) * 4099 + worker)
         starts = torch.randint(
             0, len(train_text) - n - 1, (args.steps_per_epoch, args.batch_size), generator=g
         )
-        return [torch.stack([train_text[s : s + n + 1] for s in row.tolist()]) for row in starts]
+        return [
+            torch.stack([train_text[s : s + n + 1] for s in row.tolist()])
+            for row in starts[:, rows]
+        ]
 
     def loss(b: torch.Tensor) -> torch.Tensor:
-        logits = model(b[:, :-1])
+        logits = net(b[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, 256), b[:, 1:].reshape(-1))
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
-        # Fixed windows spread over the validation text, dealt to the workers; summed exactly.
+        # Fixed windows spread over the validation text, dealt to the processes (with islands
+        # every rank of an island evaluates the island's model, FSDP gathering each block in
+        # turn: the same number of windows each, so their collectives pair up); summed exactly.
         total = args.val_batches * 16 * size
         stride = max(1, (len(val_text) - n - 1) // total)
         mine = range(rank, total, size)
@@ -197,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             1 + math.cos(math.pi * min(1.0, (step - warmup) / (total_steps - warmup)))
         )
 
-    summary = train(args, hvd, device, task, model, base, lr_factor)
+    summary = train(args, hvd, device, task, model, base, lr_factor, islands)
     summary.update(
         corpus=f"CPython {sys.version.split()[0]} stdlib top-level *.py",
         corpus_bytes=len(data),
@@ -205,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params=sum(p.numel() for p in model.parameters()),
         outer_optimizer=args.outer_optimizer,
         slow_lr=args.slow_lr if args.slowmo else 1.0,
+        **(islands.summary() if islands is not None else {}),
     )
     write_summary(args.summary_json, summary, rank)  # again, with the corpus and the model named
     return summary

@@ -45,6 +45,8 @@ __all__ = [
     "describe",
     "setup",
     "build_optimizer",
+    "IslandLayout",
+    "shard_islands",
     "run_name",
     "run_config",
     "make_monitor",
@@ -277,6 +279,7 @@ def build_optimizer(
     model: torch.nn.Module,
     args: argparse.Namespace,
     communicator: Any = None,
+    worker: "hvd_slowmo.Islands | None" = None,
 ) -> hvd_slowmo.DistributedOptimizer:
     """Wrap ``base_optimizer`` as the algorithm the flags name.
 
@@ -289,6 +292,7 @@ def build_optimizer(
         args: the parsed flags.
         communicator: the workers' communicator (None: the launcher's engine, chosen by the
             optimizer; a :class:`launch.ThreadJob` passes its thread communicator).
+        worker: the islands (:func:`shard_islands`), or None: one process is one worker.
     """
     if args.algo not in hvd_slowmo.BASES:
         raise ValueError(
@@ -320,11 +324,142 @@ def build_optimizer(
         kwargs.update(outer_optimizer=args.outer_optimizer)  # e.g. DiLoCo's Nesterov
     if communicator is not None:
         kwargs.update(communicator=communicator)
+    if worker is not None:
+        kwargs.update(worker=worker)
     return hvd_slowmo.DistributedOptimizer(
         base_optimizer,
         named_parameters=model.named_parameters(),
         model_buffers=model.buffers(),
         **kwargs,
+    )
+
+
+@dataclass
+class IslandLayout:
+    """This rank's place with ``--islands N`` (:func:`shard_islands`): the job is ``N`` islands of
+    ``ranks`` ranks; each island trains one model (sharded with FSDP2 or replicated with DDP over
+    its ranks) and is one SlowMo worker (docs/islands.md).
+
+    Attributes:
+        worker: the optimizer's ``worker=``.
+        module: what the forward pass calls: the model itself (FSDP2 shards it in place) or its
+            DDP wrapper.
+        count: the number of islands.
+        index: this rank's island.
+        ranks: ranks per island.
+        inner_rank: this rank's place inside its island.
+        inner: ``"fsdp"`` or ``"ddp"``.
+    """
+
+    worker: hvd_slowmo.Islands
+    module: torch.nn.Module
+    count: int
+    index: int
+    ranks: int
+    inner_rank: int
+    inner: str
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary records of the layout."""
+        return {"islands": self.count, "ranks_per_island": self.ranks, "islands_inner": self.inner}
+
+    def describe(self) -> str:
+        """The layout, for rank 0's log."""
+        return f"{self.count} islands x {self.ranks} ranks ({self.inner})"
+
+    def rows(self, batch_size: int) -> slice:
+        """This rank's rows of its island's batch of ``batch_size`` (the island's ranks train on
+        different data: data parallelism inside the island).
+
+        Args:
+            batch_size: the island's batch (checked by :func:`shard_islands` to divide evenly).
+        """
+        per_rank = batch_size // self.ranks
+        return slice(self.inner_rank * per_rank, (self.inner_rank + 1) * per_rank)
+
+
+def shard_islands(
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    hvd: Job,
+    device: torch.device,
+    blocks: Iterable[torch.nn.Module],
+) -> IslandLayout:
+    """Split the job into ``args.islands`` islands: a 2-D ``DeviceMesh`` (islands x ranks per
+    island, dimensions ``("islands", "shard")``), the model sharded with FSDP2 inside each island
+    (``fully_shard`` on the ``"shard"`` dimension: each block, then the root) or, with
+    ``args.islands_inner == "ddp"``, replicated with DDP over the island's ranks. Call before
+    building the base optimizer (FSDP2 replaces the parameters with DTensors).
+
+    Every rank first takes rank 0's initial model, so all islands start alike.
+
+    Args:
+        model: the whole model, on ``device``, the same on every rank.
+        args: the parsed flags (``islands``, ``islands_inner``, ``batch_size``, ``checkpoint``,
+            ``resume``).
+        hvd: the job (:class:`launch.Job`, from :func:`setup`): a torchrun job.
+        device: the training device (the mesh's device type).
+        blocks: the modules FSDP2 shards (and all-gathers) one at a time, e.g. the transformer
+            layers; the root holds the rest.
+
+    Raises:
+        ValueError: a launcher other than torchrun, ``--islands`` that does not divide the world
+            size, ``--batch-size`` (per island) that does not divide among an island's ranks,
+            or ``--checkpoint``/``--resume`` (the examples' checkpoint is one file written by
+            rank 0; an island's shards need one file per rank: see docs/islands.md).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = hvd.size()
+    if hvd.engine != "torch":
+        raise ValueError(
+            f"--islands {args.islands} needs torch.distributed (torchrun --nproc-per-node N ...), "
+            f"this job runs on {hvd.engine!r}; under horovodrun use the optimizer's worker='node' "
+            "(replicated models only)"
+        )
+    if args.islands < 1 or size % args.islands:
+        raise ValueError(
+            f"--islands {args.islands} must divide the world size {size} (islands x ranks per "
+            f"island = world size); pick one of "
+            f"{[n for n in range(1, size + 1) if size % n == 0]}"
+        )
+    if args.checkpoint or args.resume:
+        raise ValueError(
+            "--checkpoint/--resume with --islands: this example writes one checkpoint on rank 0, "
+            "while each rank of an island holds its own shard; save one file per rank as "
+            "docs/islands.md shows, or drop --checkpoint"
+        )
+    ranks = size // args.islands
+    if args.batch_size % ranks:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is per island with --islands: it must divide "
+            f"among the island's {ranks} ranks"
+        )
+    mesh = init_device_mesh(device.type, (args.islands, ranks), mesh_dim_names=("islands", "shard"))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # before sharding: whole tensors
+    module: torch.nn.Module = model
+    if args.islands_inner == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(
+            model,
+            process_group=mesh.get_group("shard"),
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+    return IslandLayout(
+        worker=hvd_slowmo.Islands(mesh, across="islands"),
+        module=module,
+        count=args.islands,
+        index=mesh.get_local_rank("islands"),
+        ranks=ranks,
+        inner_rank=mesh.get_local_rank("shard"),
+        inner=args.islands_inner,
     )
 
 
@@ -404,6 +539,7 @@ def make_monitor(
     args: argparse.Namespace,
     config: dict[str, Any],
     device: torch.device,
+    rank: int | None = None,
 ) -> TrainingMonitor:
     """The TensorBoard monitor for ``LOGDIR/<run name>``; a fresh run (not --resume) first
     removes that run's old event files so TensorBoard does not mix two runs.
@@ -413,14 +549,18 @@ def make_monitor(
         args: the parsed flags.
         config: from :func:`run_config`.
         device: the training device.
+        rank: this process's rank in the job (default: the optimizer's among its workers); only
+            rank 0 writes. With islands every rank of the first island is rank 0 of its shard's
+            workers, so the job's rank is passed.
     """
     logdir = os.path.join(args.logdir, run_name(args))
-    if opt.comm.rank == 0 and not args.resume:
+    rank = opt.comm.rank if rank is None else rank
+    if rank == 0 and not args.resume:
         old_files = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
         for old in old_files + [os.path.join(logdir, CONFIG_FILE)]:
             if os.path.exists(old):
                 os.remove(old)
-    return TrainingMonitor(opt, logdir, config, device=device)
+    return TrainingMonitor(opt, logdir if rank == 0 else None, config, device=device)
 
 
 def warmup_multistep(
@@ -626,7 +766,11 @@ def load_checkpoint(
 def progress(
     iterable: Iterable[Any], rank: int, args: argparse.Namespace, **kwargs: Any
 ) -> Iterable[Any]:
-    """A tqdm bar on rank 0 (unless --no-progress); the plain iterable elsewhere.
+    """A tqdm bar on rank 0 when its output (stderr) is a terminal and not --no-progress; the
+    plain iterable otherwise.
+
+    A bar redraws its line with carriage returns: in a ``horovodrun`` or CI log that is one
+    endless line, so there the epoch lines of :func:`train` are the whole log of progress.
 
     Args:
         iterable: what to iterate.
@@ -634,7 +778,7 @@ def progress(
         args: the parsed flags.
         kwargs: passed to tqdm (desc, total, ...).
     """
-    if rank != 0 or args.no_progress:
+    if rank != 0 or args.no_progress or not sys.stderr.isatty():
         return iterable
     from tqdm import tqdm
 
@@ -904,6 +1048,7 @@ def train(
     model: torch.nn.Module,
     base_optimizer: torch.optim.Optimizer,
     lr_factor: Callable[[int], float],
+    islands: IslandLayout | None = None,
 ) -> dict[str, Any]:
     """The training loop every example runs: SlowMo around ``base_optimizer``, a per-step lr
     schedule, AMP, checkpoints, TensorBoard, rank-0 logs, and at the end of every epoch the
@@ -917,6 +1062,8 @@ def train(
         model: the model, on ``device``.
         base_optimizer: the local optimizer over ``model.parameters()``, at its peak lr.
         lr_factor: ``step -> factor`` of the peak lr.
+        islands: the layout from :func:`shard_islands` (``model`` is then the unwrapped model), or
+            None: every process is one worker.
 
     Returns:
         The final metrics (rank 0 also writes them to --summary-json).
@@ -927,21 +1074,25 @@ def train(
     if isinstance(hvd, ThreadJob):
         hvd.end_turn()  # the model is built; the optimizer's checks are collective
         threads = hvd.comm
-    opt = build_optimizer(base_optimizer, model, args, communicator=threads)
+    worker = islands.worker if islands is not None else None
+    opt = build_optimizer(base_optimizer, model, args, communicator=threads, worker=worker)
     straggler = straggler_from_args(args, rank, size)  # None but on the emulated straggler
     sched = torch.optim.lr_scheduler.LambdaLR(base_optimizer, lr_factor)
     scaler = make_scaler(args, device)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if islands is None:  # shard_islands broadcast the whole model before sharding it
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     start_epoch = 0
     if args.resume:
         start_epoch = load_checkpoint(args.checkpoint, model, opt, scaler, hvd)
         resume_schedule(sched, opt.num_steps)
     config = run_config(args, task.name, task.optimizer, size)
     config.update(buffers=opt.buffers, average=opt.average)  # as built (the base alone may differ)
-    monitor = make_monitor(opt, args, config, device)
+    config.update(islands.summary() if islands is not None else {})
+    layout = islands.describe() if islands is not None else f"{size} workers"
+    monitor = make_monitor(opt, args, config, device, rank=rank)
     log0(
         rank,
-        f"{run_name(args)}: {size} workers, {task.steps_per_epoch} steps/epoch, "
+        f"{run_name(args)}: {layout}, {task.steps_per_epoch} steps/epoch, "
         f"peak lr {sched.base_lrs[0]:g}, {describe(opt)}",
     )
     _progress_line(args, rank, "start", epochs=args.epochs, start_epoch=start_epoch)
@@ -1013,6 +1164,7 @@ def train(
         "outer_steps": opt.outer_steps,
         "diverged": diverged,
         "wall_s": time.perf_counter() - t_start,
+        **(islands.summary() if islands is not None else {}),
     }
     if straggler is not None:  # this worker is the emulated straggler: what it added
         summary["straggler"] = {

@@ -248,13 +248,16 @@ class _ProgressBars:
     """A tqdm bar per run of a launch, driven by the runs' event lines (--progress-lines); each
     run's summary goes into ``summaries``, and one line is printed when it ends.
 
+    The bars are drawn only on a terminal (stderr): in a log a bar's carriage returns make one
+    endless line, so there the end-of-run lines are all that is written.
+
     Args:
         disable: no bars (the end-of-run lines are still printed).
         summaries: run name -> rank 0's summary, filled as runs end.
     """
 
     def __init__(self, disable: bool, summaries: dict[str, dict[str, Any]]) -> None:
-        self.disable, self.summaries = disable, summaries
+        self.disable, self.summaries = disable or not sys.stderr.isatty(), summaries
         self.bar: Any | None = None
 
     def on_event(self, event: dict[str, Any]) -> None:

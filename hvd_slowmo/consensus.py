@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .bases.base import BaseAlgorithm
 from .comm.base import Communicator
+from .islands import local
 from .outer_step import OuterLoop
 
 __all__ = ["ConsensusView", "consensus_average", "swapped_in"]
@@ -108,9 +109,11 @@ class ConsensusView:
         """Copies of the workers' consensus parameters (their average, de-biased for push-sum
         bases; gossip messages still in flight are not counted) and of the averaged model
         buffers, in the optimizer's order; this worker's own tensors when
-        :meth:`at_consensus`. Collective unless at consensus; the live model is not changed,
-        and the traffic is not counted in :attr:`bytes_sent`."""
-        params = [p.detach() for p in self.params]
+        :meth:`at_consensus`. With ``worker=Islands(...)`` each parameter is this rank's shard
+        (averaged with the ranks holding it in the other islands). Collective unless at
+        consensus; the live model is not changed, and the traffic is not counted in
+        :attr:`bytes_sent`."""
+        params = [local(p).detach() for p in self.params]
         if self.at_consensus():
             return [p.clone() for p in params], [b.detach().clone() for b in self.model_buffers]
         return consensus_average(
@@ -129,5 +132,6 @@ class ConsensusView:
         if self.at_consensus():
             yield True
             return
-        with swapped_in(self.params + self.model_buffers, lambda: sum(self.consensus(), [])):
+        live = [local(p) for p in self.params] + self.model_buffers  # a shard's own tensor
+        with swapped_in(live, lambda: sum(self.consensus(), [])):
             yield False

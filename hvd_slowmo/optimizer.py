@@ -255,11 +255,6 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
                 )
             # The codec is the outer exchange's; a hvd.Compression belongs to the communicator.
             self.comm = default_communicator(communicator, compression, engine)
-        if codec is not None and self.comm.size > 1 and not self.comm.supports_alltoall:
-            raise ValueError(
-                f"codec={codec!r} needs a communicator with alltoall_flat and "
-                f"allgather_flat; {type(self.comm).__name__} has none: use codec=None"
-            )
         hierarchy = worker_hierarchy(worker, communicator, self.comm)
         #: Averages gradients inside this rank's node every step (hierarchical mode only).
         self.node_comm: Communicator | None = hierarchy.node if hierarchy else None

@@ -3,7 +3,9 @@ time split (compute / base communication / exact average / slow update), bytes s
 consensus distance between workers.
 
 One :class:`TrainingMonitor` per process; every rank calls it (some measurements are
-collectives), only rank 0 writes. The tag names below are what :mod:`slowmo_lab.report` reads.
+collectives), only rank 0 writes. The tag names below are what :mod:`slowmo_lab.report` reads;
+each scalar carries its description, and every run also writes :mod:`slowmo_lab.dashboard`'s
+custom-scalars layout and its settings for the HParams dashboard.
 """
 
 import json
@@ -17,31 +19,63 @@ from torch import Tensor
 
 from hvd_slowmo.comm import Communicator
 
-__all__ = ["TAGS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
+from . import dashboard
+
+__all__ = ["TAGS", "DESCRIPTIONS", "CONFIG_FILE", "consensus_distance", "TrainingMonitor"]
 
 #: Scalar tags written to TensorBoard (step = global base-step count).
 TAGS = {
-    "train_loss": "train/loss",  # minibatch losses: mean over workers and the logging window
-    # The examples evaluate the workers' averaged model at epoch ends (at an outer-step boundary
-    # where the epoch is a whole number of outer steps): its loss on the whole training set ...
+    "train_loss": "train/loss",
     "train_full_loss": "train/full_loss",
     "lr": "train/lr",
-    # ... and on the held-out set:
     "val_loss": "val/loss",
-    "val_accuracy": "val/accuracy",  # classification, in percent
-    "val_nll": "val/nll",  # translation: per-token negative log-likelihood
-    "iter_ms": "time/iter_ms",  # wall time per iteration (rank 0), window mean
-    # training seconds so far (rank 0's summed iteration times; evaluation and the consensus
-    # measurement excluded): written at the start and with every evaluation
+    "val_accuracy": "val/accuracy",
+    "val_nll": "val/nll",
+    "iter_ms": "time/iter_ms",
     "train_s": "time/train_s",
-    "compute_ms": "time/compute_ms",  # iter_ms minus the three communication phases below
-    # the base algorithm's per-step communication (gossip, allreduce)
+    "compute_ms": "time/compute_ms",
     "base_comm_ms": "time/base_comm_ms",
-    "average_ms": "time/average_ms",  # the exact average every tau steps (its exposed part)
-    "slow_update_ms": "time/slow_update_ms",  # slow momentum update and buffer strategy
-    # cumulative payload bytes sent by rank 0 (training traffic only)
+    "average_ms": "time/average_ms",
+    "slow_update_ms": "time/slow_update_ms",
     "bytes_sent": "comm/bytes_sent",
-    "consensus": "consensus/distance",  # mean_i ||x_i - mean_j x_j|| just before an exact average
+    "consensus": "consensus/distance",
+}
+#: What each scalar means, shown under its chart in TensorBoard (markdown).
+DESCRIPTIONS = {
+    "train_loss": "Training loss of the minibatches: mean over the workers and the logging window.",
+    "train_full_loss": (
+        "Loss of the workers' averaged model on the whole training set, at each epoch's end."
+    ),
+    "lr": "The base optimizer's learning rate (first parameter group).",
+    "val_loss": "Held-out loss of the workers' averaged model, at each epoch's end.",
+    "val_accuracy": (
+        "Held-out (test) accuracy of the workers' averaged model in percent, at each epoch's end."
+    ),
+    "val_nll": "Translation: held-out per-token negative log-likelihood of the averaged model.",
+    "iter_ms": "Wall time per iteration on rank 0, mean over the logging window (ms).",
+    "train_s": (
+        "Seconds of training so far (rank 0's summed iteration times; evaluations and the "
+        "consensus measurement left out). Every scalar's wall time runs on this clock, so the "
+        "Relative horizontal axis compares runs by training time."
+    ),
+    "compute_ms": (
+        "Per iteration: iter_ms minus the three communication phases (forward, backward and "
+        "the base optimizer's own step), ms."
+    ),
+    "base_comm_ms": (
+        "Per iteration: the base algorithm's own communication (gossip for SGP/OSGP/D-PSGD, "
+        "the gradient allreduce for AR-SGD; zero for Local SGD), ms."
+    ),
+    "average_ms": (
+        "Per iteration: the exact average every tau steps, its exposed part only (what overlap "
+        "hides is not counted), ms."
+    ),
+    "slow_update_ms": "Per iteration: the slow momentum update and the buffer strategy, ms.",
+    "bytes_sent": "Payload bytes sent by rank 0 so far (training traffic only), cumulative.",
+    "consensus": (
+        "Mean distance of the workers' parameters to their average, mean_i ||x_i - mean_j x_j||, "
+        "just before an exact average."
+    ),
 }
 #: File written next to the event files with the run's configuration (read by the report).
 CONFIG_FILE = "config.json"
@@ -49,8 +83,21 @@ _PHASES = ("base_comm", "average", "slow_update")
 _EVAL_KEYS = ("val_loss", "val_accuracy", "val_nll", "train_full_loss")
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a DTensor's (FSDP2's) local shard, any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 @torch.no_grad()
-def consensus_distance(params: Iterable[Tensor], comm: Communicator) -> float:
+def consensus_distance(params: Iterable[Tensor], comm: Communicator, inside: Any = None) -> float:
     """Mean distance of the workers' parameters to their average: ``mean_i ||x_i - x_bar||_2``.
 
     Collective: every worker must call it with the same parameter shapes; all get the same
@@ -58,23 +105,31 @@ def consensus_distance(params: Iterable[Tensor], comm: Communicator) -> float:
     why drift between exact averages matters for SlowMo.
 
     Args:
-        params: this worker's parameters ``x_i``.
-        comm: the communicator over all workers.
+        params: this worker's parameters ``x_i`` (with islands: DTensors, of which this rank
+            measures its local shard).
+        comm: the communicator over all workers (with islands: this rank's shard's peers).
+        inside: with sharded islands, the ``torch.distributed`` group of this rank's island: the
+            shards' squared distances are summed over it (one more scalar allreduce), so the
+            value is the whole model's.
     """
-    params = list(params)
+    params = [_local(p) for p in params]
     if not params:
         raise ValueError("consensus_distance: params is empty; pass model.parameters()")
     # float64 so that the subtraction of two nearly equal models does not lose the difference.
     flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
     mean = flat.clone()
     comm.average_([mean], name="hvd_slowmo.metrics.consensus_mean")
-    dist = torch.linalg.vector_norm(flat - mean).reshape(1)
+    squared = torch.linalg.vector_norm(flat - mean).square().reshape(1)
+    if inside is not None:
+        torch.distributed.all_reduce(squared, group=inside)
+    dist = squared.sqrt()
     comm.average_([dist], name="hvd_slowmo.metrics.consensus_dist")
     return float(dist.item())
 
 
 class TrainingMonitor:
-    """Times iterations, measures consensus and writes TensorBoard scalars on rank 0.
+    """Times iterations, measures consensus and writes TensorBoard scalars on rank 0 (with
+    their descriptions, the custom-scalars layout and the run's settings for HParams).
 
     Usage, per iteration (every rank)::
 
@@ -123,6 +178,9 @@ class TrainingMonitor:
             with open(os.path.join(logdir, CONFIG_FILE), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=1, sort_keys=True, default=str)
             self.writer = SummaryWriter(logdir)
+            self.writer.add_custom_scalars(dashboard.LAYOUT)
+            self.writer.file_writer.add_summary(dashboard.hparams_summary(config, time.time()))
+        self._described: set[str] = set()  # tags written once already, with their description
         self.measurement_bytes = 0  # traffic of the monitor itself, kept out of comm/bytes_sent
         self.last_consensus: float | None = None
         self.total_iterations = 0
@@ -166,7 +224,13 @@ class TrainingMonitor:
         t = self._clock()
         before = self.comm.bytes_sent
         params = [p for group in self.opt.param_groups for p in group["params"]]
-        self.last_consensus = consensus_distance(params, self.comm)
+        islands = getattr(self.opt, "islands", None)
+        # Sharded islands: each rank holds a shard, summed over the island; a DDP island's
+        # ranks hold whole replicas, each measures the whole model.
+        inside = None
+        if islands is not None and any(_is_dtensor(p) for p in params):
+            inside = islands.groups()[1]
+        self.last_consensus = consensus_distance(params, self.comm, inside)
         self.measurement_bytes += self.comm.bytes_sent - before
         self._win_consensus.append(self.last_consensus)
         self._t0 += self._clock() - t  # the measurement is not training time
@@ -239,7 +303,10 @@ class TrainingMonitor:
             return
         walltime = self.wall_start + self.total_seconds
         for key, value in values.items():
-            self.writer.add_scalar(TAGS[key], value, step, walltime=walltime)
+            text = None if key in self._described else DESCRIPTIONS[key]
+            self._described.add(key)
+            summary = dashboard.scalar_summary(TAGS[key], value, text)
+            self.writer.file_writer.add_summary(summary, step, walltime)
         self.writer.flush()
 
     def mean_iteration_ms(self) -> float:

@@ -112,7 +112,8 @@ def load_runs(paths: Sequence[str], relative_to: str | None = None) -> list[Run]
     Raises:
         ValueError: a path does not exist.
     """
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    from tensorboard.backend.event_processing import plugin_event_accumulator as events
+    from tensorboard.util import tensor_util
 
     runs = []
     for root in paths:
@@ -134,11 +135,15 @@ def load_runs(paths: Sequence[str], relative_to: str | None = None) -> list[Run]
                     config = json.load(f)
             else:
                 config = _config_from_name(name)
-            acc = EventAccumulator(folder, size_guidance={SCALARS: 0})  # 0: keep every point
+            # This accumulator reads scalars in both forms (slowmo_lab.dashboard writes tensors,
+            # SummaryWriter.add_scalar simple values) as tensors of the scalars plugin.
+            acc = events.EventAccumulator(folder, size_guidance={events.TENSORS: 0})  # 0: all
             acc.Reload()
+            tags = acc.PluginTagToContent("scalars") if "scalars" in acc.ActivePlugins() else {}
+            value = tensor_util.make_ndarray
             scalars = {
-                tag: sorted((e.step, e.value) for e in acc.Scalars(tag))
-                for tag in acc.Tags()["scalars"]
+                tag: sorted((e.step, float(value(e.tensor_proto))) for e in acc.Tensors(tag))
+                for tag in tags
             }
             runs.append(Run(name=name, path=folder, config=config, scalars=scalars))
     return runs

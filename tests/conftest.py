@@ -5,8 +5,11 @@ torchrun: marked ``horovod``/``torchdist``) or is allowed more than the default 
 Docker, the main job). Launches cost 5-80 s each on 2 cores, most of it process start-up, and
 many repeat one check at another world size or engine.
 
+- ``./test.sh --tier fast``: the unit and in-process reference tests that take seconds, for every
+  edit (budget: 3 minutes on 2 cores). An in-process test that takes longer is marked ``slow``
+  (or its module allows itself more than the default timeout): it runs in the default tier.
 - ``./test.sh`` (``--tier default``): every in-process test, and one launch per engine and per
-  feature (:data:`DEFAULT_LAUNCHES`); about 15 minutes on 2 cores.
+  feature (:data:`DEFAULT_LAUNCHES`); budget: 10 minutes on 2 cores.
 - ``./test.sh --tier launches``: only the launches the default tier leaves out (the other world
   sizes and engines, the whole fault matrix, torchrun restarts, the examples, the builds). CI
   runs it after the default tier.
@@ -14,13 +17,18 @@ many repeat one check at another world size or engine.
 
 The tier decides what is collected, never whether a collected test passes: a test left out is
 reported as *deselected* in pytest's closing line, so the count of what ran is always visible.
+The run ends with its tier's time against the tier's budget (:data:`BUDGET_S`), and a fast run
+names any test that took longer than :data:`FAST_TEST_S` (mark it ``slow``); tests/test_tiers.py
+checks the marks against the durations recorded in tests/data/fast_durations.json.
 
 **Order.** pytest runs tests in collection order (file by file, alphabetically). The in-process
 tests run first, so that a failure shows within the first minutes, then the launches; the order
 inside each group is kept.
 """
 
+import json
 import os
+import time
 
 import pytest
 import torch
@@ -36,6 +44,7 @@ DEFAULT_TIMEOUT_S = 300  # pytest.ini's timeout
 DEFAULT_LAUNCHES = (
     "tests/test_amp_horovod.py::test_overflow_on_one_rank_is_skipped_everywhere[np2-mpi]",
     "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-gloo]",
+    "tests/test_compression_horovod.py::test_torch_distributed_equals_reference_on_every_rank",
     "tests/test_fault_matrix.py::test_fault_cell[horovod-gloo-plain-kill]",
     "tests/test_fault_matrix.py::test_fault_cell[torchdist-gloo-seconds-slow]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np2]",
@@ -45,7 +54,7 @@ DEFAULT_LAUNCHES = (
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-gloo]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-mpi]",
     "tests/test_horovod_core.py::test_configuration_mismatch_is_an_error_not_a_hang",
-    "tests/test_islands.py::test_two_islands_equal_the_unsharded_run[plain]",
+    "tests/test_islands.py::test_two_islands_equal_the_unsharded_run",
     "tests/test_overlap_horovod.py::test_anchors_bitwise_equal_and_match_reference[np3-gloo]",
     "tests/test_sharded.py::test_horovod_sharded_ranks_bitwise_equal_and_close_to_unsharded[np2-gloo]",
     "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np2-gloo]",
@@ -54,7 +63,28 @@ DEFAULT_LAUNCHES = (
     "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
     "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
-TIERS = ("default", "launches", "full")
+# In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
+# processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json
+# has the rest). A file, or one test of a file (every parametrization). New tests take the
+# `slow` mark instead.
+SLOW_IN_PROCESS = (
+    "tests/test_async_start.py",
+    "tests/test_cuda.py::test_codec_cost_runs_tiny_on_cpu",
+    "tests/test_deadline.py",
+    "tests/test_docker.py",
+    "tests/test_gpu_check.py",
+    "tests/test_install_horovod.py",
+    "tests/test_regime_map.py::test_table_and_clearest_cell_from_the_rows",
+    "tests/test_run_log.py::test_docker_check_reads_what_the_example_prints_now",
+    "tests/test_serial.py",
+)
+TIERS = ("fast", "default", "launches", "full")
+#: Each tier's budget in seconds on the 2 cores of the build machine: CI's whole run (lint, the
+#: site, the portability tier, the default and launch tiers) fits in 35 minutes.
+BUDGET_S = {"fast": 180, "default": 600, "launches": 1200, "full": 1800}
+#: A test of the fast tier that takes longer than this on 2 cores belongs in the default tier.
+FAST_TEST_S = 10.0
+_STARTED = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,9 +92,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--tier",
         choices=TIERS,
         default="default",
-        help="default: in-process tests and one launch per engine and feature; launches: the "
-        "other launches only; full: both (tests/conftest.py)",
+        help="fast: the in-process tests that take seconds; default: every in-process test and "
+        "one launch per engine and feature; launches: the other launches only; full: default and "
+        "launches (tests/conftest.py)",
     )
+    parser.addoption(
+        "--tier-report",
+        metavar="FILE",
+        default=None,
+        help="write each collected test's tiers as JSON to FILE (tests/test_tiers.py reads it)",
+    )
+    parser.addoption(
+        "--record-durations",
+        metavar="FILE",
+        default=None,
+        help="write each test's seconds (setup, call and teardown) and the load as JSON to FILE "
+        "(tests/data/fast_durations.json is a --tier fast run's)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STARTED] = time.monotonic()
 
 
 def is_launch(item: pytest.Item) -> bool:
@@ -76,9 +124,23 @@ def is_launch(item: pytest.Item) -> bool:
     return any(float(m.args[0]) > DEFAULT_TIMEOUT_S for m in marks)
 
 
+def is_slow(item: pytest.Item) -> bool:
+    """Whether an in-process ``item`` is too slow for the fast tier: marked ``slow``, listed in
+    :data:`SLOW_IN_PROCESS`, or its module (or itself) allows more than the default timeout."""
+    if item.get_closest_marker("slow"):
+        return True
+    test = item.nodeid.split("[")[0]
+    if any(test == s or test.startswith(s + "::") for s in SLOW_IN_PROCESS):
+        return True
+    mark = item.get_closest_marker("timeout")
+    return bool(mark and mark.args and float(mark.args[0]) > DEFAULT_TIMEOUT_S)
+
+
 def _in_tier(item: pytest.Item, tier: str) -> bool:
     if tier == "full":
         return True
+    if tier == "fast":
+        return not is_launch(item) and not is_slow(item)
     in_default = not is_launch(item) or item.nodeid in DEFAULT_LAUNCHES
     return in_default == (tier == "default")
 
@@ -103,6 +165,10 @@ def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _check_default_launches(items, config)
+    report = config.getoption("--tier-report")
+    if report:
+        with open(report, "w", encoding="utf-8") as f:
+            json.dump({i.nodeid: [t for t in TIERS if _in_tier(i, t)] for i in items}, f)
     tier = config.getoption("--tier")
     kept = [item for item in items if _in_tier(item, tier)]
     left_out = [item for item in items if not _in_tier(item, tier)]
@@ -110,6 +176,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=left_out)
     kept.sort(key=is_launch)  # stable: the order inside each group is unchanged
     items[:] = kept
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    """The tier's time against its budget; in the fast tier, the tests too slow for it."""
+    tier = config.getoption("--tier")
+    elapsed = time.monotonic() - config.stash[_STARTED]
+    slow = [
+        (r.nodeid, r.duration)
+        for reports in terminalreporter.stats.values()
+        for r in reports
+        if isinstance(r, pytest.TestReport) and r.when == "call" and r.duration > FAST_TEST_S
+    ]
+    if tier == "fast" and slow:
+        terminalreporter.write_sep("-", f"fast tier: tests over {FAST_TEST_S:g} s (mark them slow)")
+        for nodeid, seconds in sorted(slow, key=lambda e: -e[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+    record = config.getoption("--record-durations")
+    if record:
+        _record_durations(record, terminalreporter, tier, elapsed)
+    over = "  OVER BUDGET" if elapsed > BUDGET_S[tier] else ""
+    terminalreporter.write_line(
+        f"tier {tier}: {elapsed:.0f} s (budget {BUDGET_S[tier]} s for the whole tier){over}"
+    )
+
+
+def _record_durations(
+    path: str, terminalreporter: pytest.TerminalReporter, tier: str, elapsed: float
+) -> None:
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                seconds[r.nodeid] = round(seconds.get(r.nodeid, 0.0) + r.duration, 3)
+    record = {"tier": tier, "elapsed_s": round(elapsed), "load_at_end": os.getloadavg()}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({**record, "seconds": dict(sorted(seconds.items()))}, f, indent=0)
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ After every step the rank gathers the island model's full parameters (``DTensor.
 and records their largest difference from the reference; after every step at which an outer
 step landed it checks that its shard equals its peer's bit for bit.
 
-Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE [STEPS [MODE [DEVICE]]]``:
-2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json``. ``CASE`` names a row of
+Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE[,CASE...] [STEPS [MODE
+[DEVICE]]]``: 2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json`` (several cases:
+``OUT/<case>/rank<r>.json``). ``CASE`` names a row of
 :data:`CASES`; ``MODE`` ``save`` runs half the steps and saves (each rank its own file),
 ``resume`` continues from there in fresh processes, ``restart`` saves after every step and
 kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every rank then
@@ -122,19 +123,15 @@ def train_step(model, opt, island: int, step: int, device: str) -> None:
 def run(
     out: str,
     case: str,
+    mesh,
     steps: int,
     start: int = 0,
     stop: int | None = None,
     device: str = "cpu",
     restart_at: int | None = None,
 ) -> None:
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(0)  # every rank shares the one GPU
-    init_process_group()
+    """Train one case on the islands and the reference side by side; write ``OUT/rank<r>.json``."""
     rank = dist.get_rank()
-    shape = (2, dist.get_world_size() // 2)
-    mesh = init_device_mesh(device, shape, mesh_dim_names=("islands", "shard"))
     island = mesh.get_local_rank("islands")
     peers = TorchDistCommunicator(group=mesh.get_group("islands"))
     try:
@@ -144,7 +141,6 @@ def run(
             raise
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"error": str(e)}, f)
-        dist.destroy_process_group()
         return
     ckpt = os.path.join(out, f"state.rank{rank}.pt")
     if restart_at is not None:
@@ -158,7 +154,7 @@ def run(
         ref_model.load_state_dict(saved["ref_model"])
         ref_opt.load_state_dict(saved["ref_opt"])
         print(f"rank {rank}: resumed at step {start}", flush=True)
-    diffs, bitwise, landed = [], [], []
+    rec: dict = {"diffs": [], "bitwise": [], "landed": [], "consensus": []}
     for step in range(start, stop if stop is not None else steps):
         marker = os.path.join(out, "killed")
         if step == restart_at and rank == 1 and not os.path.exists(marker):
@@ -166,7 +162,7 @@ def run(
             os.kill(os.getpid(), signal.SIGKILL)  # a lost worker, mid-period
         train_step(model, opt, island, step, device)
         train_step(ref_model, ref_opt, island, step, device)
-        record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step)
+        record(opt, island_model, ref_opt, ref_model, peers, island, rec, step)
         if restart_at is not None:
             save(island_model, opt, ref_model, ref_opt, f"{out}/ckpt.{step + 1}.rank{rank}.pt")
     if stop is not None:
@@ -174,11 +170,10 @@ def run(
     final = [full(p).tolist() for p in island_model.parameters()]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
-            {"diffs": diffs, "bitwise": bitwise, "landed": landed, "final": final,
-             "outer_steps": opt.outer_steps, "state_bytes": opt_state_bytes(opt)},
+            {**rec, "final": final, "outer_steps": opt.outer_steps,
+             "state_bytes": opt_state_bytes(opt)},
             f,
         )  # fmt: skip
-    dist.destroy_process_group()
 
 
 def init_process_group() -> None:
@@ -199,13 +194,27 @@ def init_process_group() -> None:
     )
 
 
-def record(opt, island_model, ref_model, peers, island, diffs, bitwise, landed, step) -> None:
-    """After a step: the largest difference from the reference, and whether this rank's outer
-    state (and, right after a whole-model exact average, its shard) equals its peer's."""
+def record(opt, island_model, ref_opt, ref_model, peers, island, out: dict, step) -> None:
+    """After a step: the largest difference from the reference, of the parameters and (between
+    exact averages) of the consensus model, and whether this rank's outer state (and, right
+    after a whole-model exact average, its shard) equals its peer's."""
+    diffs, bitwise, landed = out["diffs"], out["bitwise"], out["landed"]
     with torch.no_grad():
         mine = [full(p) for p in island_model.parameters()]
         ref = list(ref_model.parameters())
         diffs.append(max(float((a - b).abs().max()) for a, b in zip(mine, ref)))
+    if not opt.at_consensus():  # this rank's shards of the islands' average, made whole
+        from torch.distributed.tensor import DTensor
+
+        shards, _ = opt.consensus()
+        whole = [
+            DTensor.from_local(s, p.device_mesh, p.placements).full_tensor()
+            if hasattr(p, "device_mesh")
+            else s
+            for s, p in zip(shards, island_model.parameters())
+        ]
+        want, _ = ref_opt.consensus()
+        out["consensus"].append(max(float((a - b).abs().max()) for a, b in zip(whole, want)))
     # The anchor (and, right after an exact average, the parameters) of the ranks holding one
     # shard must be bitwise identical: the same average, the same arithmetic.
     same = list(opt.slow_state.state_tensors())
@@ -246,16 +255,30 @@ def opt_state_bytes(opt) -> int:
     return sum(t.numel() * t.element_size() for t in opt.slow_state.state_tensors())
 
 
+def main(argv: list[str]) -> None:
+    out, cases = argv[1], argv[2].split(",")
+    steps = int(argv[3]) if len(argv) > 3 else 12
+    mode = argv[4] if len(argv) > 4 else "full"
+    device = argv[5] if len(argv) > 5 else "cpu"
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU
+    init_process_group()
+    shape = (2, dist.get_world_size() // 2)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=("islands", "shard"))
+    for case in cases:  # several cases in one launch: one process start-up for all of them
+        where = out if len(cases) == 1 else os.path.join(out, case)
+        os.makedirs(where, exist_ok=True)
+        if mode == "save":
+            run(where, case, mesh, steps, stop=steps // 2, device=device)
+        elif mode == "resume":
+            run(where, case, mesh, steps, start=steps // 2, device=device)
+        elif mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies mid-run
+            run(where, case, mesh, steps, device=device, restart_at=steps // 2 + 1)
+        else:
+            run(where, case, mesh, steps, device=device)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    out, case = sys.argv[1], sys.argv[2]
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 12
-    mode = sys.argv[4] if len(sys.argv) > 4 else "full"
-    device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
-    if mode == "save":
-        run(out, case, steps, stop=steps // 2, device=device)
-    elif mode == "resume":
-        run(out, case, steps, start=steps // 2, device=device)
-    elif mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies before the middle step
-        run(out, case, steps, device=device, restart_at=steps // 2 + 1)
-    else:
-        run(out, case, steps, device=device)
+    main(sys.argv)

@@ -1,5 +1,6 @@
-"""The compressed average under horovodrun (Gloo, MPI): equal bit for bit to the hand-written
-reference, identical on every rank, the reference's bytes on the wire."""
+"""The compressed average under horovodrun (Gloo, MPI) and torchrun (torch.distributed over
+Gloo: its all-to-all path): equal bit for bit to the hand-written reference, identical on every
+rank, the reference's bytes on the wire; the optimizer's run equal to the thread workers'."""
 
 import os
 import sys
@@ -10,10 +11,10 @@ from reference_compression import reference_compressed_mean, worker_vector
 
 from horovod_launch import horovodrun
 from reference import make_model
+from torchrun_launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "compression_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))  # the worker's train_compressed
-pytestmark = pytest.mark.horovod
 LAUNCHES = [(3, "gloo"), (3, "mpi")]
 
 
@@ -30,19 +31,30 @@ def check_optimizer_runs(got: list) -> None:
             assert torch.equal(g[key], w[key]), f"optimizer run, rank {rank}: {key} differs"
 
 
+@pytest.mark.horovod
 @pytest.mark.parametrize("np_,controller", LAUNCHES, ids=[f"np{n}-{c}" for n, c in LAUNCHES])
 def test_equals_reference_on_every_rank(tmp_path, np_, controller):
     horovodrun(np_, controller, [WORKER, str(tmp_path)], timeout=480)
-    check_launch(tmp_path, np_, controller)
+    want = {"horovod", "horovod-polled", "horovod-tiny"}
+    check_launch(tmp_path, np_, want | ({"mpi"} if controller == "mpi" else set()))
 
 
-def check_launch(out, np_: int, controller: str) -> None:
+@pytest.mark.torchdist
+@pytest.mark.timeout(600)
+def test_torch_distributed_equals_reference_on_every_rank(tmp_path):
+    """Every codec's all-to-all and all-gather over torch.distributed at 3 ranks (uneven chunks,
+    with and without error feedback, polled, empty chunks) against the hand-written reference,
+    and the optimizer's int8 run (error feedback, ``overlap=2``) against the thread workers'."""
+    torchrun(3, [WORKER, str(tmp_path), "torch"], timeout=480)
+    check_launch(tmp_path, 3, {"torch", "torch-polled", "torch-tiny"})
+
+
+def check_launch(out, np_: int, want_transports: set[str]) -> None:
     """Check the files of one launch of the worker (``out``: its output folder)."""
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(np_)]
     check_optimizer_runs([r.pop("optimizer") for r in ranks])
     transports = {key[0] for key in ranks[0]}
-    want_transports = {"horovod", "horovod-polled", "horovod-tiny"}
-    assert transports == want_transports | ({"mpi"} if controller == "mpi" else set())
+    assert transports == want_transports
     for (transport, codec, feedback), (first, _, _) in ranks[0].items():
         n = first.numel()
         assert n % np_, "the chunks should be uneven"
@@ -54,7 +66,7 @@ def check_launch(out, np_: int, controller: str) -> None:
             where = f"{transport} {codec} feedback={feedback} rank {rank}"
             assert torch.equal(average, want[rank]), f"{where}: differs from the reference"
             assert torch.equal(average, first), f"{where}: differs from rank 0"
-            if transport != "horovod-tiny":
+            if not transport.endswith("-tiny"):
                 assert nbytes == want_bytes[rank], f"{where}: {nbytes} bytes, want {want_bytes}"
             if feedback:
                 assert torch.equal(residual, want_residuals[rank]), f"{where}: residual"

@@ -61,13 +61,15 @@ RESUMES = {  # settings, the step to save at
     "whole-model": (dict(), 9),
     "p2-d3-in-flight": (dict(overlap=3, fragments=2), 10),
     "local-p2-d1": (dict(overlap=1, fragments=2, eager="local"), 7),
+    "owners-p2-d3-in-flight": (dict(overlap=3, fragments=2), 10),  # exchange="owners"
 }
 
 
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_resume_mid_run_is_bitwise(case, one_intra_op_thread):
     kwargs, stop = RESUMES[case]
-    codec = SparseCodec(**SETTINGS, ef_decay=0.9)
+    exchange = "owners" if case.startswith("owners") else "allgather"
+    codec = SparseCodec(**SETTINGS, ef_decay=0.9, exchange=exchange)
     make = build(codec=codec, error_feedback=True, **kwargs)
 
     def check(opt):
@@ -80,6 +82,20 @@ def test_resume_mid_run_is_bitwise(case, one_intra_op_thread):
         resumed = resume_in_fresh_workers(3, make, train, stop, 17, check=check)
         whole = resume_in_fresh_workers(3, make, train, 17, 17)
     assert_same_models(resumed, whole)
+
+
+def test_the_scaling_exchange_through_the_optimizer(one_intra_op_thread):
+    """``SparseCodec(exchange="owners")`` over fragments and overlap: the anchor bitwise the same
+    on every rank after each outer step, and not the all-gather form's (its owners re-select)."""
+    common = dict(tau=4, overlap=1, fragments=2, error_feedback=True)
+    owners = run(4, 13, codec=SparseCodec(**SETTINGS, exchange="owners"), **common)
+    gathered = run(4, 13, codec=SparseCodec(**SETTINGS), **common)
+    assert len(owners[0][1]) >= 3
+    for per_rank in zip(*[r[1] for r in owners]):
+        for tensors in zip(*per_rank):
+            assert all(torch.equal(t, tensors[0]) for t in tensors[1:]), "anchors differ"
+    last = zip(owners[0][1][-1], gathered[0][1][-1])
+    assert not all(torch.equal(a, b) for a, b in last), "the owners' exchange changed nothing"
 
 
 def test_the_string_is_the_default_codec_and_a_change_of_workers_forgets_the_residual():

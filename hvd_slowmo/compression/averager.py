@@ -21,11 +21,10 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingAverage
-from .codecs import BLOCK_SIZE, check_codec
-from .exchange import PendingMean
+from .codecs import Codec, as_codec, check_transport
+from .means import PendingCodecMean, mean_start
 from .offload import CodecThread
 from .sparse import SparseCodec
-from .sparse_exchange import PendingSparseMean
 
 __all__ = ["PseudoGradientAverage"]
 
@@ -41,12 +40,18 @@ class PseudoGradientAverage:
 
     Args:
         comm: the workers of the exact average.
-        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`, or a
-            :class:`~hvd_slowmo.compression.sparse.SparseCodec` (``"sparse"``: its defaults),
-            whose average is an all-gather of sparse packets
-            (:mod:`~hvd_slowmo.compression.sparse_exchange`) and whose error feedback decays.
+        codec: a :class:`~hvd_slowmo.compression.codecs.Codec`, or its spelling
+            (:func:`~hvd_slowmo.compression.codecs.as_codec`): a name of
+            :data:`~hvd_slowmo.compression.codecs.CODECS`, or ``"sparse"`` /
+            :class:`~hvd_slowmo.compression.sparse.SparseCodec`, whose average is an all-gather
+            of sparse packets (:mod:`~hvd_slowmo.compression.sparse_exchange`) and whose error
+            feedback decays. The codec's own average is used
+            (:func:`~hvd_slowmo.compression.means.mean_start`).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
-        block: elements per scale of the scaled codecs.
+
+    Raises:
+        TypeError, ValueError: an unknown codec, or ``comm`` without the collectives its
+            average needs (:func:`~hvd_slowmo.compression.codecs.check_transport`).
 
     Attributes:
         residual: this worker's error-feedback residual, flat float32 over all the model's
@@ -61,14 +66,13 @@ class PseudoGradientAverage:
     def __init__(
         self,
         comm: Communicator,
-        codec: str | SparseCodec,
+        codec: "str | SparseCodec | Codec",
         error_feedback: bool,
-        block: int = BLOCK_SIZE,
     ) -> None:
+        self.codec: Codec = as_codec(codec)
+        check_transport(comm, codec)
         self.comm = comm
-        self.codec = check_codec(codec)
         self.error_feedback = error_feedback
-        self.block = block
         self.residual: Tensor | None = None
         self.thread = CodecThread(comm.counter) if comm.collectives_any_thread else None
         self._buffers: dict[tuple[str, int, torch.device], Tensor] = {}
@@ -124,7 +128,7 @@ class PseudoGradientAverage:
         which: list[int],
         anchor: list[Tensor],
         name: str,
-    ) -> "PendingMean | PendingSparseMean":
+    ) -> PendingCodecMean:
         """The pseudo-gradient, its error feedback, and the codec's mean started."""
         flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
         for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
@@ -144,9 +148,7 @@ class PseudoGradientAverage:
         return pending
 
     @staticmethod
-    def _land(
-        pending: "PendingMean | PendingSparseMean", params: list[Tensor], mine: list[Tensor]
-    ) -> list[Tensor]:
+    def _land(pending: PendingCodecMean, params: list[Tensor], mine: list[Tensor]) -> list[Tensor]:
         """Each parameter's new value ``anchor - mean``, once the mean is in."""
         mean = pending.wait()
         return [
@@ -156,16 +158,18 @@ class PseudoGradientAverage:
 
     def _mean_start(
         self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
-    ) -> "PendingMean | PendingSparseMean":
-        """Start the codec's mean of ``flat``: an all-gather of sparse packets (summed into a
-        reused buffer with ``reuse``), or the dense codecs' exchange."""
-        if isinstance(self.codec, SparseCodec):
-            out = None
-            if reuse:
-                padded = -(-flat.numel() // self.codec.chunk) * self.codec.chunk
-                out = self._buffer("sum", padded, flat.device)
-            return PendingSparseMean(self.comm, flat, self.codec, name, residual, out=out)
-        return PendingMean(self.comm, flat, self.codec, name, residual, self.block)
+    ) -> PendingCodecMean:
+        """Start the codec's mean of ``flat`` (summed into a reused buffer with ``reuse``,
+        where the codec sums into one)."""
+        padded = self.codec.sum_numel(flat.numel())
+        out = self._buffer("sum", padded, flat.device) if reuse and padded else None
+        return mean_start(self.codec, self.comm, flat, name, residual, out)
+
+    @property
+    def scratch(self) -> list[Tensor]:
+        """The float32 buffers kept across outer steps (the pseudo-gradient, the sum), for the
+        memory accounting (:func:`hvd_slowmo.memory.held_bytes`)."""
+        return list(self._buffers.values())
 
     def _buffer(self, role: str, numel: int, device: torch.device) -> Tensor:
         """A float32 buffer of ``numel`` elements kept across outer steps (one per role, size
@@ -225,7 +229,7 @@ class PseudoGradientAverage:
 
     def _codec_name(self) -> str | dict[str, Any]:
         """The codec as plain values (a saved residual is only taken back by the same codec)."""
-        return self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec
+        return self.codec.summary()
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Take the residual of :meth:`state_dict` if it is this worker's own (same rank, same

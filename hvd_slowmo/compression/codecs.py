@@ -31,21 +31,31 @@ Used for the pseudo-gradient average of SlowMo's outer step (arXiv 1910.00643): 
 """
 
 import math
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from .sparse import SparseCodec
 
+if TYPE_CHECKING:  # the exchanges import this module
+    from ..comm.base import Communicator
+
 __all__ = [
     "BLOCK_SIZE",
     "CODECS",
+    "Codec",
+    "DenseCodec",
     "Encoded",
+    "as_codec",
     "check_codec",
+    "check_transport",
     "check_vector",
     "decode",
+    "decode_rows",
     "encode",
+    "encode_rows",
     "encoded_nbytes",
     "from_bytes",
     "to_bytes",
@@ -77,6 +87,132 @@ class Encoded(NamedTuple):
 
     codes: Tensor
     scales: Tensor
+
+
+class Codec(Protocol):
+    """What every codec of the outer exchange speaks: its packet of a flat float32 vector, the
+    vector a packet stands for, the packet's size, which average is built from its packets
+    (``exchange``: :func:`hvd_slowmo.compression.means.mean_start` starts it; the averages
+    import the codecs, never the other way), and its settings as plain values.
+    :class:`DenseCodec` and :class:`~hvd_slowmo.compression.sparse.SparseCodec` implement it;
+    :func:`as_codec` makes one from a user's spelling."""
+
+    @property
+    def exchange(self) -> str:
+        """``"dense"`` (all-to-all, then all-gather), ``"allgather"`` or ``"owners"`` (sparse)."""
+        ...
+
+    def encode(self, x: Tensor) -> Tensor:
+        """The uint8 packet of a 1-D float32 vector."""
+        ...
+
+    def decode(self, packet: Tensor, numel: int) -> Tensor:
+        """The float32 vector of ``numel`` elements a packet stands for."""
+        ...
+
+    def packet_nbytes(self, numel: int) -> int:
+        """Bytes of the packet of ``numel`` elements."""
+        ...
+
+    def sum_numel(self, numel: int) -> int:
+        """Float32 elements of the buffer its mean may sum into
+        (:func:`hvd_slowmo.compression.means.mean_start`'s ``out``; 0: it takes none)."""
+        ...
+
+    def summary(self) -> "str | dict[str, Any]":
+        """The settings as plain values (saved beside a residual, compared across ranks)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DenseCodec:
+    """A codec of :data:`CODECS` as a :class:`Codec`: a value per element (a cast, or a code and
+    a float32 scale per ``block``), averaged by an all-to-all and an all-gather
+    (:mod:`hvd_slowmo.compression.exchange`).
+
+    Args:
+        name: one of :data:`CODECS`.
+        block: elements per scale of ``int8`` and ``fp8``.
+    """
+
+    name: str
+    block: int = BLOCK_SIZE
+    exchange: str = "dense"
+
+    def encode(self, x: Tensor) -> Tensor:
+        """:func:`to_bytes` of :func:`encode`.
+
+        Args:
+            x: the 1-D float32 vector.
+        """
+        return to_bytes(encode(x, self.name, self.block))
+
+    def decode(self, packet: Tensor, numel: int) -> Tensor:
+        """:func:`decode` of :func:`from_bytes`.
+
+        Args:
+            packet: from :meth:`encode`.
+            numel: the vector's length.
+        """
+        return decode(from_bytes(packet, numel, self.name, self.block), self.name, self.block)
+
+    def packet_nbytes(self, numel: int) -> int:
+        """:func:`encoded_nbytes`.
+
+        Args:
+            numel: the vector's length.
+        """
+        return encoded_nbytes(numel, self.name, self.block)
+
+    def sum_numel(self, numel: int) -> int:
+        """0: the dense mean concatenates its decoded chunks into a new tensor.
+
+        Args:
+            numel: the vector's length.
+        """
+        return 0
+
+    def summary(self) -> str:
+        """The name (what states saved before this class hold)."""
+        return self.name
+
+
+def as_codec(spec: Any, device: torch.device | str = "cpu", name: str = "codec") -> Codec:
+    """The :class:`Codec` of a user's spelling: a name of :data:`CODECS`, ``"sparse"``, or a
+    codec object (returned as is). The one place a codec's spelling is told apart.
+
+    Args:
+        spec: the spelling.
+        device: where the codes are made (``fp8`` needs ``float8_e4m3fn`` there).
+        name: the argument's name, for the messages.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_codec`.
+    """
+    if isinstance(spec, DenseCodec):
+        return spec
+    checked = check_codec(spec, device, name)
+    return DenseCodec(checked) if isinstance(checked, str) else checked
+
+
+def check_transport(comm: "Communicator", codec: object) -> None:
+    """Refuse a transport without the collectives a compressed average is built from
+    (``alltoall_flat`` and ``allgather_flat``): the one guard, where a codec's average is
+    built (:class:`~hvd_slowmo.compression.averager.PseudoGradientAverage`) and where a mean
+    starts.
+
+    Args:
+        comm: the workers.
+        codec: the codec, for the message.
+
+    Raises:
+        ValueError: more than one worker and no all-to-all, naming the transport and the fix.
+    """
+    if comm.size > 1 and not comm.supports_alltoall:
+        raise ValueError(
+            f"codec={codec!r} needs a communicator with alltoall_flat and allgather_flat; "
+            f"{type(comm).__name__} has none: use codec=None"
+        )
 
 
 def check_codec(
@@ -204,6 +340,89 @@ def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
     n = enc.codes.numel()
     rows = _blocked(enc.codes.to(torch.float32), block)
     return (rows * enc.scales[:, None]).reshape(-1)[:n]
+
+
+def encode_rows(rows: Tensor, codec: str, block: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+    """Every row of a matrix encoded as a vector of its own, in one pass over the matrix: the
+    same bits as :func:`to_bytes` of :func:`encode` of each row, and of :func:`decode`.
+
+    Args:
+        rows: float32 of shape ``(count, size)`` (the equal chunks of an exchange).
+        codec: one of :data:`CODECS`.
+        block: elements per scale (``int8``, ``fp8``); the blocks restart at every row.
+
+    Returns:
+        ``(packets, decoded)``: uint8 of shape ``(count, encoded_nbytes(size))``, one packet a
+        row, and the float32 rows they decode to.
+    """
+    count, size = rows.shape
+    if size == 0:
+        return rows.new_empty(count, 0, dtype=torch.uint8), rows.clone()
+    dtype = _CODE_DTYPE[codec]
+    if codec not in _CODE_MAX:
+        codes = rows.to(dtype).contiguous()
+        return codes.view(torch.uint8), codes.to(torch.float32)
+    code_max = _CODE_MAX[codec]
+    per_row = _num_blocks(size, block)
+    pad = per_row * block - size
+    blocks = torch.nn.functional.pad(rows, (0, pad)).view(count * per_row, block)
+    amax = blocks.abs().amax(dim=1)
+    scales = amax / torch.full_like(amax, code_max)  # a tensor divisor: as encode, see there
+    # As encode: a zero scale divides by one (its codes are 0), a NaN or inf one is kept.
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scaled = (blocks / divisor[:, None]).view(count, per_row * block)[:, :size]
+    if codec == "int8":
+        codes = scaled.round().clamp_(-code_max, code_max).to(torch.int8)
+    else:
+        codes = scaled.clamp(-code_max, code_max).to(dtype)
+    codes = codes.contiguous()
+    packets = torch.cat([scales.view(count, per_row).view(torch.uint8), codes.view(torch.uint8)], 1)
+    values = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).view(-1, block)
+    decoded = (values * scales[:, None]).view(count, per_row * block)[:, :size]
+    return packets, decoded
+
+
+def _as(buf: Tensor, dtype: torch.dtype) -> Tensor:
+    """``buf`` (uint8, 2-D) seen as ``dtype`` along its last dimension, copied first where its
+    rows are not contiguous or not aligned for ``dtype``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    misaligned = buf.stride(0) % itemsize or buf.storage_offset() % itemsize
+    if itemsize > 1 and (buf.stride(-1) != 1 or misaligned):
+        buf = buf.clone(memory_format=torch.contiguous_format)
+    return buf.view(dtype)
+
+
+def decode_rows(packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE) -> Tensor:
+    """Packets of equal vectors decoded at once, one a row: the same bits as :func:`decode` of
+    :func:`from_bytes` of each.
+
+    Args:
+        packets: uint8 of shape ``(count, encoded_nbytes(size))``.
+        size: each vector's length.
+        codec: their codec.
+        block: their block size.
+
+    Raises:
+        ValueError: packets of another size.
+    """
+    want = encoded_nbytes(size, codec, block)
+    if packets.dtype != torch.uint8 or packets.dim() != 2 or packets.shape[1] != want:
+        raise ValueError(
+            f"decode_rows: {codec} packets of {size} elements have {want} bytes, got "
+            f"{tuple(packets.shape)} of {packets.dtype}"
+        )
+    count = packets.shape[0]
+    if size == 0:
+        return torch.zeros(count, 0, device=packets.device)
+    code_dtype = _CODE_DTYPE[codec]
+    assert code_dtype is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
+    if codec not in _CODE_MAX:
+        return _as(packets, code_dtype).to(torch.float32)
+    per_row = _num_blocks(size, block)
+    scales = _as(packets[:, : 4 * per_row], torch.float32).reshape(-1)
+    codes = _as(packets[:, 4 * per_row :], code_dtype).to(torch.float32)
+    values = torch.nn.functional.pad(codes, (0, per_row * block - size)).view(-1, block)
+    return (values * scales[:, None]).view(count, per_row * block)[:, :size]
 
 
 def encoded_nbytes(numel: int, codec: str, block: int = BLOCK_SIZE) -> int:

@@ -26,15 +26,36 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingTensors, shard_sizes
 from .codecs import (
     BLOCK_SIZE,
+    check_transport,
     check_vector,
-    decode,
+    decode_rows,
     encode,
+    encode_rows,
     encoded_nbytes,
-    from_bytes,
     to_bytes,
 )
 
 __all__ = ["PendingMean", "compressed_mean"]
+
+
+def _run_sizes(sizes: list[int]) -> list[int]:
+    """The length shared by each run of equal consecutive ``sizes``."""
+    return [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s]
+
+
+def _runs(flat: Tensor, sizes: list[int]) -> list[Tensor]:
+    """``flat`` cut into pieces of ``sizes``, each run of equal consecutive sizes as one
+    matrix, a piece a row (:func:`~hvd_slowmo.comm.base.shard_sizes` makes at most two runs)."""
+    out, offset, i = [], 0, 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        count, size = j - i, sizes[i]
+        out.append(flat[offset : offset + count * size].view(count, size))
+        offset += count * size
+        i = j
+    return out
 
 
 def compressed_mean(
@@ -84,11 +105,7 @@ class PendingMean:
         block: int = BLOCK_SIZE,
     ) -> None:
         check_vector(flat, residual, "compressed_mean")
-        if comm.size > 1 and not comm.supports_alltoall:
-            raise ValueError(
-                f"a compressed average needs alltoall_flat and allgather_flat, which "
-                f"{type(comm).__name__} does not have; use codec=None"
-            )
+        check_transport(comm, codec)
         self._comm, self._codec, self._name, self._block = comm, codec, name, block
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
@@ -96,14 +113,17 @@ class PendingMean:
         if self._result is not None:
             return
         contribution = flat if residual is None else flat + residual
-        encoded = [encode(chunk, codec, block) for chunk in contribution.split(self._sizes)]
+        # The chunks come in at most two runs of equal sizes: each run encoded in one pass.
+        packets: list[Tensor] = []
+        sent: list[Tensor] = []
+        for rows in _runs(contribution, self._sizes):
+            rows_packets, decoded = encode_rows(rows, codec, block)
+            packets += rows_packets.unbind(0)
+            sent.append(decoded.reshape(-1))
         if residual is not None:
-            sent = torch.cat([decode(e, codec, block) for e in encoded])
-            torch.sub(contribution, sent, out=residual)
+            torch.sub(contribution, torch.cat(sent), out=residual)
         packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
-        self._alltoall = comm.alltoall_flat_start(
-            [to_bytes(e) for e in encoded], [packet] * comm.size, f"{name}.a2a"
-        )
+        self._alltoall = comm.alltoall_flat_start(packets, [packet] * comm.size, f"{name}.a2a")
 
     def done(self) -> bool:
         """Never blocks: advance (start the all-gather once the all-to-all is done), then say
@@ -123,11 +143,11 @@ class PendingMean:
             assert self._gather is not None
             (gathered,) = self._gather.wait()
             codec, block, sizes = self._codec, self._block, self._sizes
-            packets = gathered.split([encoded_nbytes(s, codec, block) for s in sizes])
+            nbytes = [encoded_nbytes(s, codec, block) for s in sizes]
             self._result = torch.cat(
                 [
-                    decode(from_bytes(p, s, codec, block), codec, block)
-                    for p, s in zip(packets, sizes)
+                    decode_rows(rows, len_, codec, block).reshape(-1)
+                    for rows, len_ in zip(_runs(gathered, nbytes), _run_sizes(sizes))
                 ]
             )
         return self._result
@@ -137,9 +157,10 @@ class PendingMean:
         chunk the same way), average, encode, and start the all-gather."""
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
-        received = self._alltoall.wait()
-        total = decode(from_bytes(received[0], mine, codec, block), codec, block)
+        received = decode_rows(torch.stack(self._alltoall.wait()), mine, codec, block)
+        # Added one worker after the other, in rank order: the bitwise contract of the sum.
+        total = received[0].clone()
         for src in range(1, m):
-            total += decode(from_bytes(received[src], mine, codec, block), codec, block)
+            total += received[src]
         reduced = to_bytes(encode(total / m, codec, block))
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")

@@ -62,6 +62,8 @@ __all__ = [
 BITS = (2, 4, 8)
 #: The largest chunk: a position in it fits in 16 bits.
 MAX_CHUNK = 1 << 16
+#: How the packets are averaged: one all-gather (the default), or reduced at owners and gathered.
+EXCHANGES = ("allgather", "owners")
 
 
 def _number(name: str, value: Any, what: str) -> float:
@@ -92,6 +94,11 @@ class SparseCodec:
             delta``, sends ``C(e)`` and keeps ``e - C(e)`` (with ``error_feedback=True``).
             1.0: plain error feedback, what is not sent now is sent later; SparseLoCo's form
             (no outer momentum, the residual is the momentum) uses e.g. 0.95. In ``[0, 1]``.
+        exchange: ``"allgather"``: every worker gathers every packet and sums them (the exact
+            mean of the sent packets; ``m - 1`` packets received per worker); ``"owners"``: each
+            region is reduced at an owner, sparsified again and gathered
+            (:mod:`~hvd_slowmo.compression.sparse_owners`: about two packets per worker for any
+            number of workers, at the cost of a second sparsification).
 
     Raises:
         TypeError, ValueError: a setting of the wrong type or out of range.
@@ -101,6 +108,7 @@ class SparseCodec:
     bits: int = 2
     chunk: int = 4096
     ef_decay: float = 1.0
+    exchange: str = "allgather"
 
     def __post_init__(self) -> None:
         density = _number("density", self.density, "a number in (0, 1]")
@@ -122,6 +130,11 @@ class SparseCodec:
                 f"SparseCodec: ef_decay must be in [0, 1], got {decay!r}; 1.0 is plain error "
                 "feedback, SparseLoCo uses 0.95"
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(
+                f"SparseCodec: exchange must be one of {EXCHANGES}, got {self.exchange!r}; "
+                "'owners' keeps the bytes per worker constant in the number of workers"
+            )
         object.__setattr__(self, "density", float(density))
         object.__setattr__(self, "ef_decay", float(decay))
 
@@ -136,8 +149,47 @@ class SparseCodec:
         return (self.chunk - 1).bit_length()
 
     def summary(self) -> dict[str, Any]:
-        """The settings as plain values (saved in a state, compared across ranks)."""
-        return {"codec": "sparse", **asdict(self)}
+        """The settings as plain values (saved in a state, compared across ranks); the default
+        exchange is left out, as states saved before it existed have it."""
+        values = asdict(self)
+        if values["exchange"] == EXCHANGES[0]:
+            del values["exchange"]
+        return {"codec": "sparse", **values}
+
+    # The codec protocol (hvd_slowmo.compression.codecs.Codec).
+    def encode(self, x: Tensor) -> Tensor:
+        """:func:`sparse_encode`.
+
+        Args:
+            x: the 1-D float32 vector.
+        """
+        return sparse_encode(x, self)
+
+    def decode(self, packet: Tensor, numel: int) -> Tensor:
+        """:func:`sparse_decode_dense`.
+
+        Args:
+            packet: from :meth:`encode`.
+            numel: the vector's length.
+        """
+        return sparse_decode_dense(packet, numel, self)
+
+    def packet_nbytes(self, numel: int) -> int:
+        """:func:`packet_nbytes`.
+
+        Args:
+            numel: the vector's length.
+        """
+        return packet_nbytes(numel, self)
+
+    def sum_numel(self, numel: int) -> int:
+        """The padded length ``ceil(numel / chunk) * chunk`` the all-gather form sums the packets
+        into (0 for ``"owners"``, which sums each region at its owner).
+
+        Args:
+            numel: the vector's length.
+        """
+        return _chunks(numel, self.chunk) * self.chunk if self.exchange == "allgather" else 0
 
 
 def _chunks(numel: int, chunk: int) -> int:

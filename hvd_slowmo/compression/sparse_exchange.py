@@ -22,7 +22,7 @@ Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communica
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
-from .codecs import check_vector
+from .codecs import check_transport, check_vector
 from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
@@ -74,6 +74,7 @@ class PendingSparseMean:
         out: Tensor | None = None,
     ) -> None:
         check_vector(flat, residual, "sparse_mean")
+        check_transport(comm, codec)
         self._comm, self._codec, self._numel, self._out = comm, codec, flat.numel(), out
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:

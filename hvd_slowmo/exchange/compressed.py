@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingAverage
 from ..compression.averager import PseudoGradientAverage
+from ..compression.codecs import Codec
 from ..compression.sparse import SparseCodec
 from ..slow_state import SlowState
 from .base import EXACT_AVERAGE, Payload
@@ -26,7 +27,8 @@ class CompressedExchange(PlainExchange):
             for more than one worker).
         slow_state: the slow state whose anchor the pseudo-gradients are measured from (a
             layout with per-parameter views: the sharded one declares ``"codec"`` unsupported).
-        codec: a name of :data:`~hvd_slowmo.compression.codecs.CODECS`.
+        codec: a :class:`~hvd_slowmo.compression.codecs.Codec` or its spelling (a name of
+            :data:`~hvd_slowmo.compression.codecs.CODECS`, ``"sparse"``).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
 
     Raises:
@@ -45,17 +47,13 @@ class CompressedExchange(PlainExchange):
         self,
         comm: Communicator,
         slow_state: SlowState,
-        codec: "str | SparseCodec",
+        codec: "str | SparseCodec | Codec",
         error_feedback: bool,
     ) -> None:
-        if comm.size > 1 and not comm.supports_alltoall:
-            raise ValueError(
-                f"codec={codec!r} needs a communicator with alltoall_flat and "
-                f"allgather_flat; {type(comm).__name__} has none: use codec=None"
-            )
+        # PseudoGradientAverage refuses a transport without the collectives, before any state.
+        self.average = PseudoGradientAverage(comm, codec, error_feedback)
         super().__init__(comm)
         self.slow_state = slow_state
-        self.average = PseudoGradientAverage(comm, codec, error_feedback)
 
     @property
     def residual(self) -> Tensor | None:

@@ -1,0 +1,84 @@
+"""The bytes each part of a SlowMo optimizer holds (arXiv 1910.00643): parameters, gradients,
+the base optimizer's state, the anchor, the slow buffer (or outer optimizer's state), the
+codec's error-feedback residual, the outer step in flight and the codec's scratch buffers.
+
+Each tensor's storage is counted once, in the first part that holds it (a snapshot that is the
+parameters themselves is not counted twice), so the parts add up to what the optimizer keeps
+alive; the process's own memory (the framework, activations, the allocator's free pages) is
+not in it. The benchmarks print it beside the measured peak; the planner predicts it
+(:func:`hvd_slowmo.plan.memory_parts`).
+"""
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["PARTS", "held_bytes"]
+
+#: The parts, in the order they are counted.
+PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "anchor",
+    "slow buffer",
+    "residual",
+    "in flight",
+    "codec scratch",
+)
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a nest of lists, tuples and dicts."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _parts(opt: Any) -> dict[str, Iterable[Any]]:
+    slow = opt.slow_state
+    outer = slow.outer_optimizer.state if slow.outer_optimizer is not None else {}
+    in_flight = []
+    for f in opt.outer.fragments:
+        flight = f.in_flight
+        if flight is not None:
+            in_flight += [flight.sent, flight.snapshot, flight.extra_sent, flight.extra_snapshot]
+            in_flight += [flight.state_sent, flight.state_snapshot]
+    average = getattr(opt.exchange, "average", None)
+    return {
+        "parameters": opt.params,
+        "gradients": [p.grad for p in opt.params],
+        "optimizer state": [opt.state],
+        "anchor": [slow.anchor],
+        "slow buffer": [slow.slow_buffer, outer],
+        "residual": [getattr(opt.exchange, "residual", None)],
+        "in flight": in_flight,
+        "codec scratch": [average.scratch if average is not None else []],
+    }
+
+
+def held_bytes(opt: Any) -> dict[str, int]:
+    """The bytes each part of ``opt`` holds now (:data:`PARTS`), each storage counted once.
+
+    Args:
+        opt: a :class:`hvd_slowmo.DistributedOptimizer`.
+    """
+    seen: set[tuple[Any, int]] = set()
+    out = {}
+    for part, values in _parts(opt).items():
+        total = 0
+        for t in _tensors(list(values)):
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        out[part] = total
+    return out

@@ -1,0 +1,142 @@
+"""The user guides (docs/guide/): their code is the scripts of docs/snippets/, which the pages
+include (MkDocs' snippets extension) and these tests run, so a guide cannot show code that does
+not work. At one process here (no launcher: Horovod and torch.distributed at size 1), and under
+``horovodrun -np 2`` and ``torchrun --nproc-per-node 2`` in the launch tier. The pages also keep
+to what a user guide is: no lab-notebook "round", no deprecated spelling, and every measured
+figure beside a link to the results page that holds its machine and commit."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from horovod_launch import ROOT, horovodrun, launch_env, needs_horovod
+from torchrun_launch import free_port, torchrun
+
+GUIDE = os.path.join(ROOT, "docs", "guide")
+SNIPPETS = os.path.join(ROOT, "docs", "snippets")
+PAGES = sorted(os.path.join(GUIDE, f) for f in os.listdir(GUIDE) if f.endswith(".md"))
+INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
+
+
+def code_blocks(text):
+    """The ```python blocks of a page, as their lines."""
+    return [block.strip().splitlines() for block in re.findall(r"```python\n(.*?)```", text, re.S)]
+
+
+def test_guide_code_is_only_included_snippets_and_every_snippet_is_shown():
+    shown = set()
+    for page in PAGES:
+        with open(page, encoding="utf-8") as f:
+            for lines in code_blocks(f.read()):
+                match = INCLUDE.match(lines[0]) if len(lines) == 1 else None
+                assert match, f"{page}: a python block must include a tested snippet: {lines[:3]}"
+                assert os.path.exists(os.path.join(SNIPPETS, match[1])), match[1]
+                shown.add(match[1])
+    assert shown == {f for f in os.listdir(SNIPPETS) if f.endswith(".py")}
+
+
+def run_script(script, args, env=None, timeout=180):
+    cmd = [sys.executable, os.path.join(SNIPPETS, script), *args]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=launch_env(env), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def epochs_printed(stdout):
+    # horovodrun prefixes each line with its rank ("[0]<stdout>:", "[1,0]<stdout>:").
+    line = r"^(?:\[[\d,]+\]<stdout>:)?epoch (\d+): loss of the averaged model"
+    return [int(m) for m in re.findall(line, stdout, re.M)]
+
+
+@pytest.mark.slow
+def test_horovod_script_trains_and_resumes_from_its_checkpoint(tmp_path):
+    needs_horovod()
+    ckpt = str(tmp_path / "ckpt.pt")
+    assert epochs_printed(run_script("train_horovod.py", ["--epochs", "2", "--checkpoint", ckpt]))
+    # [0, 1] then, resumed from the file, only the epoch that is left.
+    out = run_script("train_horovod.py", ["--epochs", "3", "--checkpoint", ckpt])
+    assert epochs_printed(out) == [2]
+
+
+@pytest.mark.slow
+def test_torchrun_script_trains_and_resumes_with_a_node_as_worker(tmp_path):
+    ckpt = str(tmp_path / "ckpt.pt")
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    args = ["--checkpoint", ckpt, "--worker", "node"]
+    first = run_script(
+        "train_torchrun.py", [*args, "--epochs", "2"], env | {"MASTER_PORT": str(free_port())}
+    )
+    assert epochs_printed(first) == [0, 1]
+    again = run_script(
+        "train_torchrun.py", [*args, "--epochs", "3"], env | {"MASTER_PORT": str(free_port())}
+    )
+    assert epochs_printed(again) == [2]
+
+
+@pytest.mark.horovod
+@pytest.mark.timeout(400)
+def test_horovod_script_under_horovodrun(tmp_path):
+    needs_horovod()
+    args = [os.path.join(SNIPPETS, "train_horovod.py"), "--epochs", "2"]
+    proc = horovodrun(2, "gloo", [*args, "--checkpoint", str(tmp_path / "ckpt.pt")])
+    assert epochs_printed(proc.stdout) == [0, 1]
+
+
+@pytest.mark.torchdist
+@pytest.mark.timeout(400)
+def test_torchrun_script_under_torchrun(tmp_path):
+    args = [os.path.join(SNIPPETS, "train_torchrun.py"), "--epochs", "2"]
+    (proc,) = torchrun(2, [*args, "--checkpoint", str(tmp_path / "ckpt.pt")])
+    assert epochs_printed(proc.stdout) == [0, 1]
+
+
+def nav_pages(section):
+    """The pages of one top-level section of mkdocs.yml's nav."""
+    import yaml  # mkdocs' own dependency
+
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = yaml.safe_load(f)["nav"]
+    (entries,) = [e[section] for e in nav if isinstance(e, dict) and section in e]
+    return [p for e in entries for p in e.values()]
+
+
+# A lab notebook's words: a run's "round", not rounding ("round to nearest", "rounds of gossip").
+NOTEBOOK = re.compile(
+    r"\b(?:this|last|next|first|second|third|fourth|fifth|earlier|previous|later) rounds?\b"
+    r"|\bround's\b",
+    re.I,
+)
+DEPRECATED = re.compile(r'compression="(?:fp16|bf16|int8|fp8|sparse)"|eager=(?:True|False)\b')
+# A measured figure: a mean ± spread, a speed-up or a ratio to compute speed ("4.5x sooner";
+# not "one host 2x slower", a setting).
+FIGURE = re.compile(r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)")
+
+
+def sections(text):
+    """(heading, body) of each section of a page, code blocks left out (a shell comment is not
+    a heading)."""
+    parts = re.split(r"^(#{1,3} .*)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return list(zip(["(top)", *parts[1::2]], parts[0::2]))
+
+
+def test_user_guide_pages_read_as_a_guide():
+    results = {os.path.basename(p) for p in nav_pages("Results")}
+    problems = []
+    for page in nav_pages("User guide"):
+        with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
+            text = f.read()
+        for line in text.splitlines():
+            if NOTEBOOK.search(line):
+                problems.append(f"{page}: a lab notebook's round: {line.strip()[:100]}")
+            if DEPRECATED.search(line) and "eprecat" not in line:
+                problems.append(f"{page}: deprecated spelling: {line.strip()[:100]}")
+        for heading, body in sections(text):
+            linked = {os.path.basename(t.split("#")[0]) for t in re.findall(r"\]\(([^)]+)\)", body)}
+            if FIGURE.search(body) and not linked & results:
+                problems.append(f"{page}, {heading}: a measured figure without a results link")
+    assert not problems, "\n".join(problems)
