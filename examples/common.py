@@ -32,7 +32,7 @@ from launch import Job, ThreadJob, init_job, run_in_threads
 
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line, parse_event
-from unequal import Straggler, add_straggler_args, straggler_from_args
+from unequal import Straggler, add_straggler_args, straggler_from_args, straggler_summary
 
 import hvd_slowmo
 from slowmo_lab.metrics import CONFIG_FILE, TrainingMonitor
@@ -1166,11 +1166,7 @@ def train(
         "wall_s": time.perf_counter() - t_start,
         **(islands.summary() if islands is not None else {}),
     }
-    if straggler is not None:  # this worker is the emulated straggler: what it added
-        summary["straggler"] = {
-            "busy_s": straggler.busy_seconds,
-            "paused_s": straggler.paused_seconds,
-        }
+    summary.update(straggler_summary(straggler))  # on the emulated straggler: what it added
     write_summary(args.summary_json, summary, rank)
     _progress_line(args, rank, "end", summary=summary)
     return summary

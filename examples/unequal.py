@@ -16,7 +16,13 @@ import math
 import time
 from collections.abc import Callable
 
-__all__ = ["Straggler", "add_straggler_args", "straggler_flags", "straggler_from_args"]
+__all__ = [
+    "Straggler",
+    "add_straggler_args",
+    "straggler_flags",
+    "straggler_from_args",
+    "straggler_summary",
+]
 
 
 class Straggler:
@@ -169,3 +175,15 @@ def straggler_from_args(args: argparse.Namespace, rank: int, size: int) -> Strag
     if rank != args.straggler_rank % size:
         return None
     return Straggler(args.slow_factor, args.pause_at, args.pause_periods)
+
+
+def straggler_summary(straggler: Straggler | None) -> dict[str, dict[str, float]]:
+    """The run summary's entry of this worker's straggler: ``{"straggler": {"busy_s",
+    "paused_s"}}``, or ``{}`` on a worker that is not it.
+
+    Args:
+        straggler: from :func:`straggler_from_args`.
+    """
+    if straggler is None:
+        return {}
+    return {"straggler": {"busy_s": straggler.busy_seconds, "paused_s": straggler.paused_seconds}}
