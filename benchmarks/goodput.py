@@ -25,7 +25,7 @@ The measurement of issue 37 (4 hosts, one 2x slower, then one paused for 3 outer
 a quiet machine::
 
     python benchmarks/goodput.py --hosts 4 --compute-ms 100 --tau 12 --outer 12 \\
-        --slow-factor 2 --pause-at 4 --pause-periods 3 --params 1M --json runs/goodput.json
+        --slow-factor 2 --pause-at 4 --pause-periods 3 --params 1000000 --json runs/goodput.json
 """
 
 import argparse
