@@ -22,7 +22,9 @@ The peers against hvd_slowmo, 10M parameters and 1 s of compute, at 1 Gbit/s and
 
 ``--slow-factor 2`` makes the last host's synthetic compute twice as long (an unequal host: every
 count-based row then runs at its pace; time-based periods are measured by
-``benchmarks/goodput.py``).
+``benchmarks/goodput.py``). ``--pause-ms 3600 --pause-at 12`` stops the last host once for 3.6 s
+before the 13th timed iteration of every row (3 outer periods of 12 steps at 100 ms: a stalled
+host); the row's median hides a pause, its mean and max windows show it.
 
 The namespaces, links and ``/etc/netns`` files are removed afterwards, also on Ctrl-C / SIGTERM,
 and stale ones from a crashed run with the same ``--prefix`` are removed before starting.
@@ -235,6 +237,19 @@ def _parser() -> argparse.ArgumentParser:
         "slower GPU, a throttled node); 1: every host alike",
     )
     p.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="the last host stops this long once (a stalled host), before the timed iteration "
+        "--pause-at of every row; 0: no pause",
+    )
+    p.add_argument(
+        "--pause-at",
+        type=int,
+        default=12,
+        help="with --pause-ms: the timed iteration (from 0) before which the last host pauses",
+    )
+    p.add_argument(
         "--iters",
         type=int,
         default=48,
@@ -278,6 +293,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_unequal_host(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The slowed and paused host's flags (``p.error`` names the bad one)."""
+    if not args.slow_factor >= 1.0:
+        p.error(f"--slow-factor must be >= 1, got {args.slow_factor}")
+    if not 0.0 <= args.pause_ms < float("inf"):
+        p.error(f"--pause-ms must be a finite number >= 0, got {args.pause_ms}")
+    if args.pause_ms and not 0 <= args.pause_at < args.iters:
+        p.error(f"--pause-at must be a timed iteration in [0, --iters), got {args.pause_at}")
+
+
 def _checked(
     p: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[list[str], list[dict[str, Any]], list[Any], list[Any]]:
@@ -304,8 +329,7 @@ def _checked(
         p.error(f"--nice must be in [-20, 19], got {args.nice}")
     if args.iters < 1 or args.windows < 1 or args.repeats < 1:
         p.error("--iters, --windows and --repeats must be >= 1")
-    if not args.slow_factor >= 1.0:
-        p.error(f"--slow-factor must be >= 1, got {args.slow_factor}")
+    _check_unequal_host(p, args)
     if not 0.0 <= args.backward_fraction < 1.0:
         p.error(f"--backward-fraction must be in [0, 1), got {args.backward_fraction}")
     try:
@@ -318,6 +342,7 @@ def _checked(
             {"workload": "synthetic", "params": n, "compute_ms": c}
             | {"backward_fraction": args.backward_fraction}
             | ({"slow_factor": args.slow_factor} if args.slow_factor != 1.0 else {})
+            | ({"pause_at": args.pause_at, "pause_ms": args.pause_ms} if args.pause_ms else {})
             for n, c in zip(sizes, compute)
         ]
         if args.workload == "synthetic"

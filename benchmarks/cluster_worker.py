@@ -158,6 +158,21 @@ def host_compute_ms(spec: dict[str, Any], rank: int, size: int) -> float:
     return float(spec["compute_ms"]) * slow
 
 
+def host_pause(spec: dict[str, Any], rank: int, size: int) -> tuple[int, float]:
+    """This host's pause: (the timed iteration it pauses before, seconds); ``(-1, 0.0)`` for
+    every host but the last, or when the spec has none (a stalled host: a sleep, its sockets
+    open, the others wait for it at their next synchronization).
+
+    Args:
+        spec: the harness's workload description (``pause_at``, ``pause_ms``).
+        rank: this host's rank.
+        size: the number of hosts.
+    """
+    if rank != size - 1 or not spec.get("pause_ms"):
+        return -1, 0.0
+    return int(spec["pause_at"]), float(spec["pause_ms"]) / 1e3
+
+
 def build(spec: dict[str, Any]) -> tuple[nn.Module, Step]:
     """A fresh model (same on every rank) and its training-step function for the spec's workload.
 
@@ -276,6 +291,28 @@ def _optimizer(
     return opt, opt.comm, ""
 
 
+def _timed(
+    iteration: Callable[[], None], n: int, comm: Any, pause: tuple[int, float]
+) -> tuple[list[float], list[int]]:
+    """Run ``n`` timed iterations; returns the stamps (the start, then each end) and the bytes
+    sent by then (0 without a communicator).
+
+    Args:
+        iteration: one training iteration.
+        n: how many.
+        comm: the optimizer's communicator, or None.
+        pause: (the iteration this host pauses before, seconds): :func:`host_pause`.
+    """
+    stamps, sent = [time.perf_counter()], [comm.bytes_sent if comm is not None else 0]
+    for i in range(n):
+        if i == pause[0]:
+            time.sleep(pause[1])
+        iteration()
+        stamps.append(time.perf_counter())
+        sent.append(comm.bytes_sent if comm is not None else 0)
+    return stamps, sent
+
+
 def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     """Time ``algo`` over whole outer periods, after ``WARMUP_ITERS`` warm-up iterations.
 
@@ -306,12 +343,7 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     barrier()
     bytes0 = comm.bytes_sent if comm is not None else 0
     timings0 = dict(opt.timings) if comm is not None else {}
-    stamps = [time.perf_counter()]
-    sent = [bytes0]
-    for _ in range(n):
-        iteration()
-        stamps.append(time.perf_counter())
-        sent.append(comm.bytes_sent if comm is not None else 0)
+    stamps, sent = _timed(iteration, n, comm, host_pause(spec, hvd.rank(), hvd.size()))
     timings1 = dict(opt.timings) if comm is not None else {}
     # What each part of the optimizer holds at the end of the timed steps (an average in flight
     # included), beside the process's peak resident memory (measured after the row).

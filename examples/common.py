@@ -32,6 +32,7 @@ from launch import Job, ThreadJob, init_job, run_in_threads
 
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line, parse_event
+from unequal import Straggler, add_straggler_args, straggler_from_args, straggler_summary
 
 import hvd_slowmo
 from slowmo_lab.metrics import CONFIG_FILE, TrainingMonitor
@@ -236,6 +237,7 @@ def add_common_args(
         help="rank 0 appends the same event lines to this file (a check reads them there, "
         "whatever a launcher does to the interleaved output)",
     )
+    add_straggler_args(parser)
 
 
 def setup(args: argparse.Namespace) -> tuple[Job, torch.device]:
@@ -996,6 +998,7 @@ def _train_epoch(
     scaler: Any,
     sched: torch.optim.lr_scheduler.LRScheduler,
     monitor: TrainingMonitor,
+    straggler: Straggler | None = None,
 ) -> tuple[float, int, bool]:
     """One epoch of :func:`train`'s steps; returns (the sum of this worker's minibatch losses, its
     steps, whether the run diverged: a non-finite check raised, on every rank at the same step)."""
@@ -1009,6 +1012,8 @@ def _train_epoch(
             break
         batch = task.to_device(batch)
         monitor.start_iteration()
+        if straggler is not None:  # inside the iteration's time: the slowed worker's compute
+            straggler.before_step()
         with autocast(args, device):
             loss = task.loss(batch)
         try:
@@ -1022,6 +1027,8 @@ def _train_epoch(
                 f"{run_name(args)}: diverged at step {opt.num_steps}: {str(e).splitlines()[0]}",
             )
             return loss_sum, steps, True
+        if straggler is not None:
+            straggler.after_step(opt.outer_steps)
         value = loss.item()
         monitor.end_iteration(value)
         loss_sum, steps = loss_sum + value, steps + 1
@@ -1069,6 +1076,7 @@ def train(
         threads = hvd.comm
     worker = islands.worker if islands is not None else None
     opt = build_optimizer(base_optimizer, model, args, communicator=threads, worker=worker)
+    straggler = straggler_from_args(args, rank, size)  # None but on the emulated straggler
     sched = torch.optim.lr_scheduler.LambdaLR(base_optimizer, lr_factor)
     scaler = make_scaler(args, device)
     if islands is None:  # shard_islands broadcast the whole model before sharding it
@@ -1098,7 +1106,7 @@ def train(
     diverged = False
     for epoch in range(start_epoch, args.epochs):
         loss_sum, steps, diverged = _train_epoch(
-            args, hvd, device, task, epoch, opt, scaler, sched, monitor
+            args, hvd, device, task, epoch, opt, scaler, sched, monitor, straggler
         )
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
@@ -1158,6 +1166,7 @@ def train(
         "wall_s": time.perf_counter() - t_start,
         **(islands.summary() if islands is not None else {}),
     }
+    summary.update(straggler_summary(straggler))  # on the emulated straggler: what it added
     write_summary(args.summary_json, summary, rank)
     _progress_line(args, rank, "end", summary=summary)
     return summary

@@ -9,6 +9,8 @@ tables as mean ± std over seeds, and a figure.
     python examples/compare.py --task char_lm  # the byte-level language model, AdamW inside
     python examples/compare.py --algos localsgd,localsgd-slowmo --seeds 0,1 --epochs 10
     python examples/compare.py --network 100mbit   # as root: 4 emulated hosts, time to accuracy
+    python examples/compare.py --slow-factor 2     # the last worker 2x slower (examples/unequal.py)
+    python examples/compare.py --pause-at 4 --pause-periods 3  # it stops 3 periods after outer 4
 
 ``--network RATE[,DELAY]`` runs every worker in its own emulated host (slowmo_lab.netns:
 a network namespace with a veth to a bridge, the link limited to RATE both ways with ``tc tbf``,
@@ -60,6 +62,7 @@ import digits  # noqa: E402
 import mnist1d_cnn  # noqa: E402
 import regime_map  # noqa: E402
 from common import ALGOS, parse_event  # noqa: E402  (also puts the package on the path)
+from unequal import add_straggler_args, straggler_flags  # noqa: E402
 
 import hvd_slowmo  # noqa: E402
 from slowmo_lab import report  # noqa: E402
@@ -764,7 +767,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true", help="show the training logs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_straggler_args(parser)
     return parser
+
+
+def unequal_flags(args: argparse.Namespace) -> list[str]:
+    """The training script's flags of an emulated straggler, checked (a ``ValueError`` naming
+    the flag): ``[]`` when none is set.
+
+    Args:
+        args: compare.py's flags.
+    """
+    flags = straggler_flags(args)
+    if flags and not -args.np <= args.straggler_rank < args.np:
+        raise ValueError(
+            f"--straggler-rank must be in [-{args.np}, {args.np - 1}] for --np {args.np}, got "
+            f"{args.straggler_rank}"
+        )
+    return flags
+
+
+def unequal_suffix(args: argparse.Namespace) -> str:
+    """The log folder's suffix of an emulated straggler (``-slow2x``, ``-pause3at4``, ``-r1``).
+
+    Args:
+        args: compare.py's flags.
+    """
+    suffix = f"-slow{args.slow_factor:g}x" if args.slow_factor != 1.0 else ""
+    suffix += f"-pause{args.pause_periods:g}at{args.pause_at}" if args.pause_at else ""
+    return suffix + (f"-r{args.straggler_rank}" if args.straggler_rank != -1 else "")
 
 
 def _runnable_methods(algos: str, settings: dict[str, Any], task: str) -> list[str]:
@@ -858,6 +889,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.np < 1:
         raise ValueError(f"--np must be >= 1, got {args.np}")
+    unequal = unequal_flags(args)  # checked here, before any launch
     network: tuple[str, float] | None = None
     if args.network is not None:
         setup = network_setup(args)
@@ -888,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.task
     if network:
         folder += f"-network-{network[0]}" + (f"-{network[1]:g}ms" if network[1] else "")
+    folder += unequal_suffix(args) if unequal else ""  # slowed runs never overlay plain ones
     logdir = os.path.join(args.logdir, folder)
     plan = [run_args(m, method_settings[m], seed, args, tau) for m in runnable for seed in seeds]
     common_flags = [
@@ -898,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
         logdir,
         "--no-progress",
         "--progress-lines",
+        *unequal,
     ] + extra
     launcher_name = "torchrun" if resolve_launcher(args.launcher) == "torchrun" else "horovodrun"
     where = (

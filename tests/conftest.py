@@ -46,6 +46,7 @@ DEFAULT_LAUNCHES = (
     "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-gloo]",
     "tests/test_compression_horovod.py::test_torch_distributed_equals_reference_on_every_rank",
     "tests/test_fault_matrix.py::test_fault_cell[horovod-gloo-plain-kill]",
+    "tests/test_fault_matrix.py::test_fault_cell[torchdist-gloo-seconds-slow]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np2]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[mpi-np2]",
     "tests/test_grad_buckets_horovod.py::test_buckets_equal_the_reference[2]",

@@ -29,6 +29,8 @@ Actions:
         start.
     ``late_join``: nothing at run time: :meth:`Fault.join_delay` is the seconds the worker waits
         before it initializes the engine.
+    ``slow``: from then on, the rank sleeps ``slow`` seconds before each base step (a throttled
+        node, a stalling data loader): it is late, not gone.
     ``link_down``: ``ip link set dev LINK down`` in the worker's own network namespace (the
         process goes on with its link gone: a pulled cable). Only in an emulated host
         (``slowmo_lab.netns``: the worker runs under ``ip netns exec``, as root); downing the
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("before_start", "in_flight", "landing", "compressed")
-ACTIONS = ("kill", "freeze", "raise", "late_join", "link_down")
+ACTIONS = ("kill", "freeze", "raise", "late_join", "link_down", "slow")
 
 
 class InjectedFault(RuntimeError):
@@ -67,6 +69,7 @@ class Fault:
         record: a JSON path written when it fires (None: nothing written).
         delay: ``late_join``'s wait in seconds.
         link: ``link_down``'s interface (``eth0`` in every ``slowmo_lab.netns`` host).
+        slow: ``slow``'s extra seconds per base step.
     """
 
     action: str
@@ -75,6 +78,7 @@ class Fault:
     record: str | None = None
     delay: float = 5.0
     link: str = "eth0"
+    slow: float = 0.01
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -119,9 +123,13 @@ class Fault:
     # --- the injection point ----------------------------------------------------------------
     def before_step(self, opt: Any) -> None:
         """Call before each ``opt.step()``: fires the ``before_start`` and ``in_flight`` phases."""
+        if self._fired and self.action == "slow":
+            time.sleep(self.slow)
         if not self._armed or self._fired or opt.num_steps < self.step:
             return
-        tau, starts = opt.config.tau, {f.boundary % opt.config.tau for f in opt.outer.fragments}
+        # With period_seconds (one fragment, its boundary at 0) the period is the planned count.
+        tau = opt.config.tau if opt.period is None else opt.period.steps
+        starts = {f.boundary % tau for f in opt.outer.fragments}
         next_inner = (opt.inner_step + 1) % tau
         in_flight = opt.outer.in_flight is not None
         if self.phase == "before_start" and next_inner in starts:

@@ -768,3 +768,24 @@ def test_sigterm_tears_down(tmp_path):
         ["pgrep", "-f", f"cluster_worker.py.*{tmp_path}"], capture_output=True, text=True
     )
     assert workers.stdout.split() == [], "worker processes survived the teardown"
+
+
+def test_pause_stops_the_last_host_once_at_the_given_iteration():
+    spec = importlib.util.spec_from_file_location(
+        "cluster_worker", os.path.join(ROOT, "benchmarks", "cluster_worker.py")
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    workload = {"workload": "synthetic", "compute_ms": 100.0, "pause_at": 12, "pause_ms": 3600.0}
+    assert [worker.host_pause(workload, r, 4) for r in range(4)] == [(-1, 0.0)] * 3 + [(12, 3.6)]
+    assert worker.host_pause({"compute_ms": 100.0}, 3, 4) == (-1, 0.0)  # no pause: alike
+    p = cluster._parser()
+    argv = ["--pause-ms", "3600", "--pause-at", "12", "--iters", "48"]
+    _, workloads, _, _ = cluster._checked(p, p.parse_args(argv))
+    assert (workloads[0]["pause_at"], workloads[0]["pause_ms"]) == (12, 3600.0)
+    _, workloads, _, _ = cluster._checked(p, p.parse_args([]))
+    assert "pause_ms" not in workloads[0] and "pause_at" not in workloads[0]
+    late = ["--pause-ms", "10", "--pause-at", "48"]  # past --iters 48
+    for bad in (["--pause-ms", "-1"], ["--pause-ms", "inf"], late):
+        with pytest.raises(SystemExit):
+            cluster._checked(p, p.parse_args(bad))

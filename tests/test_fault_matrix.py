@@ -16,23 +16,39 @@ Each launch runs in its own process group with an outer bound (SIGCONT then SIGK
 fails the cell instead of hanging CI. The link-down cells run in the emulated network
 (``slowmo_lab.netns``: two namespaces on a bridge, root needed); rank 1 puts its own link down.
 
-The default suite runs 4 cells (Horovod Gloo, one per configuration, the quickest faults);
-``HVD_SLOWMO_FAULT_MATRIX=1`` runs all 60. With ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH`` every cell
+The unequal workers' policies (issue 37) add rows: {the same three engines} x {merge="samples",
+period_seconds="200ms"} x {worker killed, worker frozen, worker slowed} (rank 1 faulted before the
+base step that ends an outer step, at or after step 5; slowed: 0.01 s more per base step from
+then on). A slowed worker ``goes on``: every rank finishes with the same anchor.
+
+The same unequal-worker rows also run on thread workers, in-process (``test_thread_cell``, the
+default tier): a killed thread ends without a word (it stops calling collectives), a frozen one
+blocks; the survivor's collective deadline (1.5 s) ends the run with a ``CollectiveTimeout``
+naming the missing rank; a slowed one finishes within the launches' deadline (20 s).
+
+The default suite runs 5 cells (Horovod Gloo, one per configuration, the quickest faults; and
+torch.distributed with time-based periods, a slowed worker); ``HVD_SLOWMO_FAULT_MATRIX=1`` runs
+all 60 and the 18 unequal-worker cells. With ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH`` every cell
 run appends its outcome to PATH (one JSON object a line), from which
 ``scripts/fault_matrix_table.py`` writes the table of docs/reliability.md.
 """
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from hvd_slowmo.checkpoint import load_checkpoint
+from hvd_slowmo.comm.deadline import CollectiveTimeout
+from hvd_slowmo.comm.local import run_threads
 
+from fault_injection import Fault
 from horovod_launch import ROOT, horovodrun_command, launch_env, run_bounded
 from torchrun_launch import free_port
 
@@ -57,6 +73,7 @@ DEFAULT = {
     ("horovod-gloo", "overlap2", "raise"),
     ("horovod-gloo", "frag4", "raise"),
     ("horovod-gloo", "int8", "kill"),
+    ("torchdist-gloo", "seconds", "slow"),
 }
 #: Why a cell cannot run here (it is reported as skipped with this reason).
 NOT_HERE = {
@@ -71,7 +88,11 @@ ENGINE_ENV = {
     "FAULT_MATRIX_ENGINE_TIMEOUT": str(DEADLINE),
 }
 
-CELLS = [pytest.param(e, c, f, id=f"{e}-{c}-{f}") for e in ENGINES for c in CONFIGS for f in FAULTS]
+UNEQUAL_CONFIGS = ("samples", "seconds")
+UNEQUAL_FAULTS = ("kill", "freeze", "slow")
+GRID = [(e, c, f) for e in ENGINES for c in CONFIGS for f in FAULTS]
+GRID += [(e, c, f) for e in ENGINES for c in UNEQUAL_CONFIGS for f in UNEQUAL_FAULTS]
+CELLS = [pytest.param(e, c, f, id=f"{e}-{c}-{f}") for e, c, f in GRID]
 
 
 def command(engine: str, out: str, config: str, fault: str) -> list[str]:
@@ -150,7 +171,10 @@ def outcome(tmp_path, rc: int, out: str, engine: str, fault: str) -> dict:
         assert set(results) == {0, 1}, out[-3000:]
         assert all(r["error"] is None for r in results.values()), results
         assert results[0]["anchor"] == results[1]["anchor"]
-        return {**got, "outcome": "goes on", "named_by": None}
+        if fault == "slow":  # it fired: the slowed rank was late, not gone
+            assert (tmp_path / "fault.json").exists(), out[-3000:]
+        steps = [results[r]["num_steps"] for r in (0, 1)]
+        return {**got, "outcome": "goes on", "named_by": None, "steps": steps}
     fault_path = tmp_path / "fault.json"
     assert fault_path.exists(), f"exited {rc} before the fault\n{out[-3000:]}"
     fired = json.loads(fault_path.read_text())
@@ -181,6 +205,87 @@ def outcome(tmp_path, rc: int, out: str, engine: str, fault: str) -> dict:
             "after_fault": round(max(r["t"] for r in errors.values()) - fired["t"], 1)}  # fmt: skip
 
 
+THREAD_DEADLINE = 1.5  # seconds: the thread world's collective deadline
+
+
+def _matrix_worker():
+    spec = importlib.util.spec_from_file_location("matrix_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Gone(Exception):
+    """A killed or frozen thread worker leaves without telling anyone."""
+
+
+class ThreadFault(Fault):
+    """The faults of a thread worker: ``kill`` ends the thread silently (no abort of the world, as
+    no process tells the others it died), ``freeze`` blocks it well past the deadline."""
+
+    def _fire(self) -> None:
+        if self.action == "slow":
+            return super()._fire()
+        self._fired = True
+        with open(self.record, "w") as f:
+            json.dump({"rank": self._rank, "num_steps": self._opt.num_steps, "t": time.time()}, f)
+        if self.action == "freeze":
+            time.sleep(3 * THREAD_DEADLINE)
+        raise _Gone
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", ["samples", "seconds"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "slow"])
+def test_thread_cell(tmp_path, config, fault):
+    worker = _matrix_worker()
+
+    def run(comm):
+        action = Fault(fault)  # the action's check
+        armed = ThreadFault(action.action, step=worker.FAULT_STEP, phase="before_start",
+                            record=str(tmp_path / "fault.json"))  # fmt: skip
+        try:
+            return worker.train(str(tmp_path), comm.rank, config, armed, communicator=comm)
+        except _Gone:
+            return None
+
+    # The model is seeded through torch's global generator: threads build it one at a time.
+    lock, make_model = threading.Lock(), worker.make_model
+
+    def one_at_a_time():
+        with lock:
+            return make_model()
+
+    worker.make_model = one_at_a_time
+    # One worker alone first: torch's lazy imports (a first optimizer imports its compiler, seconds
+    # on a loaded machine) must not eat the two workers' deadline.
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    run_threads(1, lambda c: worker.train(str(warm), 0, config, Fault("slow"), communicator=c))
+    t0 = time.monotonic()
+    if fault == "slow":
+        # Late, not gone: the next period was planned at full speed (a hundred steps and more,
+        # now 0.01 s each), within the launches' deadline.
+        got = run_threads(2, run, timeout=DEADLINE)
+        assert got[0]["anchor"] == got[1]["anchor"]
+        assert (tmp_path / "fault.json").exists()
+        if config == "seconds":  # time-based: the slowed rank took fewer steps
+            assert got[1]["num_steps"] < got[0]["num_steps"], got
+    else:
+        with pytest.raises(CollectiveTimeout, match=r"rank\(s\) \[1\] never started it"):
+            run_threads(2, run, timeout=THREAD_DEADLINE)
+        fired = json.loads((tmp_path / "fault.json").read_text())
+        assert fired["rank"] == 1 and fired["num_steps"] >= worker.FAULT_STEP
+        # No hang: the deadline, not the frozen thread, ended the survivor.
+        assert time.time() - fired["t"] < 3 * THREAD_DEADLINE + 10
+    assert not list(tmp_path.glob("*.tmp")), sorted(os.listdir(tmp_path))
+    ckpts = list(tmp_path.glob("*.pt"))
+    assert ckpts  # saved before the fault, complete
+    for ckpt in ckpts:
+        load_checkpoint(ckpt)
+    assert time.monotonic() - t0 < 60
+
+
 def record(cell: dict) -> None:
     if RECORD:
         with open(RECORD, "a") as f:
@@ -193,7 +298,7 @@ def record(cell: dict) -> None:
 def test_fault_cell(tmp_path, engine, config, fault):
     if not (FULL or (engine, config, fault) in DEFAULT):
         pytest.skip("full matrix: HVD_SLOWMO_FAULT_MATRIX=1")
-    expected = "goes on" if fault == "late_join" else "stops"
+    expected = "goes on" if fault in ("late_join", "slow") else "stops"
     cell = {"engine": engine, "config": config, "fault": fault, "expected": expected}
     if (engine, fault) in NOT_HERE:
         record({**cell, "outcome": "not run", "why": NOT_HERE[engine, fault]})
@@ -203,6 +308,8 @@ def test_fault_cell(tmp_path, engine, config, fault):
         rc, out, seconds = run_cell(tmp_path, engine, config, fault)
         cell.update(outcome(tmp_path, rc, out, engine, fault), seconds=round(seconds, 1))
         assert cell["outcome"] == expected, out[-3000:]
+        if (config, fault) == ("seconds", "slow"):  # time-based: the slowed rank took fewer steps
+            assert cell["steps"][1] < cell["steps"][0], cell
     except BaseException as e:  # a failed check, a hang, a skip: recorded, then re-raised
         kind = "skipped" if isinstance(e, pytest.skip.Exception) else "FAILED"
         cell.update(outcome=kind, why=str(e).splitlines()[0][:300] if str(e) else type(e).__name__,

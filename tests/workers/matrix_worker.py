@@ -4,8 +4,10 @@ saves an atomic checkpoint every 4 steps.
 
 Usage: matrix_worker.py OUT_DIR ENGINE CONFIG FAULT
   ENGINE: horovod (under horovodrun, Gloo or MPI) or torchdist (under torchrun, Gloo).
-  CONFIG: plain | overlap2 | frag4 | int8 (see CONFIGS; each has the phase it is faulted in).
-  FAULT:  kill | freeze | raise | late_join | link_down.
+  CONFIG: plain | overlap2 | frag4 | int8 | samples | seconds (see CONFIGS; each has the phase
+          it is faulted in). samples and seconds (issue 37) report unequal samples per step
+          (2 + rank); seconds runs OUTER outer steps of unequal step counts and saves after each.
+  FAULT:  kill | freeze | raise | late_join | link_down | slow.
 In an emulated host (``slowmo_lab.netns``, the link_down cells) there is no launcher: Horovod's
 variables come from the namespace's worker environment, and torch.distributed takes its rank and
 world size from them.
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +43,12 @@ CONFIGS = {
     "overlap2": ({"tau": 4, "overlap": 2}, "in_flight"),
     "frag4": ({"tau": 8, "fragments": 4, "overlap": 1, "eager": "local"}, "landing"),
     "int8": ({"tau": 4, "compression": "int8", "error_feedback": True}, "compressed"),
+    "samples": ({"tau": 4, "merge": "samples"}, "before_start"),
+    # A step of the tiny model takes about a millisecond: 0.2 s periods hold a hundred or more,
+    # and the slowed rank (0.05 s per step) a few.
+    "seconds": ({"tau": 4, "period_seconds": "200ms"}, "before_start"),
 }
+OUTER = STEPS // 4  # outer steps of every configuration (tau 4; the first period of "seconds")
 TIMEOUT = float(os.environ.get("FAULT_MATRIX_ENGINE_TIMEOUT", "10"))
 
 
@@ -67,21 +75,39 @@ def init(engine: str, delay: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def train(out: str, rank: int, config: str, fault: Fault) -> dict:
+def train(out: str, rank: int, config: str, fault: Fault, communicator: Any = None) -> dict:
+    """Train one rank; returns its steps and anchor.
+
+    Args:
+        out: the folder of the checkpoints.
+        rank: this rank.
+        config: a key of :data:`CONFIGS`.
+        fault: the fault (armed on rank :data:`FAULTY`).
+        communicator: the optimizer's communicator (thread workers: their own; None: the
+            launcher's engine).
+    """
     options, _ = CONFIGS[config]
     model = make_model()
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(),
         **{"slow_momentum": 0.5, **options},
+        **({} if communicator is None else {"communicator": communicator}),
     )
     fault.arm(opt, rank, FAULTY)
-    for k in range(STEPS):
+    samples = float(2 + rank) if config in ("samples", "seconds") else None
+    timed = config == "seconds"
+    k = 0
+    # STEPS steps saved every 4 (one outer period of tau 4); under period_seconds the ranks take
+    # unequal step counts: OUTER outer steps, saved after each (all ranks end each together).
+    while opt.outer_steps < OUTER if timed else k < STEPS:
         fault.before_step(opt)
         opt.zero_grad()
         loss_at(model, rank, k).backward()
-        opt.step()
-        if (k + 1) % 4 == 0:
+        before = opt.outer_steps
+        opt.step(samples=samples)
+        k += 1
+        if opt.outer_steps > before if timed else k % 4 == 0:
             state = {"model": model.state_dict(), "opt": opt.state_dict()}  # collective
             if rank == 0:
                 save_checkpoint(state, os.path.join(out, "ckpt.pt"))
