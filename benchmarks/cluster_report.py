@@ -10,6 +10,7 @@ from cluster_algorithms import ALGORITHM_BY_KEY, OVERLAP_ROWS, PEER_ROWS, TABLE2
 from cluster_stats import summarize
 
 __all__ = [
+    "DESCRIPTIONS",
     "LOAD_LIMIT",
     "human",
     "load_warning",
@@ -222,10 +223,49 @@ def _peer_bullets(
     return out
 
 
+# Each scalar family's description, shown with its chart in TensorBoard (the same summaries as
+# slowmo_lab's training scalars: slowmo_lab.dashboard.scalar_summary). Tags are
+# SCOPE/FAMILY/ALGORITHM, SCOPE = workload_parameters/link rate.
+DESCRIPTIONS = {
+    "ms_per_iter_window": "Milliseconds per training iteration in each window of one outer "
+    "period (`tau` iterations, so each window holds one average), the workers' clocks merged "
+    "(an iteration ends when the slowest worker's does). The x axis is the window's index.",
+    "ms_per_iter_median": "The median of the windows' milliseconds per iteration: the figure of "
+    "the report's tables.",
+    "speedup_vs_ar": "AR-SGD's (Horovod allreduce every step) median ms per iteration over this "
+    "algorithm's: above 1, this algorithm is faster.",
+    "over_compute": "This algorithm's median ms per iteration over the compute-only row's (no "
+    "communication): 1 is compute alone.",
+    "ideal_ms": "The ms per iteration of this periodic-average algorithm if its average cost "
+    "AR-SGD's communication, scaled by the volume it averages (payload, relative to the "
+    "parameters), once per `tau` iterations: compute + payload * (AR-SGD - compute) / tau.",
+    "over_ideal": "This algorithm's median ms per iteration over its ideal (`ideal_ms`): the "
+    "overhead beyond averaging less often.",
+    "bytes_per_iter": "Bytes one worker sent per iteration: counted by hvd_slowmo's "
+    "communicator for its algorithms, computed from Gloo's ring volume for the peers "
+    "(Horovod, DDP, post-local SGD); the report marks which.",
+}
+
+
 def write_tensorboard(logdir: str, runs: list[dict[str, Any]]) -> None:
+    """The runs' timings as TensorBoard scalars, each family with its description.
+
+    Args:
+        logdir: the event files' folder.
+        runs: ``{"header": ..., "results": ...}`` of each run, as in results.json.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
+    from slowmo_lab.dashboard import scalar_summary
+
     with SummaryWriter(logdir) as w:
+
+        def scalar(scope: str, family: str, key: str, value: float, step: int) -> None:
+            # TensorBoard keeps a tag's first metadata: the description goes with step 0 only.
+            text = DESCRIPTIONS[family] if step == 0 else None
+            summary = scalar_summary(f"{scope}/{family}/{key}", value, text)
+            w.file_writer.add_summary(summary, step)
+
         for run in runs:
             h = run["header"]
             scope = f"{h['workload']}_{h['params_human']}/{h['rate']}"
@@ -237,13 +277,13 @@ def write_tensorboard(logdir: str, runs: list[dict[str, Any]]) -> None:
                 if not r.get("available", True):
                     continue
                 for i, ms in enumerate(r["per_window_ms"]):
-                    w.add_scalar(f"{scope}/ms_per_iter_window/{key}", ms, i)
-                w.add_scalar(f"{scope}/ms_per_iter_median/{key}", r["median_ms"], 0)
+                    scalar(scope, "ms_per_iter_window", key, ms, i)
+                scalar(scope, "ms_per_iter_median", key, r["median_ms"], 0)
                 for name, value in summary["rows"][key].items():
                     if value is not None and name != "ms":
-                        w.add_scalar(f"{scope}/{name}/{key}", value, 0)
+                        scalar(scope, name, key, value, 0)
                 if r.get("bytes_per_iter") is not None:
-                    w.add_scalar(f"{scope}/bytes_per_iter/{key}", r["bytes_per_iter"], 0)
+                    scalar(scope, "bytes_per_iter", key, r["bytes_per_iter"], 0)
 
 
 def human(n: int) -> str:

@@ -1,5 +1,5 @@
-"""Write the fault matrix's and the chaos run's tables of docs/reliability.md from the runs'
-own output, so the page shows what a run of the code gave (nothing typed by hand).
+"""Write the fault matrix's and the chaos run's tables of docs/results/reliability.md from the
+runs' own output, so the page shows what a run of the code gave (nothing typed by hand).
 
 Inputs:
     --matrix: one or more files of the JSON lines that ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH``
@@ -14,7 +14,7 @@ Inputs:
         (NAME: fault-matrix, chaos) is replaced. Without it the tables go to stdout.
 
 Usage: python scripts/reliability_tables.py --matrix m1.jsonl [m2.jsonl ...] --matrix-run m.json
-       [--chaos c1.log c2.log --chaos-run c.json] [--docs docs/reliability.md]
+       [--chaos c1.log c2.log --chaos-run c.json] [--docs docs/results/reliability.md]
 """
 
 import argparse

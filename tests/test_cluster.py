@@ -449,6 +449,39 @@ def test_load_warning():
     assert "n/a after" in creport.load_warning(3.0, None)
 
 
+def test_tensorboard_scalars_carry_their_descriptions(tmp_path):
+    """Every scalar the report writes has its family's description in the event file (read with
+    TensorBoard's own loader), and the values are the run's."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    res = _results(compute=100.0, horovod_ar=150.0, localsgd_slowmo=106.0)
+    for r in res.values():
+        r["per_window_ms"] = [r["median_ms"] - 1, r["median_ms"] + 1]
+    res["sgp"] = {"available": False, "reason": "not built"}
+    header = {"workload": "synthetic", "params_human": "1M", "rate": "1gbit"}
+    creport.write_tensorboard(str(tmp_path), [{"header": header, "results": res}])
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = acc.Tags()["tensors"]
+    scalars = [t for t in tags if not t.endswith("/header/text_summary")]
+    families = {t.split("/")[2] for t in scalars}
+    # speedup_vs_ar, over_compute (every row), ideal_ms, over_ideal (periodic rows only).
+    assert families == set(creport.DESCRIPTIONS)
+    assert all(len(text) > 40 for text in creport.DESCRIPTIONS.values())
+    assert not any("/sgp" in t for t in tags)  # an unavailable row writes nothing
+    for tag in scalars:
+        family = tag.split("/")[2]
+        assert acc.SummaryMetadata(tag).summary_description == creport.DESCRIPTIONS[family], tag
+    window = acc.Tensors("synthetic_1M/1gbit/ms_per_iter_window/localsgd_slowmo")
+    assert [(e.step, float(make_ndarray(e.tensor_proto))) for e in window] == [
+        (0, 105.0),
+        (1, 107.0),
+    ]
+    (speedup,) = acc.Tensors("synthetic_1M/1gbit/speedup_vs_ar/localsgd_slowmo")
+    assert float(make_ndarray(speedup.tensor_proto)) == pytest.approx(150 / 106)
+
+
 def _sweep_runs():
     runs = []
     for hosts, scale in ((2, 1.0), (4, 1.5), (8, 2.0)):

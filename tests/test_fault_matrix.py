@@ -30,7 +30,7 @@ The default suite runs 5 cells (Horovod Gloo, one per configuration, the quickes
 torch.distributed with time-based periods, a slowed worker); ``HVD_SLOWMO_FAULT_MATRIX=1`` runs
 all 60 and the 18 unequal-worker cells. With ``HVD_SLOWMO_FAULT_MATRIX_JSON=PATH`` every cell
 run appends its outcome to PATH (one JSON object a line), from which
-``scripts/fault_matrix_table.py`` writes the table of docs/reliability.md.
+``scripts/reliability_tables.py`` writes the table of docs/results/reliability.md.
 """
 
 import importlib.util

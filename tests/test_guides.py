@@ -3,7 +3,7 @@ include (MkDocs' snippets extension) and these tests run, so a guide cannot show
 not work. At one process here (no launcher: Horovod and torch.distributed at size 1), and under
 ``horovodrun -np 2`` and ``torchrun --nproc-per-node 2`` in the launch tier. The pages also keep
 to what a user guide is: no lab-notebook "round", no deprecated spelling, and every measured
-figure beside a link to the results page that holds its machine and commit."""
+figure or dated run beside a link to the results page that holds its machine and commit."""
 
 import os
 import re
@@ -115,6 +115,9 @@ DEPRECATED = re.compile(r'compression="(?:fp16|bf16|int8|fp8|sparse)"|eager=(?:T
 # A measured figure: a mean ± spread, a speed-up or a ratio to compute speed ("4.5x sooner";
 # not "one host 2x slower", a setting).
 FIGURE = re.compile(r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)")
+# A dated record of a run ("2026-11-26 23:00 UTC", "Last run here, 2026-11-26"): it belongs on a
+# results page, which the guide links. Dates inside a link's target (an anchor) do not count.
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 
 def sections(text):
@@ -125,7 +128,8 @@ def sections(text):
 
 
 def test_user_guide_pages_read_as_a_guide():
-    results = {os.path.basename(p) for p in nav_pages("Results")}
+    # Paths, not file names: docs/results/reliability.md is not the guide's reliability.md.
+    results = {os.path.normpath(p) for p in nav_pages("Results")}
     problems = []
     for page in nav_pages("User guide"):
         with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
@@ -136,7 +140,11 @@ def test_user_guide_pages_read_as_a_guide():
             if DEPRECATED.search(line) and "eprecat" not in line:
                 problems.append(f"{page}: deprecated spelling: {line.strip()[:100]}")
         for heading, body in sections(text):
-            linked = {os.path.basename(t.split("#")[0]) for t in re.findall(r"\]\(([^)]+)\)", body)}
+            targets = re.findall(r"\]\(([^)]+)\)", body)
+            here = os.path.dirname(page)
+            linked = {os.path.normpath(os.path.join(here, t.split("#")[0])) for t in targets}
             if FIGURE.search(body) and not linked & results:
                 problems.append(f"{page}, {heading}: a measured figure without a results link")
+            if DATE.search(re.sub(r"\]\([^)]*\)", "]", body)) and not linked & results:
+                problems.append(f"{page}, {heading}: a dated record without a results link")
     assert not problems, "\n".join(problems)
