@@ -56,6 +56,7 @@ __all__ = [
     "sparse_encode",
     "sparse_sum",
     "unpack_bits",
+    "with_feedback",
 ]
 
 #: The value widths the codec has.
@@ -190,6 +191,22 @@ class SparseCodec:
             numel: the vector's length.
         """
         return _chunks(numel, self.chunk) * self.chunk if self.exchange == "allgather" else 0
+
+
+def with_feedback(flat: Tensor, residual: Tensor | None, codec: SparseCodec) -> Tensor:
+    """What a worker encodes: ``flat``, or with error feedback ``e <- d e + flat`` (the residual
+    decayed by ``codec.ef_decay``, updated in place and returned).
+
+    Args:
+        flat: this worker's 1-D float32 vector.
+        residual: its residual, or None (no error feedback).
+        codec: the sparse codec (its ``ef_decay``).
+    """
+    if residual is None:
+        return flat
+    if codec.ef_decay != 1.0:
+        residual.mul_(codec.ef_decay)
+    return residual.add_(flat)
 
 
 def _chunks(numel: int, chunk: int) -> int:

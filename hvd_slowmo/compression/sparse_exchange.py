@@ -23,7 +23,14 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
 from .codecs import check_transport, check_vector
-from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
+from .sparse import (
+    SparseCodec,
+    packet_nbytes,
+    sparse_decode_dense,
+    sparse_encode,
+    sparse_sum,
+    with_feedback,
+)
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
 
@@ -79,12 +86,7 @@ class PendingSparseMean:
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:
             return
-        if residual is None:
-            contribution = flat
-        else:
-            if codec.ef_decay != 1.0:
-                residual.mul_(codec.ef_decay)
-            contribution = residual.add_(flat)
+        contribution = with_feedback(flat, residual, codec)
         packet = sparse_encode(contribution, codec)
         if residual is not None:
             residual.sub_(sparse_decode_dense(packet, flat.numel(), codec))

@@ -32,7 +32,14 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
 from .codecs import check_transport, check_vector
-from .sparse import SparseCodec, packet_nbytes, sparse_decode_dense, sparse_encode, sparse_sum
+from .sparse import (
+    SparseCodec,
+    packet_nbytes,
+    sparse_decode_dense,
+    sparse_encode,
+    sparse_sum,
+    with_feedback,
+)
 
 __all__ = ["PendingOwnerSparseMean", "owner_sizes"]
 
@@ -98,12 +105,7 @@ class PendingOwnerSparseMean:
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
-        if residual is None:
-            contribution = flat
-        else:
-            if codec.ef_decay != 1.0:
-                residual.mul_(codec.ef_decay)
-            contribution = residual.add_(flat)
+        contribution = with_feedback(flat, residual, codec)
         parts = contribution.split(self._sizes)
         packets = [sparse_encode(part, codec) for part in parts]
         if residual is not None:
