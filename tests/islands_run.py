@@ -19,8 +19,7 @@ step landed it checks that its shard equals its peer's bit for bit.
 Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE[,CASE...] [STEPS [MODE
 [DEVICE]]]``: 2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json`` (several cases:
 ``OUT/<case>/rank<r>.json``). ``CASE`` names a row of
-:data:`CASES`; ``MODE`` ``save`` runs half the steps and saves (each rank its own file),
-``resume`` continues from there in fresh processes, ``restart`` saves after every step and
+:data:`CASES`; ``MODE`` ``restart`` saves after every step (each rank its own file) and
 kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every rank then
 resumes from the last step all saved); ``DEVICE`` ``cuda`` puts every rank on GPU 0
 (the ranks share it through Gloo: scripts/gpu_check.sh's two-process case).
@@ -125,8 +124,6 @@ def run(
     case: str,
     mesh,
     steps: int,
-    start: int = 0,
-    stop: int | None = None,
     device: str = "cpu",
     restart_at: int | None = None,
 ) -> None:
@@ -142,7 +139,7 @@ def run(
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"error": str(e)}, f)
         return
-    ckpt = os.path.join(out, f"state.rank{rank}.pt")
+    start = 0
     if restart_at is not None:
         start = agreed_start(out, rank)
         ckpt = os.path.join(out, f"ckpt.{start}.rank{rank}.pt")
@@ -155,7 +152,7 @@ def run(
         ref_opt.load_state_dict(saved["ref_opt"])
         print(f"rank {rank}: resumed at step {start}", flush=True)
     rec: dict = {"diffs": [], "bitwise": [], "landed": [], "consensus": []}
-    for step in range(start, stop if stop is not None else steps):
+    for step in range(start, steps):
         marker = os.path.join(out, "killed")
         if step == restart_at and rank == 1 and not os.path.exists(marker):
             open(marker, "w").close()
@@ -165,8 +162,6 @@ def run(
         record(opt, island_model, ref_opt, ref_model, peers, island, rec, step)
         if restart_at is not None:
             save(island_model, opt, ref_model, ref_opt, f"{out}/ckpt.{step + 1}.rank{rank}.pt")
-    if stop is not None:
-        save(island_model, opt, ref_model, ref_opt, ckpt)
     final = [full(p).tolist() for p in island_model.parameters()]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
@@ -269,11 +264,7 @@ def main(argv: list[str]) -> None:
     for case in cases:  # several cases in one launch: one process start-up for all of them
         where = out if len(cases) == 1 else os.path.join(out, case)
         os.makedirs(where, exist_ok=True)
-        if mode == "save":
-            run(where, case, mesh, steps, stop=steps // 2, device=device)
-        elif mode == "resume":
-            run(where, case, mesh, steps, start=steps // 2, device=device)
-        elif mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies mid-run
+        if mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies mid-run
             run(where, case, mesh, steps, device=device, restart_at=steps // 2 + 1)
         else:
             run(where, case, mesh, steps, device=device)
