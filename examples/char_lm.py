@@ -46,14 +46,14 @@ from common import (
 
 #: Fraction of the corpus (its end) held out as the validation text.
 VAL_FRACTION = 0.1
-#: The size the regime map ran on CPU (docs/regimes.md: 137,216 parameters, 512 steps at 16
+#: The size the regime map ran on CPU (docs/results/regimes.md: 137,216 parameters, 512 steps at 16
 #: epochs): compare.py's ``--task char_lm`` starts from these flags (the defaults above are
 #: the 1.9M-parameter model, for a GPU).
 CPU_SIZE = ["--width", "64", "--layers", "2", "--heads", "4", "--context", "64"]
 CPU_SIZE += ["--batch-size", "16", "--steps-per-epoch", "32", "--val-batches", "4"]
 #: compare.py's settings per method: AdamW's lr 1e-3 for all (not tuned), its moments kept at
 #: each average; SlowMo with an outer Nesterov, outer lr 0.7 and momentum 0.8: the best of
-#: outer lr {0.4, 0.7, 1} x momentum {0.8, 0.9} on seeds 100-102 at tau 64 (docs/regimes.md;
+#: outer lr {0.4, 0.7, 1} x momentum {0.8, 0.9} on seeds 100-102 at tau 64 (docs/results/regimes.md;
 #: DiLoCo's 0.7 / 0.9 was the starting point).
 COMPARE_SETTINGS: dict[str, dict[str, Any]] = {
     "allreduce": {"lr": 1e-3, "buffers": "maintain"},

@@ -118,7 +118,7 @@ class TaskSpec:
 
 #: tau 12 on the image tasks: the paper's CIFAR-10 setting (Table 1: tau = 12 for every base).
 #: AR-SGD has no outer step to speak of, but the optimizer still checks every tau steps that
-#: all workers are finite (one small collective). The language model (docs/regimes.md) takes
+#: all workers are finite (one small collective). The language model (docs/results/regimes.md) takes
 #: tau 64, DiLoCo's regime, at the CPU size the regime map ran.
 TASKS: dict[str, TaskSpec] = {
     "mnist1d": TaskSpec(
@@ -586,8 +586,8 @@ def print_time_to_target(
     print(tta.time_to_accuracy_table(curves, targets, reference="allreduce", speedup_at=90.0))
 
 
-#: The regime map's recorded runs (docs/regimes.md), newest protocol first: compare.py prints
-#: the clearest cell of the first that has a complete one.
+#: The regime map's recorded runs (docs/results/regimes.md), newest protocol first: compare.py
+#: prints the clearest cell of the first that has a complete one.
 REGIME_JSONLS = tuple(
     os.path.join(HERE, os.pardir, "docs", name)
     for name in ("regime_runs.jsonl", "regime_runs_untuned.jsonl")
@@ -621,7 +621,7 @@ def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
         else f"beta fixed at {st['beta']}, NOT tuned per cell"
     )
     if "peak_lr" not in rows[0]:  # the first round's rows: another lr rule, other flags
-        again = "the first round's protocol: its commands are in docs/regimes.md"
+        again = "the first round's protocol: its commands are in docs/results/regimes.md"
     else:
         grid = "--betas 0.4,0.6,0.8" if tuned else f"--beta {st['beta']}"
         again = (
@@ -630,7 +630,8 @@ def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
             "python examples/regime_map.py report runs/regime.jsonl"
         )
     return (
-        f"Recorded, not run now ({os.path.relpath(path)}; docs/regimes.md): the regime map's "
+        f"Recorded, not run now ({os.path.relpath(path)}; docs/results/regimes.md): the regime "
+        "map's "
         f"cell where SlowMo's change is clearest, {w} workers x tau {t}, MNIST-1D test split, "
         f"{rows[0]['steps']} steps per worker, {len(st['seeds'])} paired seeds, {how} "
         "(accuracy %, mean ± std; paired t-tests over seeds):\n"
@@ -641,7 +642,7 @@ def recorded_regime_cell(paths: Sequence[str] = REGIME_JSONLS) -> str | None:
     )
 
 
-#: The language model's recorded runs (docs/regimes.md): compare.py prints their table too.
+#: The language model's recorded runs (docs/results/regimes.md): compare.py prints their table too.
 LM_JSONL = os.path.join(HERE, os.pardir, "docs", "regime_lm_runs.jsonl")
 
 
@@ -661,7 +662,7 @@ def recorded_lm_table(path: str = LM_JSONL) -> str | None:
     outer = next(iter(chosen.values()), regime_map.DILOCO_OUTER)
     how = "tuned on seeds 100-102" if chosen else "DiLoCo's, not tuned"
     return (
-        f"Recorded, not run now ({os.path.relpath(path)}; docs/regimes.md): the byte-level "
+        f"Recorded, not run now ({os.path.relpath(path)}; docs/results/regimes.md): the byte-level "
         "language model (AdamW inside, 4 workers, 512 steps), validation loss in nats per byte, "
         f"SlowMo's outer Nesterov {outer[0]:g}/{outer[1]:g} ({how}); paired t-tests over "
         "seeds:\n"

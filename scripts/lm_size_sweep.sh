@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The language model at three sizes (docs/regimes.md, issue 40), on CPU thread workers: per
+# The language model at three sizes (docs/results/regimes.md, issue 40), on CPU thread workers: per
 # size, SlowMo's outer lr x momentum grid at tau 16 on the tuning seeds 100-102, then test seeds
 # 0-2 of AR-AdamW, Local AdamW and Local AdamW + SlowMo (the tuned setting) at tau 16 and 64.
 # One size finishes before the next starts. Resumable: every step skips the runs the rows file

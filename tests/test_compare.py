@@ -126,7 +126,7 @@ def test_compare_language_model_settings():
     flags = compare.run_args("localsgd-slowmo", spec.settings["localsgd-slowmo"], 1, ns, spec.tau)
     assert flags[flags.index("--tau") + 1] == "64"
     assert flags[flags.index("--slow-lr") + 1] == "0.7"
-    assert flags[flags.index("--slow-momentum") + 1] == "0.8"  # tuned: docs/regimes.md
+    assert flags[flags.index("--slow-momentum") + 1] == "0.8"  # tuned: docs/results/regimes.md
     assert flags[-2:] == ["--outer-optimizer", "nesterov"]
     flags = compare.run_args("allreduce", spec.settings["allreduce"], 1, ns, spec.tau)
     assert "--slow-lr" not in flags and "--outer-optimizer" not in flags
