@@ -129,7 +129,7 @@ def test_network_quick_run_on_two_hosts(tmp_path):
     rows = {line.split()[0]: line.split() for line in table.splitlines()[3:] if line.strip()}
     assert set(rows) == {"allreduce", "localsgd-slowmo-overlap1"}
     for cells in rows.values():
-        assert cells[1] == "1" and 0 <= float(cells[2]) <= 100 and float(cells[3]) > 0
+        assert cells[1] == "1" and 0 <= float(cells[2]) <= 100
     assert re.search(r"s to 85%\s+s to 90%", table)
     logdir = tmp_path / "mnist1d-network-100mbit"
     runs = report.load_runs([str(logdir)])
@@ -140,6 +140,10 @@ def test_network_quick_run_on_two_hosts(tmp_path):
     for run in runs:
         clock = run.scalars[TAGS["train_s"]]
         assert [s for s, _ in clock] == [0, 12, 24] and 0 == clock[0][1] < clock[1][1] < clock[2][1]
+        # The table's total is the logged clock at the last evaluation. On a fast machine twelve
+        # steps take under 0.05 s, so the one-decimal cell may read 0.0: compare, don't require > 0.
+        # (TensorBoard keeps float32: within the cell's rounding, not its exact digits.)
+        assert float(rows[os.path.dirname(run.name)][3]) == pytest.approx(clock[-1][1], abs=0.051)
     assert os.path.getsize(logdir / "compare.png") > 0
 
 
