@@ -362,6 +362,30 @@ def test_sweep_rejects_bad_worker_counts(argv, match):
         sweep.main(argv + ["--dry-run", "--launcher", "threads"])
 
 
+@pytest.mark.parametrize(
+    "flag,exchange", [("sparse", "allgather"), ("sparse-owners", "owners"), ("int8", "dense")]
+)
+def test_codec_flag_builds_the_codec_it_names(flag, exchange):
+    """--codec sparse / sparse-owners: SparseCodec() and its owners exchange; a dense name as
+    it is."""
+    from hvd_slowmo.comm.local import run_threads
+
+    args = SimpleNamespace(algo="localsgd", tau=4, buffers="reset", no_average=False,
+                           slow_lr=1.0, slow_momentum=0.5, overlap=0, fragments=1, eager=None,
+                           mix=0.0, codec=flag, error_feedback=True, slowmo=True)  # fmt: skip
+    model = torch.nn.Linear(4, 2)
+
+    def build(comm):
+        opt = common.build_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, args, comm)
+        return opt.config.codec
+
+    (codec,) = run_threads(1, build)
+    if exchange == "dense":
+        assert codec == flag
+    else:
+        assert isinstance(codec, hvd_slowmo.SparseCodec) and codec.exchange == exchange
+
+
 def test_char_lm_runs_a_few_steps_on_cpu(tmp_path):
     # A tiny byte-level transformer on the stdlib corpus, 2 thread workers, Local AdamW +
     # SlowMo with DiLoCo's outer Nesterov: 12 steps, a finite validation loss below the uniform
