@@ -189,6 +189,7 @@ SHARDED_REFUSES = {  # what the sharded layout declares unsupported -> the setti
     "codec": dict(compression="int8"),
     "merge": dict(merge="samples"),
     "period": dict(period_seconds=1.0),
+    "hierarchy": dict(hierarchical=True),
 }
 
 
