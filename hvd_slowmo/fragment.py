@@ -298,7 +298,7 @@ class Fragment:
         """Its parameters (detached), in the optimizer's order."""
         return [self.parts.params[j].detach() for j in self.members]
 
-    def param_groups(self) -> list[int]:
+    def group_of(self) -> list[int]:
         """The param group of each of its parameters."""
         param_groups = self.parts.optimizer.param_groups
         group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
@@ -307,7 +307,7 @@ class Fragment:
     def capture_(self) -> None:
         """Its slow state takes the anchor from its parameters, once (called at every step)."""
         if not self.slow_state.captured:
-            self.slow_state.capture_(self.live(), self.param_groups())
+            self.slow_state.capture_(self.live(), self.group_of())
 
     def add_(self, new: list[Tensor]) -> None:
         """Parameters appended to this (the only) fragment by ``add_param_group``: its members,
@@ -318,7 +318,7 @@ class Fragment:
         """
         count = len(self.parts.params)
         self.members.extend(range(count - len(new), count))
-        self.slow_state.add_(self.live(), self.param_groups())
+        self.slow_state.add_(self.live(), self.group_of())
         self.eager.extend(new)
 
     def restore_(self) -> None:
@@ -334,11 +334,10 @@ class Fragment:
     def groups(self, lrs: list[float]) -> list[GroupSlice]:
         """Each param group with parameters in this fragment: its lr in ``lrs`` and the
         positions of its parameters in the fragment."""
-        param_groups = self.parts.optimizer.param_groups
-        group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+        mine = self.group_of()
         out = []
-        for g in range(len(param_groups)):
-            pos = [k for k, j in enumerate(self.members) if group_of[j] == g]
+        for g in range(len(self.parts.optimizer.param_groups)):
+            pos = [k for k, h in enumerate(mine) if h == g]
             if pos:
                 out.append((lrs[g], pos))
         return out
@@ -537,7 +536,7 @@ class Fragment:
         cfg, names = self.parts.config, self.parts.names
         params = self.live()
         slow = self.slow_state.prepare_load(
-            saved["slow_state"], params, self.param_groups(), position,
+            saved["slow_state"], params, self.group_of(), position,
             [names[j] for j in self.members],
         )  # fmt: skip
         in_flight = None
