@@ -306,7 +306,9 @@ class Fragment:
 
     def capture_(self) -> None:
         """Its slow state takes the anchor from its parameters, once (called at every step)."""
-        if not self.slow_state.captured:
+        # Without an anchor to keep (no slow update, no skip) nothing is ever captured: no
+        # lists are built at every step for it.
+        if self.parts.config.keeps_anchor and not self.slow_state.captured:
             self.slow_state.capture_(self.live(), self.group_of())
 
     def add_(self, new: list[Tensor]) -> None:
