@@ -206,8 +206,11 @@ def _split_slow_state(saved: Any, members: list[int]) -> Any:
         out["outer_optimizer"] = _split_outer(saved.get("outer_optimizer"), members)
         return out
     buckets = saved.get("buckets")
-    if not isinstance(buckets, list):
-        return saved
+    if not isinstance(buckets, list) or not all(
+        isinstance(b, dict) and isinstance(b.get("indices"), (list, tuple)) and b["indices"]
+        for b in buckets
+    ):
+        return saved  # damaged: the layout's own checks say so
     pos = {j: k for k, j in enumerate(members)}
     # Format 3 cut the buckets by fragment: a bucket is the fragment's of its first parameter.
     chosen = [i for i, b in enumerate(buckets) if b["indices"][0] in pos]
