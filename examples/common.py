@@ -159,9 +159,10 @@ def add_common_args(
         "--compression",  # its old name
         dest="codec",
         default="none",
-        choices=("none", "fp16", "bf16", "int8", "fp8"),
+        choices=("none", "fp16", "bf16", "int8", "fp8", "sparse", "sparse-owners"),
         help="the optimizer's codec=: codes of the exact average's pseudo-gradients (none: the "
-        "fp32 allreduce)",
+        "fp32 allreduce; sparse: SparseCodec()'s all-gather, sparse-owners: the same codec "
+        "reduced at owners, SparseCodec(exchange='owners'); both need --error-feedback)",
     )
     g.add_argument(
         "--error-feedback",
@@ -312,7 +313,11 @@ def build_optimizer(
         mix=args.mix,
     )
     if args.codec != "none":
-        kwargs.update(codec=args.codec, error_feedback=args.error_feedback)
+        codec = {
+            "sparse": hvd_slowmo.SparseCodec(),
+            "sparse-owners": hvd_slowmo.SparseCodec(exchange="owners"),
+        }.get(args.codec, args.codec)
+        kwargs.update(codec=codec, error_feedback=args.error_feedback)
     if not args.slowmo:
         kwargs.update(slow_lr=1.0, slow_momentum=0.0)
         if args.algo != "localsgd":

@@ -112,6 +112,12 @@ class SlowMoConfig:
         error_feedback: each worker adds what its codes lost to its next pseudo-gradient
             (needs a ``codec``); the residual is per element, so with ``fragments`` each
             fragment's residual carries into that fragment's next average.
+        hierarchical: the exact average in two levels (:mod:`hvd_slowmo.exchange.hierarchical`):
+            exact inside each node, and across nodes each rank averages only its ``1/G`` shard
+            of the model (with ``codec``: through the codec, its residual over the shard), then
+            an all-gather inside the node. For codecs at many ranks: a sparse all-gather
+            receives ``G^2`` times fewer bytes. Needs a base that averages exactly, ``fragments=1``
+            and no ``merge`` nor ``period_seconds``; not with ``shard_slow_state``.
         fragments: ``P``, streaming SlowMo (arXiv 2501.18512): the parameters are split by
             layer, strided, into ``P`` fragments, each with its own outer step at its own inner
             step of the tau period (:mod:`hvd_slowmo.fragments`), ``1 <= P <= tau`` and at most
@@ -161,6 +167,7 @@ class SlowMoConfig:
     overlap: int = 0
     codec: str | SparseCodec | None = None
     error_feedback: bool = False
+    hierarchical: bool = False
     fragments: int = 1
     fragment_modules: tuple[tuple[str, ...], ...] | None = None
     eager: str | None = None
@@ -332,6 +339,12 @@ class SlowMoConfig:
                 "error_feedback=True",
                 stacklevel=5,
             )
+        check_bool("hierarchical", self.hierarchical)
+        if self.hierarchical and not (self.average and base.needs_exact_average):
+            raise ValueError(
+                f"hierarchical=True has nothing to exchange: base={base.display_name()!r} with "
+                f"average={self.average} takes no exact average; drop hierarchical"
+            )
         if self.error_feedback and self.codec is None:
             raise ValueError(
                 "error_feedback=True needs a compressed average; pass e.g. codec='int8'"
@@ -441,6 +454,7 @@ class SlowMoConfig:
             "fragments": f"fragments={self.fragments}" if self.fragments > 1 else "",
             "eager": f"eager={self.eager!r}" if self.estimate else "",
             "codec": f"compression={self.codec!r}" if self.codec is not None else "",
+            "hierarchy": "hierarchical=True" if self.hierarchical else "",
             "merge": f"merge={self.merge!r}" if self.merge != "mean" else "",
             "period": f"period_seconds={self.period_seconds!r}"
             if self.period_seconds is not None
@@ -516,6 +530,7 @@ class SlowMoConfig:
             "mix": self.mix,
             # Saved only when set: states and summaries of runs without them are unchanged.
             **({"merge": self.merge} if self.merge != "mean" else {}),
+            **({"hierarchical": True} if self.hierarchical else {}),
             **({"period_seconds": self.period_seconds} if self.period_seconds is not None else {}),
         }
 

@@ -54,6 +54,7 @@ from torch import Tensor
 from .bases.base import BaseAlgorithm
 from .buffers import averageable_buffers, reset_buffers
 from .comm.base import Communicator, PendingAverage
+from .comm.hierarchy import Hierarchy
 from .compression.offload import CodecThread
 from .config import SlowMoConfig
 from .eager import EagerEstimate, GroupSlice, check_shares, make_estimate
@@ -619,7 +620,11 @@ class Fragment:
 
 
 def make_outer_states(
-    comm: Communicator, config: SlowMoConfig, timer: PhaseTimer, count: int
+    comm: Communicator,
+    config: SlowMoConfig,
+    timer: PhaseTimer,
+    count: int,
+    levels: tuple[Hierarchy, bool] | None = None,
 ) -> list[tuple[SlowState, Exchange]]:
     """Each fragment's own slow state and exchange (built empty: a slow state takes its
     fragment's parameters at its capture). Their background work shares one thread, so the
@@ -630,6 +635,8 @@ def make_outer_states(
         config: the optimizer's configuration.
         timer: the optimizer's phase timer.
         count: the number of fragments.
+        levels: with ``config.hierarchical``, the node and cross-node levels and whether a
+            node's ranks hold identical parameters (:func:`~hvd_slowmo.exchange.make_exchange`).
 
     Raises:
         ValueError, TypeError: the layout or exchange cannot run with ``config`` or ``comm``
@@ -640,7 +647,7 @@ def make_outer_states(
     out = []
     for _ in range(count):
         slow_state = make_slow_state(comm, config, timer)
-        out.append((slow_state, make_exchange(comm, config, slow_state, thread)))
+        out.append((slow_state, make_exchange(comm, config, slow_state, levels, thread)))
     return out
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .comm.base import Communicator, PendingAverage
+from .divide import foreach_div_
 
 __all__ = [
     "MERGES",
@@ -172,7 +173,7 @@ def weighted_start(
         pending.wait()
         mean, unequal = float(tally[0]), float(tally[1])
         if params and unequal != 0.0 and mean > 0.0:
-            torch._foreach_div_(params, mean)
+            foreach_div_(params, mean)
 
     return PendingAverage(finish, progress=pending.done)
 

@@ -77,6 +77,24 @@ def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
         )
 
 
+def _island_levels(island: Communicator, across: Communicator, params: list[Tensor]) -> Hierarchy:
+    """``hierarchical=True`` with islands: the island is the node level, its ranks replicas
+    (DDP); an island that shards the model has no level to add.
+
+    Args:
+        island: this rank's island.
+        across: this rank's peers in the other islands (the outer step's communicator).
+        params: the parameters.
+    """
+    if any(is_distributed_tensor(p) for p in params):
+        raise ValueError(
+            "hierarchical=True with islands that shard the model (FSDP2): each rank already "
+            "exchanges only its shard with its peers; drop hierarchical"
+        )
+    island.share_counter(across)
+    return Hierarchy(node=island, cross=across)
+
+
 def _warn_unbalanced(split: list[int], params: list[Tensor], count: int) -> None:
     """Warn when named fragments differ in bytes by more than 2x: the largest one's average
     is the longest, and with overlap it must hide behind the shortest phase of the period."""
@@ -135,6 +153,14 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             ``DeprecationWarning``; together with ``codec`` it raises ``ValueError``.
         error_feedback: with a codec, each worker adds what its codes lost to its next
             pseudo-gradient (the residual is in ``state_dict()``).
+        hierarchical: the exact average in two levels
+            (:mod:`hvd_slowmo.exchange.hierarchical`): exact inside each node, and across nodes
+            each rank averages only its share of the model (through ``codec`` where one is
+            given), then an all-gather inside the node. ``True``: the nodes of the launch
+            (``worker="node"``'s or an island's ranks, whose parameters are identical, take their
+            shard without a reduce-scatter); a :class:`~hvd_slowmo.comm.hierarchy.Hierarchy`:
+            these two levels, with ``worker="process"``. Not with islands that shard the model
+            (each rank exchanges only its shard already).
         worker: what one SlowMo worker is: ``"process"`` (every rank), ``"node"`` (every host:
             gradients are averaged inside the node at every step, the base algorithm runs between
             nodes, see :mod:`hvd_slowmo.comm.hierarchy`; needs
@@ -181,6 +207,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         compression: Any = None,
         codec: str | None = None,
         error_feedback: bool = False,
+        hierarchical: bool | Hierarchy = False,
         nonfinite: str = "raise",
         outer_optimizer: str | Callable[[list[Tensor]], torch.optim.Optimizer] = "heavyball",
         shard_slow_state: bool = False,
@@ -214,6 +241,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             overlap=overlap,
             codec=codec,
             error_feedback=error_feedback,
+            hierarchical=hierarchical is not False,
             fragments=fragments,
             fragment_modules=fragment_modules,
             eager=eager,
@@ -273,7 +301,13 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         self.timings = self.timer.totals
         members = [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)]
         # Each fragment's own slow state and exchange, built (and refused) before any collective.
-        owned = make_outer_states(self.comm, self.config, self.timer, len(members))
+        owned = make_outer_states(
+            self.comm,
+            self.config,
+            self.timer,
+            len(members),
+            self._levels(hierarchical, hierarchy, params),
+        )
         if is_elastic_launch():
             # A worker that joins an elastic job later builds its optimizer alone while the others
             # wait in hvd.elastic's state sync: a collective here would deadlock. The same check
@@ -301,6 +335,39 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             clock,
         )
         self._watch_gradients(params)
+
+    def _levels(
+        self, hierarchical: Any, hierarchy: Hierarchy | None, params: list[Tensor]
+    ) -> tuple[Hierarchy, bool] | None:
+        """The levels of ``hierarchical=`` and whether a node's ranks hold identical parameters
+        (None: one level); refuses a layout where the levels mean nothing. Collective where it
+        builds the nodes from the launch (``hierarchical=True``, ``worker="process"``).
+
+        Args:
+            hierarchical: the argument.
+            hierarchy: the levels of ``worker="node"`` (or a ``Hierarchy`` worker), or None.
+            params: the parameters (an island that shards them has no level to add).
+        """
+        if hierarchical is False:
+            return None
+        if isinstance(hierarchical, Hierarchy):
+            if hierarchy is not None or self.islands is not None:
+                raise ValueError(
+                    "hierarchical=Hierarchy(...) goes with worker='process'; with worker='node' "
+                    "or islands pass hierarchical=True (the worker's own levels)"
+                )
+            for level in (hierarchical.node, hierarchical.cross):
+                if level is not self.comm:
+                    level.share_counter(self.comm)
+            return hierarchical, False
+        if self.islands is not None:
+            assert self._island_comm is not None
+            return _island_levels(self._island_comm, self.comm, params), True
+        if hierarchy is not None:
+            return hierarchy, True
+        nodes = worker_hierarchy("node", None, self.comm)  # the launch's hosts: collective
+        assert nodes is not None
+        return nodes, False
 
     @property
     def base(self) -> BaseAlgorithm:

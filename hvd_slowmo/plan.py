@@ -23,7 +23,8 @@ node, ``M = P / G`` nodes; a byte count is what the communicator counts
   an all-gather of the reduced ones, as a dense codec;
 * ``hierarchical``: an exact fp32 reduce-scatter inside the node, the codec's average of this
   rank's ``n/G`` shard among the ``M`` ranks of its local rank across nodes, an fp32 all-gather
-  inside the node (:func:`hvd_slowmo.compression.hierarchical_mean`).
+  inside the node (``DistributedOptimizer(hierarchical=True)``,
+  :mod:`hvd_slowmo.exchange.hierarchical`; with ``fragments=1`` only).
 
 Time: a phase on the slow link takes ``egress / bandwidth + rounds * latency``, where ``egress``
 is what leaves one node (a ring over node-ordered ranks sends one rank's share across each node
@@ -238,10 +239,31 @@ class Setting:
     overlap: int = 0
 
     @property
+    def runnable(self) -> bool:
+        """Whether the optimizer runs it: its hierarchical exchange takes the whole model
+        (``fragments=1``)."""
+        return not (self.hierarchical and self.fragments > 1)
+
+    @property
+    def arguments(self) -> str:
+        """The optimizer's arguments that ask for it: ``codec="int8", hierarchical=True``."""
+        spelled = {"fp32": None, "sparse-owners": 'SparseCodec(exchange="owners")'}.get(
+            self.codec, f'"{self.codec}"'
+        )
+        args = [] if spelled is None else [f"codec={spelled}, error_feedback=True"]
+        if self.hierarchical:
+            args.append("hierarchical=True")
+        if self.fragments > 1:
+            args.append(f"fragments={self.fragments}")
+        if self.overlap:
+            args.append(f"overlap={self.overlap}")
+        return ", ".join(args) or "the defaults"
+
+    @property
     def label(self) -> str:
         """A short name: ``"hier int8, fragments=4, overlap=3"``."""
         name = ("hier " if self.hierarchical else "") + self.codec
-        tail = " (not an optimizer option yet)" if self.hierarchical else ""
+        tail = "" if self.runnable else " (not an optimizer option yet)"
         if self.fragments == 1 and self.overlap == 0:
             return f"{name}, no overlap{tail}"
         return f"{name}, fragments={self.fragments}, overlap={self.overlap}{tail}"
@@ -558,10 +580,10 @@ _PREFERENCE = ("fp32", "bf16", "fp16", "int8", "fp8", "sparse", "sparse-owners")
 
 
 def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Prediction:
-    """The setting to run: among the settings the optimizer runs (not the hierarchical ones,
-    which it cannot run yet) within ``within`` of the best utilization, the least lossy codec
-    (fp32, then int8, then sparse), then the fewest fragments and the least overlap (the least
-    staleness).
+    """The setting to run: among the settings the optimizer runs (not the hierarchical ones
+    with fragments, which it cannot run yet) within ``within`` of the best utilization, the
+    least lossy codec (fp32, then int8, then sparse), then the fewest fragments and the least
+    overlap (the least staleness).
 
     Args:
         predictions: from :func:`predict`.
@@ -569,9 +591,9 @@ def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Predic
     """
     if not predictions:
         raise ValueError("recommend: no predictions")
-    # The hierarchical exchange is a building block (compression.hierarchical_mean), not yet an
-    # optimizer setting: it is predicted, never recommended.
-    runnable = [p for p in predictions if not p.setting.hierarchical] or list(predictions)
+    # The hierarchical exchange with fragments is predicted, never recommended: the optimizer's
+    # hierarchical exchange takes the whole model.
+    runnable = [p for p in predictions if p.setting.runnable] or list(predictions)
     best = max(p.utilization for p in runnable)
     near = [p for p in runnable if p.utilization >= best - within]
 
@@ -761,6 +783,7 @@ def report(
         f"Recommended: {best.setting.label}, tau={best.tau}: {best.iteration_s * 1e3:.0f} ms per "
         f"iteration, {100 * best.utilization:.1f}% utilization (the least lossy setting within "
         "2 points of the best).",
+        f"Its arguments: DistributedOptimizer(..., {best.setting.arguments}, tau={best.tau}).",
         f"Memory per GPU: {parts}.",
     ]
     return "\n".join(lines)

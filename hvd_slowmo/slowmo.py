@@ -9,6 +9,8 @@ No communication happens here: the caller has already put the exact average into
 import torch
 from torch import Tensor
 
+from .divide import div_
+
 __all__ = [
     "eager_anchor_",
     "eager_landed_",
@@ -184,11 +186,11 @@ def local_gradient(
         slow_buffer: ``u`` (likewise); None without a slow update.
         lr, slow_lr, slow_momentum, nesterov: as for :func:`local_anchor_`.
     """
-    out = (anchor - provisional).div_(slow_lr)
+    out = div_(anchor - provisional, slow_lr)
     if slow_buffer is not None:
         b = slow_momentum * slow_momentum if nesterov else slow_momentum
         out.sub_(slow_buffer, alpha=lr * b)
-    return out.div_(1.0 + slow_momentum if nesterov else 1.0)
+    return div_(out, 1.0 + slow_momentum if nesterov else 1.0)
 
 
 def eager_landed_(

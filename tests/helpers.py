@@ -280,8 +280,9 @@ SGD_NESTEROV = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=Tr
 PLAIN_SGD = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
 
 
-def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, **kwargs):
-    """Train ``m`` thread workers; per rank (model, [params after each outer step], optimizer)."""
+def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, per_rank=None, **kwargs):
+    """Train ``m`` thread workers; per rank (model, [params after each outer step], optimizer).
+    ``per_rank(comm) -> dict``: more optimizer arguments that need the rank's communicator."""
     models = models or [
         make_model() for _ in range(m)
     ]  # built here: torch's global RNG is not thread-safe
@@ -294,6 +295,7 @@ def run_slowmo(m, steps, make_opt, schedule=lr_at, models=None, **kwargs):
             model_buffers=model.buffers(),
             communicator=comm,
             **kwargs,
+            **(per_rank(comm) if per_rank else {}),
         )
         snaps = []
         for k in range(steps):

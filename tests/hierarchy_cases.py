@@ -17,6 +17,10 @@ CASES = {
     "localsgd-slowmo": dict(base="localsgd", tau=3, slow_lr=1.0, slow_momentum=0.6),
     "sgp-slowmo": dict(base="sgp", tau=3, slow_lr=1.0, slow_momentum=0.6),
     "allreduce": dict(base="allreduce", tau=1, slow_lr=1.0, slow_momentum=0.0),
+    # Each rank of a node sends its half of the model across nodes, then the node gathers them.
+    "localsgd-hierarchical": dict(
+        base="localsgd", tau=3, slow_lr=1.0, slow_momentum=0.6, hierarchical=True
+    ),
 }
 
 
@@ -46,7 +50,7 @@ def flat_reference(case: str, nodes=((0, 1), (2, 3)), steps: int = 7) -> list[li
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
             named_parameters=model.named_parameters(),
             communicator=comm,
-            **CASES[case],
+            **{k: v for k, v in CASES[case].items() if k != "hierarchical"},  # one level
         )
         for k in range(steps):
             xs, ys = zip(*[batch(r, k) for r in nodes[comm.rank]])

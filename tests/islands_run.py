@@ -55,6 +55,9 @@ CASES = {
     "int8": {"tau": 4, "codec": "int8", "error_feedback": True},
     "sparse": {"tau": 4, "codec": hvd_slowmo.SparseCodec(density=0.05, bits=4, chunk=WIDTH)},
     "ddp": {"tau": 4, "slow_lr": 1.0, "slow_momentum": 0.5},
+    # Each DDP rank sends its half of the model through int8 across islands, then the halves are
+    # gathered inside the island: blocks of 256 line up with the flat run's, so the same codes.
+    "ddp-hierarchical": {"tau": 4, "codec": "int8", "error_feedback": True, "hierarchical": True},
     "average-buffers": {"tau": 4, "buffers": "average"},
     "mismatch": {"tau": 4},  # rank 1 says tau=5: its island's other rank must not hang
 }
@@ -109,7 +112,7 @@ def build(case: str, mesh, device: str):
         torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.1),
         named_parameters=ref_model.named_parameters(),
         communicator=TorchDistCommunicator(group=mesh.get_group("islands")),
-        **settings,
+        **{k: v for k, v in settings.items() if k != "hierarchical"},  # one level: the flat run
     )
     return model, island_model, opt, ref_model, ref_opt
 
@@ -168,7 +171,7 @@ def run(
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
             {**rec, "final": final, "outer_steps": opt.outer_steps,
-             "state_bytes": opt_state_bytes(opt)},
+             "state_bytes": opt_state_bytes(opt), "exchange": opt.exchanges[0].name},
             f,
         )  # fmt: skip
 

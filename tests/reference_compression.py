@@ -147,11 +147,14 @@ def reference_slowmo_compressed(
     codec: str,
     error_feedback: bool,
     block: int = 256,
+    pseudo_mean=None,
 ):
     """Replay SlowMo over Local SGD for ``m`` workers, the exact average sent as compressed
     pseudo-gradients: ``x_avg = x0 - mean_c(x0 - x_i)`` with ``mean_c`` the compressed average
-    above (each worker's residual carried over with error feedback); the model buffers are
-    averaged exactly; buffers reset. The slow update is ``torch.optim.SGD(lr=slow_lr * lr,
+    above (each worker's residual carried over with error feedback), or ``pseudo_mean(grads,
+    residuals) -> (means, new residuals)`` where given (residuals: None without error
+    feedback, else a list of each worker's, each None at first); the model buffers are averaged
+    exactly; buffers reset. The slow update is ``torch.optim.SGD(lr=slow_lr * lr,
     momentum=slow_momentum)`` on ``(x0 - x_avg) / lr``. Returns each worker's model."""
     from reference import loss_at, lr_at, make_model
 
@@ -173,10 +176,14 @@ def reference_slowmo_compressed(
             plist = [list(mod.parameters()) for mod in models]
             flat_anchor = torch.cat([a.detach().reshape(-1) for a in anchor])
             grads = [flat_anchor - torch.cat([p.reshape(-1) for p in ps]) for ps in plist]
-            if error_feedback and residuals is None:
-                residuals = [torch.zeros_like(g) for g in grads]
-            means, new_residuals, _ = reference_compressed_mean(grads, codec, block, residuals)
-            residuals = new_residuals
+            if pseudo_mean is not None:
+                if error_feedback and residuals is None:
+                    residuals = [None] * m
+                means, residuals = pseudo_mean(grads, residuals)
+            else:
+                if error_feedback and residuals is None:
+                    residuals = [torch.zeros_like(g) for g in grads]
+                means, residuals, _ = reference_compressed_mean(grads, codec, block, residuals)
             avg = (flat_anchor - means[0]).split([a.numel() for a in anchor])
             lr = lr_at(k)
             for a, x in zip(anchor, avg):

@@ -33,6 +33,7 @@ from torch import nn
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import decode, encode
+from hvd_slowmo.divide import div_, foreach_div_
 
 from amp_run import mlp
 from device_run import (
@@ -422,6 +423,28 @@ def test_codec_bits_equal_on_device(codec, device):
     assert torch.equal(got.scales.cpu(), exact), "not the correctly rounded absmax / code_max"
     assert torch.equal(got.codes.cpu().view(torch.uint8), want.codes.view(torch.uint8))
     assert torch.equal(decode(got, codec).cpu(), decode(want, codec))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("workers", [3, 5, 6, 7])
+def test_mean_division_bits_equal_on_device(workers, device):
+    """A mean's division by the worker count (torch.distributed's and Horovod's reduce-scatter,
+    the sparse exchanges, the weighted merge) is correctly rounded on every device: the CPU
+    reference's bits on a GPU too, where dividing by a Python number would multiply by its
+    reciprocal (hvd_slowmo/divide.py)."""
+    g = torch.Generator().manual_seed(workers)
+    x = torch.randn(1 << 16, generator=g) * torch.logspace(-3, 3, 1 << 16)
+    exact = (x.double() / workers).float()
+    by_reciprocal = x * torch.tensor(1 / workers, dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, exact), "these values would not catch a reciprocal"
+    got = div_(x.to(device, copy=True), workers)
+    assert torch.equal(got.cpu(), exact)
+    both = [x.to(device, copy=True), x[:100].to(device, copy=True)]
+    foreach_div_(both, workers)
+    assert torch.equal(both[0].cpu(), exact) and torch.equal(both[1].cpu(), exact[:100])
+    # On the CPU a Python-number divisor is the same division (the library's CPU bits are
+    # unchanged by the tensor divisor).
+    assert torch.equal(x / workers, exact)
 
 
 @pytest.mark.horovod

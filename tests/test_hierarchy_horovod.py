@@ -17,7 +17,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "hierarchy_worker.py
 pytestmark = pytest.mark.horovod
 
 
-@pytest.mark.parametrize("case", ["localsgd-slowmo", "sgp-slowmo", "allreduce"])
+@pytest.mark.parametrize(
+    "case", ["localsgd-slowmo", "sgp-slowmo", "allreduce", "localsgd-hierarchical"]
+)
 def test_two_emulated_nodes(tmp_path, case):
     horovodrun(4, "gloo", [WORKER, str(tmp_path), case], hosts="localhost:2,127.0.0.1:2")
     res = [torch.load(tmp_path / f"{case}.{r}.pt", weights_only=False) for r in range(4)]
@@ -27,6 +29,8 @@ def test_two_emulated_nodes(tmp_path, case):
     # Each communicator gathers over its own process set: the node's ranks, the peers across nodes.
     assert [r["node_gather"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["cross_gather"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    want_exchange = "hierarchical" if case.endswith("hierarchical") else "plain"
+    assert [r["exchange"] for r in res] == [want_exchange] * 4
     for node in ((0, 1), (2, 3)):
         for k in range(7):
             a, b = res[node[0]]["steps"][k], res[node[1]]["steps"][k]

@@ -59,7 +59,7 @@ def test_two_islands_equal_the_unsharded_run(tmp_path):
     assert not problems, problems
 
 
-FEATURES = ["fragments", "nesterov", "int8", "sparse", "ddp", "average-buffers"]
+FEATURES = ["fragments", "nesterov", "int8", "sparse", "ddp", "ddp-hierarchical", "average-buffers"]
 
 
 @pytest.mark.torchdist
@@ -67,7 +67,8 @@ FEATURES = ["fragments", "nesterov", "int8", "sparse", "ddp", "average-buffers"]
 def test_every_feature_on_islands_equals_the_unsharded_run(tmp_path):
     """One launch (one process start-up) for every feature: fragments with overlap and eager
     updates, a Nesterov outer step with fragments, int8 with error feedback, the sparse codec,
-    DDP islands, averaged base buffers; then a rank configured unlike its island. Every case is
+    DDP islands (also with hierarchical=True: each rank's half through int8), averaged base
+    buffers; then a rank configured unlike its island. Every case is
     checked before the test fails, so one failure does not hide the others."""
     torchrun(4, [WORKER, str(tmp_path), ",".join([*FEATURES, "mismatch"]), "12"], timeout=540)
     problems = [
@@ -84,6 +85,9 @@ def test_every_feature_on_islands_equals_the_unsharded_run(tmp_path):
     fsdp = [r["state_bytes"] for r in _records(tmp_path / "int8")]
     if ddp != [2 * 3 * 256 * 256 * 4] * 4 or fsdp != [b // 2 for b in ddp]:
         problems.append(f"outer state bytes per rank: FSDP {fsdp}, DDP {ddp}")
+    hierarchical = [r["exchange"] for r in _records(tmp_path / "ddp-hierarchical")]
+    if hierarchical != ["hierarchical"] * 4:
+        problems.append(f"ddp-hierarchical ran the exchanges {hierarchical}")
     assert not problems, problems
 
 

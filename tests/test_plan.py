@@ -157,17 +157,21 @@ def test_command_line_prints_every_setting_and_a_recommendation(capsys):
             "--link", "10gbit", "--latency", "20ms"]  # fmt: skip
     text = main(args)
     assert text == capsys.readouterr().out.rstrip("\n")
-    hier = " (not an optimizer option yet)"
     labels = ("fp32, no overlap", "int8, fragments=1, overlap=1", "sparse, fragments=4, overlap=3",
-              "hier int8, no overlap" + hier,
-              "hier sparse, fragments=4, overlap=3" + hier)  # fmt: skip
+              "hier int8, no overlap",
+              "hier sparse, fragments=4, overlap=3 (not an optimizer option yet)")  # fmt: skip
     for label in labels:
         assert f"| {label} | 12 |" in text
     assert "Memory per GPU: parameters 5.2 GB" in text
-    # The hierarchical rows are predicted (here they are the fastest), never recommended: the
-    # optimizer cannot run them yet.
+    # The hierarchical rows with fragments are predicted (here they are the fastest), never
+    # recommended: the optimizer's hierarchical exchange takes the whole model. The one without
+    # fragments that wins is recommended, with the arguments that ask for it.
     (line,) = [t for t in text.splitlines() if t.startswith("Recommended: ")]
-    assert "hier" not in line
+    assert line.startswith("Recommended: hier int8, fragments=1, overlap=1, tau=12:")
+    assert (
+        'DistributedOptimizer(..., codec="int8", error_feedback=True, hierarchical=True, '
+        "overlap=1, tau=12)" in text
+    )
     with pytest.raises(ValueError, match="--per-node=8 is more workers per node than --workers=4"):
         main(args[:4] + ["--workers", "4"] + args[6:])
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..divide import div_
 from ..validation import check_choice
 from .base import (
     Communicator,
@@ -277,7 +278,7 @@ class HorovodCommunicator(Communicator):
                     # Summed in rank order and divided, as the thread communicator: deterministic.
                     acc = out[i]  # None before the first source's chunk
                     out[i] = part.clone() if acc is None else acc.add_(part)
-        return [t.div_(m) for t in filled(out)], wire
+        return [div_(t, m) for t in filled(out)], wire
 
     def _allgather_flat_start(self, shards: list[Tensor], name: str) -> PendingTensors:
         hvd = _hvd()

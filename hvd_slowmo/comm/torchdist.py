@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..divide import div_
 from .base import Communicator, PendingAverage, PendingExchange, filled, shard_range
 from .deadline import collective_timeout
 from .serial import join_at_exit
@@ -218,7 +219,7 @@ class TorchDistCommunicator(Communicator):
                 with self._named(f"average {name!r}"):
                     work.wait(self._wait_timeout)
                 total = self.compression.decompress(payload, ctx) if squeeze else payload
-                mean = total.div_(self.size)
+                mean = div_(total, self.size)
                 views = mean.split([tensors[i].numel() for i in idx])
                 for i, v in zip(idx, views):
                     tensors[i].copy_(v.view_as(tensors[i]))
@@ -295,7 +296,7 @@ class TorchDistCommunicator(Communicator):
                     # alltoall reduce-scatter and the thread communicator.
                     acc = out[i]  # None before the first source's chunk
                     out[i] = part.clone() if acc is None else acc.add_(part)
-        return [t.div_(m) for t in filled(out)], wire
+        return [div_(t, m) for t in filled(out)], wire
 
     def _allgather_flat(self, shards: list[Tensor], name: str) -> list[Tensor]:
         m = self.size

@@ -22,6 +22,7 @@ Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communica
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
+from ..divide import div_
 from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
@@ -117,4 +118,4 @@ class PendingSparseMean:
                 "(the workers disagree on the vector's length or the codec)"
             )
         # One decode of every packet and one add in rank order: the same sum on every worker.
-        self._result = sparse_sum(gathered.view(m, nbytes), n, codec, self._out).div_(m)
+        self._result = div_(sparse_sum(gathered.view(m, nbytes), n, codec, self._out), m)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
+from ..divide import div_
 from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
@@ -145,6 +146,6 @@ class PendingOwnerSparseMean:
         if mine == 0:  # fewer chunks than workers: this owner has nothing
             reduced = torch.empty(0, dtype=torch.uint8, device=received[0].device)
         else:
-            total = sparse_sum(torch.stack(received), mine, codec).div_(m)
+            total = div_(sparse_sum(torch.stack(received), mine, codec), m)
             reduced = sparse_encode(total.contiguous(), codec)
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")

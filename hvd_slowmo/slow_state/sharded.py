@@ -134,6 +134,8 @@ class ShardedSlowState(SlowState):
         "every worker",
         "merge": "the weight's tally would land in one rank's shard of the reduce-scatter",
         "period": "the step times' tally would land in one rank's shard of the reduce-scatter",
+        "hierarchy": "its reduce-scatter over every rank is its own exchange; drop one of "
+        "shard_slow_state and hierarchical",
     }
 
     def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
