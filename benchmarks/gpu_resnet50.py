@@ -166,7 +166,8 @@ def slow_vs_base_step(
     params = [
         p.detach() for p in result["model"].parameters()
     ]  # the optimizer's order: one param group
-    anchor, buf = opt.slow_state.anchor, opt.slow_state.slow_buffer
+    (whole,) = opt.slow_states  # fragments=1: one slow state over every parameter
+    anchor, buf = whole.anchor, whole.slow_buffer
     base_ms = median_ms(opt.optimizer.step, repeats, device)
     slow_ms = median_ms(
         lambda: slow_momentum_step_(params, anchor, buf, 0.1, 1.0, 0.7), repeats, device

@@ -6,9 +6,9 @@ inside each island, so the outer state should be 1/S of S = 1's (docs/islands.md
 Launch:  torchrun --nproc-per-node 4 benchmarks/islands_memory.py [--width 512 --layers 8]
 
 Counted, in bytes, on every rank (rank 0 prints the largest over ranks, per component):
-  - slow state: ``opt.slow_state.state_tensors()`` (anchor and slow buffer);
-  - residual: the codec's error-feedback residual (``opt.exchange.state_dict()``; int8 codec
-    with ``error_feedback=True``);
+  - slow state: each fragment's ``state_tensors()`` (``opt.slow_states``: anchor and slow buffer);
+  - residual: the codec's error-feedback residual (each fragment's exchange's ``state_dict()``,
+    ``opt.exchanges``; int8 codec with ``error_feedback=True``);
   - in flight: the copies an overlapped outer step keeps until it lands (``opt.outer.in_flight``:
     the parameters sent, their snapshot, the model buffers'; ``fragments=2, overlap=1``), the
     largest seen over the run.
@@ -87,8 +87,8 @@ def measure(islands: int, width: int, layers: int, steps: int) -> dict[str, int]
     opt.flush()
     out = {
         "params": sum(p.to_local().numel() for p in model.parameters()),
-        "slow_state": tensor_bytes(opt.slow_state.state_tensors()),
-        "residual": tensor_bytes(opt.exchange.state_dict()),
+        "slow_state": tensor_bytes([t for s in opt.slow_states for t in s.state_tensors()]),
+        "residual": tensor_bytes([e.state_dict() for e in opt.exchanges]),
         "in_flight": in_flight,
     }
     out["total"] = out["slow_state"] + out["residual"] + out["in_flight"]

@@ -53,7 +53,7 @@ def build(shard: bool, reduce_scatter: str = "auto") -> DistributedOptimizer:
 
 
 def state_bytes(opt: DistributedOptimizer) -> int:
-    tensors = opt.slow_state.state_tensors()
+    tensors = [t for s in opt.slow_states for t in s.state_tensors()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

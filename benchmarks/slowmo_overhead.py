@@ -69,7 +69,8 @@ def main() -> None:
     fwd_bwd()
     base_step_ms = median_ms(base.step, args.repeats)
     opt.step()  # captures the anchor
-    anchor, buf = opt.slow_state.anchor, opt.slow_state.slow_buffer
+    (whole,) = opt.slow_states  # fragments=1: one slow state over every parameter
+    anchor, buf = whole.anchor, whole.slow_buffer
 
     def slow_step() -> None:
         slow_momentum_step_([p.detach() for p in params], anchor, buf, 0.1, 1.0, 0.7)

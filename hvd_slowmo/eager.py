@@ -4,7 +4,7 @@ provisional slow step taken with an estimate of the average outer gradient. The 
 strategy with one interface (:class:`EagerEstimate`): none (:class:`NoEager`), the paper's own
 fresh share plus the other workers' previous shares (:class:`SharesEstimate`, ``"shares"``), or
 the worker's own outer gradient alone (:class:`LocalEstimate`, ``"local"``). Each fragment owns
-one; the recurrences are in :mod:`hvd_slowmo.fragments`, the arithmetic in
+one, over its own slow state; the recurrences are in :mod:`hvd_slowmo.fragments`, the arithmetic in
 :mod:`hvd_slowmo.slowmo`.
 """
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .comm.base import Communicator
 from .config import SlowMoConfig
-from .slow_state import SlowState, SlowView
+from .slow_state import SlowState
 from .slowmo import eager_anchor_, eager_landed_, local_anchor_, local_gradient
 
 __all__ = [
@@ -40,8 +40,7 @@ class EagerEstimate:
     Args:
         config: the optimizer's configuration (``slow_lr``, ``slow_momentum``, Nesterov).
         comm: the workers (their number ``m`` scales the shares).
-        slow_state: the slow state; the estimate reads its fragment's view of it.
-        members: the fragment's parameter indices (the fragment's own list).
+        slow_state: the fragment's slow state (its anchor and slow buffer are read).
 
     Attributes:
         kind: the normalised ``eager`` value (None, ``"shares"``, ``"local"``).
@@ -49,15 +48,14 @@ class EagerEstimate:
 
     kind: ClassVar[str | None] = None
 
-    def __init__(
-        self, config: SlowMoConfig, comm: Communicator, slow_state: SlowState, members: list[int]
-    ) -> None:
-        self.config, self.comm = config, comm
-        self.slow_state, self.members = slow_state, members
+    def __init__(self, config: SlowMoConfig, comm: Communicator, slow_state: SlowState) -> None:
+        self.config, self.comm, self.slow_state = config, comm, slow_state
 
-    def view(self) -> SlowView:
-        """The fragment's anchor and slow buffer."""
-        return self.slow_state.view(self.members)
+    def _anchor(self) -> list[Tensor]:
+        """The fragment's anchor (captured: an eager estimate needs the full layout)."""
+        anchor = self.slow_state.anchor
+        assert anchor is not None, "the anchor is captured at the first step"
+        return anchor
 
     def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
         """At the boundary: turn ``snapshot`` (``s_i``) into the provisional anchor ``x^0_i``.
@@ -139,14 +137,13 @@ class ProvisionalEstimate(EagerEstimate, abc.ABC):
         Returns:
             True: the snapshot now holds the provisional anchor.
         """
-        view = self.view()
-        slow = view.slow_buffer
+        anchor, slow = self._anchor(), self.slow_state.slow_buffer
         for lr, pos in groups:
             if lr <= 0:  # no slow step at lr = 0 (the landing keeps the average)
                 continue
             self._group_anchor_(
                 [snapshot[k] for k in pos],
-                [view.anchor[k] for k in pos],
+                [anchor[k] for k in pos],
                 None if slow is None else [slow[k] for k in pos],
                 pos,
                 lr,
@@ -182,10 +179,8 @@ class SharesEstimate(ProvisionalEstimate):
 
     kind = "shares"
 
-    def __init__(
-        self, config: SlowMoConfig, comm: Communicator, slow_state: SlowState, members: list[int]
-    ) -> None:
-        super().__init__(config, comm, slow_state, members)
+    def __init__(self, config: SlowMoConfig, comm: Communicator, slow_state: SlowState) -> None:
+        super().__init__(config, comm, slow_state)
         self._shares: list[Tensor] | None = None
 
     @property
@@ -194,7 +189,7 @@ class SharesEstimate(ProvisionalEstimate):
 
     def provisional_(self, snapshot: list[Tensor], groups: Sequence[GroupSlice]) -> bool:
         if self._shares is None:  # no previous step: the others' shares are 0
-            self._shares = [torch.zeros_like(a) for a in self.view().anchor]
+            self._shares = [torch.zeros_like(a) for a in self._anchor()]
         return super().provisional_(snapshot, groups)
 
     def _group_anchor_(
@@ -223,14 +218,14 @@ class SharesEstimate(ProvisionalEstimate):
         shares = self._shares
         if shares is None:  # no provisional step since the state was loaded or restarted
             return
-        view = self.view()
+        anchor = self._anchor()
         for lr, pos in groups:
             if lr <= 0:  # no provisional step was taken: the snapshot is s_i
                 continue
             for k in pos:  # s_i - avg = (x0 - avg) + lr m c_i
-                spread[k] = (view.anchor[k] - sent[k]).add_(shares[k], alpha=lr * self.comm.size)
+                spread[k] = (anchor[k] - sent[k]).add_(shares[k], alpha=lr * self.comm.size)
             eager_landed_(
-                [shares[k] for k in pos], [view.anchor[k] for k in pos], [sent[k] for k in pos], lr
+                [shares[k] for k in pos], [anchor[k] for k in pos], [sent[k] for k in pos], lr
             )
 
     def reset(self) -> None:
@@ -270,17 +265,16 @@ class LocalEstimate(ProvisionalEstimate):
         groups: Sequence[GroupSlice],
         spread: list[Tensor],
     ) -> None:
-        cfg, view = self.config, self.view()
-        slow = view.slow_buffer
+        cfg, anchor, slow = self.config, self._anchor(), self.slow_state.slow_buffer
         for lr, pos in groups:
             if lr <= 0:  # no provisional step was taken: the snapshot is s_i
                 continue
             for k in pos:  # s_i - avg = (x0 - avg) - lr g_i, lr g_i from the provisional anchor
                 own = local_gradient(
-                    snapshot[k], view.anchor[k], None if slow is None else slow[k], lr,
+                    snapshot[k], anchor[k], None if slow is None else slow[k], lr,
                     cfg.slow_lr, cfg.slow_momentum, cfg.nesterov,
                 )  # fmt: skip
-                spread[k] = (view.anchor[k] - sent[k]).sub_(own)
+                spread[k] = (anchor[k] - sent[k]).sub_(own)
 
 
 #: The estimates by their normalised ``eager`` value (:attr:`SlowMoConfig.estimate`).
@@ -291,18 +285,15 @@ ESTIMATES: dict[str | None, type[EagerEstimate]] = {
 }
 
 
-def make_estimate(
-    config: SlowMoConfig, comm: Communicator, slow_state: SlowState, members: list[int]
-) -> EagerEstimate:
-    """The estimate ``config.estimate`` names, for the fragment of ``members``.
+def make_estimate(config: SlowMoConfig, comm: Communicator, slow_state: SlowState) -> EagerEstimate:
+    """The estimate ``config.estimate`` names, for the fragment of ``slow_state``.
 
     Args:
         config: the optimizer's configuration.
         comm: the workers.
-        slow_state: the slow state.
-        members: the fragment's parameter indices (its own list).
+        slow_state: the fragment's slow state.
     """
-    return ESTIMATES[config.estimate](config, comm, slow_state, members)
+    return ESTIMATES[config.estimate](config, comm, slow_state)
 
 
 def check_shares(saved: Any, params: Sequence[Tensor], estimate: str | None) -> list[Tensor] | None:

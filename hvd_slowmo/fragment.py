@@ -1,7 +1,8 @@
 """One fragment's outer step (SlowMo, arXiv 1910.00643, Algorithm 1; streaming, arXiv
-2501.18512): the object that owns a fragment's parameters, its boundary in the period, its
-outer step in flight (the snapshot and the tensors being averaged), its eager estimate and the
-save/load of what is in flight. The whole model is the one-fragment case.
+2501.18512): the object that owns a fragment's parameters, its boundary in the period, its outer
+state (its slow state: anchor and slow buffer or outer optimizer; its exchange, with a codec's
+residual; its eager estimate), its outer step in flight (the snapshot and the tensors being
+averaged) and its entry of the saved state. The whole model is the one-fragment case.
 
 Its life, driven by :class:`hvd_slowmo.outer_step.OuterLoop` (the scheduler)::
 
@@ -53,18 +54,28 @@ from torch import Tensor
 from .bases.base import BaseAlgorithm
 from .buffers import averageable_buffers, reset_buffers
 from .comm.base import Communicator, PendingAverage
+from .comm.hierarchy import Hierarchy
+from .compression.offload import CodecThread
 from .config import SlowMoConfig
-from .eager import EagerEstimate, GroupSlice, make_estimate
-from .exchange import Exchange, Payload
+from .eager import EagerEstimate, GroupSlice, check_shares, make_estimate
+from .exchange import Exchange, Payload, make_exchange
 from .fragments import boundaries
 from .islands import LocalViews
 from .merge import Merged, Work, make_tally, read_tally
 from .progress import PROGRESS, all_finite, finite_verdict, progress_probe, read_progress
-from .slow_state import SlowState
+from .slow_state import LoadedSlowState, SlowState, make_slow_state
 from .slowmo import land_
+from .state_format import check_in_flight
 from .timing import PhaseTimer
 
-__all__ = ["Fragment", "InFlight", "OuterParts", "make_fragments"]
+__all__ = [
+    "Fragment",
+    "InFlight",
+    "LoadedFragment",
+    "OuterParts",
+    "make_fragments",
+    "make_outer_states",
+]
 
 
 def _clone(tensors: list[Tensor]) -> list[Tensor]:
@@ -73,7 +84,8 @@ def _clone(tensors: list[Tensor]) -> list[Tensor]:
 
 @dataclass
 class OuterParts:
-    """What every fragment's outer step works with (shared, owned by the optimizer).
+    """What every fragment's outer step works with (shared, owned by the optimizer; a
+    fragment's own state is the fragment's).
 
     Attributes:
         config: the optimizer's configuration.
@@ -82,10 +94,9 @@ class OuterParts:
         params: every parameter as the outer step reads and writes it (its local tensor:
             :class:`~hvd_slowmo.islands.LocalViews`), in the index order used on every rank;
             ``params.keys`` are the parameters themselves (the base optimizer's state keys).
+        names: every parameter's name (for messages), in the same order.
         model_buffers: floating-point model buffers (averaged with the fragment that ends the
             period).
-        slow_state: the anchor and slow buffer.
-        exchange: how a fragment's parameters are averaged.
         timer: the optimizer's phase timer.
     """
 
@@ -93,9 +104,8 @@ class OuterParts:
     comm: Communicator
     optimizer: torch.optim.Optimizer
     params: LocalViews
+    names: list[str]
     model_buffers: list[Tensor]
-    slow_state: SlowState
-    exchange: Exchange
     timer: PhaseTimer
 
 
@@ -147,22 +157,17 @@ class InFlight:
         """Whether it lands in the boundary's own step, on the parameters themselves."""
         return self.snapshot is None
 
-    def start_averages(
-        self, comm: Communicator, exchange: Exchange, exact: bool, indices: list[int]
-    ) -> None:
+    def start_averages(self, comm: Communicator, exchange: Exchange, exact: bool) -> None:
         """Start the averages not yet started or done: the parameters with the model buffers
-        (through the exchange) and the base optimizer's buffers. Collective.
+        (through the fragment's exchange) and the base optimizer's buffers. Collective.
 
         Args:
             comm: the communicator over all workers.
-            exchange: the parameters' exchange.
+            exchange: the fragment's exchange.
             exact: whether the parameters need averaging (False: ``sent`` is this worker's own).
-            indices: which parameters ``sent`` holds; empty for the whole model.
         """
         if not self.averaged and self._average is None:
-            self._average = exchange.start(
-                Payload(self.sent, self.extra_sent, indices, self.tally), exact
-            )
+            self._average = exchange.start(Payload(self.sent, self.extra_sent, self.tally), exact)
         if self.state_sent and not self.state_averaged and self._state_average is None:
             self._state_average = comm.average_start(
                 self.state_sent, name="hvd_slowmo.buffer_average"
@@ -220,9 +225,25 @@ class InFlight:
             "state_snapshot": self.state_snapshot,
             "mine": self.mine,
             "probe": self.probe,
-            "fragment": self.fragment,
             **({"tally": self.tally} if self.tally is not None else {}),
         }
+
+
+@dataclass
+class LoadedFragment:
+    """A fragment's checked saved entry, ready for :meth:`Fragment.commit_load`.
+
+    Attributes:
+        slow_state: its slow state, checked (:meth:`SlowState.prepare_load`).
+        in_flight: its outer step in flight, or None.
+        shares: its eager shares, or None.
+        exchange: its exchange's saved state (taken where it is this worker's own).
+    """
+
+    slow_state: LoadedSlowState
+    in_flight: InFlight | None
+    shares: list[Tensor] | None
+    exchange: dict[str, Any] | None
 
 
 class Fragment:
@@ -236,12 +257,13 @@ class Fragment:
             (:func:`hvd_slowmo.fragments.boundaries`).
         ends_period: whether its boundary ends the period (the last fragment: the model
             buffers travel with it, and the counters turn over).
-        whole: it is the whole model (the one-fragment case: layouts and exchanges are given
-            no indices).
         parts: what every fragment works with.
-        eager: its eager estimate (:mod:`hvd_slowmo.eager`).
+        slow_state: its slow state, over its parameters alone (:mod:`hvd_slowmo.slow_state`).
+        exchange: its exchange (:mod:`hvd_slowmo.exchange`), with what it keeps over its
+            parameters alone (a codec's residual).
 
     Attributes:
+        eager: its eager estimate (:mod:`hvd_slowmo.eager`), over its slow state.
         in_flight: its outer step in flight, or None.
         work: what its next pseudo-gradient covers (:class:`~hvd_slowmo.merge.Work`), when a
             tally travels with its average (``merge="samples"`` or ``period_seconds``), else None.
@@ -254,24 +276,20 @@ class Fragment:
         members: list[int],
         boundary: int,
         ends_period: bool,
-        whole: bool,
         parts: OuterParts,
-        eager: EagerEstimate,
+        slow_state: SlowState,
+        exchange: Exchange,
     ) -> None:
         self.index, self.members, self.boundary = index, members, boundary
-        self.ends_period, self.whole = ends_period, whole
-        self.parts, self.eager = parts, eager
+        self.ends_period, self.parts = ends_period, parts
+        self.slow_state, self.exchange = slow_state, exchange
+        self.eager: EagerEstimate = make_estimate(parts.config, parts.comm, slow_state)
         self.in_flight: InFlight | None = None
         cfg = parts.config
         self.work = Work(cfg.timed, cfg.tau) if cfg.tallied else None
         self.merged: Merged | None = None
 
     # --- what it is made of ----------------------------------------------------------------
-    @property
-    def indices(self) -> list[int]:
-        """Its parameters' indices for a layout or an exchange: empty for the whole model."""
-        return [] if self.whole else self.members
-
     def keys(self) -> list[Tensor]:
         """Its parameters themselves (the base optimizer's state keys), in the optimizer's
         order."""
@@ -281,6 +299,37 @@ class Fragment:
         """Its parameters (detached), in the optimizer's order."""
         return [self.parts.params[j].detach() for j in self.members]
 
+    def group_of(self) -> list[int]:
+        """The param group of each of its parameters."""
+        param_groups = self.parts.optimizer.param_groups
+        group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+        return [group_of[j] for j in self.members]
+
+    def capture_(self) -> None:
+        """Its slow state takes the anchor from its parameters, once (called at every step)."""
+        # Without an anchor to keep (no slow update, no skip) nothing is ever captured: no
+        # lists are built at every step for it.
+        if self.parts.config.keeps_anchor and not self.slow_state.captured:
+            self.slow_state.capture_(self.live(), self.group_of())
+
+    def add_(self, new: list[Tensor]) -> None:
+        """Parameters appended to this (the only) fragment by ``add_param_group``: its members,
+        slow state and eager shares grow.
+
+        Args:
+            new: the new parameters (already appended to the parameter list).
+        """
+        count = len(self.parts.params)
+        self.members.extend(range(count - len(new), count))
+        self.slow_state.add_(self.live(), self.group_of())
+        self.eager.extend(new)
+
+    def restore_(self) -> None:
+        """Back to the anchor: its parameters take the anchor (collective for a sharded
+        layout), and what its exchange kept is dropped with the steps since."""
+        self.slow_state.restore_(self.live())
+        self.exchange.reset()
+
     def extra(self) -> list[Tensor]:
         """The model buffers averaged with it (those of the fragment that ends the period)."""
         return self.parts.model_buffers if self.parts.config.average and self.ends_period else []
@@ -288,11 +337,10 @@ class Fragment:
     def groups(self, lrs: list[float]) -> list[GroupSlice]:
         """Each param group with parameters in this fragment: its lr in ``lrs`` and the
         positions of its parameters in the fragment."""
-        param_groups = self.parts.optimizer.param_groups
-        group_of = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+        mine = self.group_of()
         out = []
-        for g in range(len(param_groups)):
-            pos = [k for k, j in enumerate(self.members) if group_of[j] == g]
+        for g in range(len(self.parts.optimizer.param_groups)):
+            pos = [k for k, h in enumerate(mine) if h == g]
             if pos:
                 out.append((lrs[g], pos))
         return out
@@ -344,7 +392,7 @@ class Fragment:
             # else (AR-SGD) every worker holds the same parameters after the same steps (or
             # would be stuck in another gradient average): this probe is the average.
         if f.snapshot is not None:
-            f.start_averages(self.parts.comm, self.parts.exchange, cfg.exact_average, self.indices)
+            f.start_averages(self.parts.comm, self.exchange, cfg.exact_average)
             if self.eager.provisional_(f.snapshot, self.groups(f.lrs)):
                 torch._foreach_copy_(params, f.snapshot)
         self.in_flight = f
@@ -400,7 +448,7 @@ class Fragment:
                         base.before_average()  # push-sum: the messages since the boundary home
                     return False, None
             # Started here: overlap=0, a resumed state, or an exchange that cannot overlap.
-            f.start_averages(parts.comm, parts.exchange, cfg.exact_average, self.indices)
+            f.start_averages(parts.comm, self.exchange, cfg.exact_average)
             f.finish_averages(deferred=True)
             self._merged(f)
             if f.in_place:
@@ -430,7 +478,7 @@ class Fragment:
         cfg, parts = self.parts.config, self.parts
         groups = parts.optimizer.param_groups
         at_boundary = [dict(g, lr=lr) for g, lr in zip(groups, f.lrs)] + groups[len(f.lrs) :]
-        parts.slow_state.update_(f.sent, at_boundary, self.indices)
+        self.slow_state.update_(f.sent, at_boundary)
         if not f.in_place:
             for now, avg, snap in (
                 (self.live(), f.sent, f.snapshot),
@@ -460,7 +508,48 @@ class Fragment:
         self.eager.reset()
 
     # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Its entry of the saved state (:mod:`hvd_slowmo.state_format`): its members, slow
+        state, exchange state, outer step in flight and eager shares. Waits for its averages in
+        flight first (collective): the exchange's state is read after them."""
+        flight = None if self.in_flight is None else self.in_flight.state_dict()
+        shares = self.eager.shares
+        return {
+            "members": list(self.members),
+            "slow_state": self.slow_state.state_dict(),
+            "exchange": self.exchange.state_dict(),
+            "in_flight": flight,
+            "eager_shares": None if shares is None else dict(enumerate(shares)),
+        }
+
     def prepare_load(
+        self, saved: dict[str, Any], position: dict[str, Any], base_state: dict[str, Any]
+    ) -> LoadedFragment:
+        """Check its entry of a saved state (current format, its members checked by the caller)
+        against this fragment and configuration; changes nothing.
+
+        Args:
+            saved: its entry (:meth:`state_dict` output).
+            position: the saved (checked) position.
+            base_state: the saved base optimizer's ``state_dict``.
+
+        Raises:
+            ValueError: the entry does not belong to this fragment or configuration.
+        """
+        cfg, names = self.parts.config, self.parts.names
+        params = self.live()
+        slow = self.slow_state.prepare_load(
+            saved["slow_state"], params, self.group_of(), position,
+            [names[j] for j in self.members],
+        )  # fmt: skip
+        in_flight = None
+        if saved.get("in_flight") is not None:
+            land_at = check_in_flight(saved["in_flight"], position, cfg.tau, cfg.overlap)
+            in_flight = self._prepare_in_flight(saved["in_flight"], land_at, base_state)
+        shares = check_shares(saved.get("eager_shares"), params, cfg.estimate)
+        return LoadedFragment(slow, in_flight, shares, saved.get("exchange"))
+
+    def _prepare_in_flight(
         self, saved: dict[str, Any], land_at: int, base_state: dict[str, Any]
     ) -> InFlight:
         """Check a saved outer step in flight of this fragment against this model; changes
@@ -513,26 +602,64 @@ class Fragment:
             tally=None if saved.get("tally") is None else saved["tally"].clone(),
         )
 
-    def commit_load(self, in_flight: InFlight | None, shares: list[Tensor] | None) -> None:
-        """Install a checked outer step in flight (None: none) and saved eager shares (after
-        the base optimizer's state is loaded: the live buffers of ``buffers="average"``).
+    def commit_load(self, loaded: LoadedFragment) -> None:
+        """Install a checked entry: its slow state, exchange state, eager shares and outer step
+        in flight (after the base optimizer's state is loaded: the live buffers of
+        ``buffers="average"``).
 
         Args:
-            in_flight: :meth:`prepare_load`'s result, or None.
-            shares: the saved eager shares of this fragment's parameters, or None.
+            loaded: :meth:`prepare_load`'s result.
         """
-        self.eager.load(shares)
+        self.slow_state.commit_load(loaded.slow_state)
+        self.exchange.load_state_dict(loaded.exchange)
+        self.eager.load(loaded.shares)
+        in_flight = loaded.in_flight
         if in_flight is not None and self.parts.config.buffers == "average":
             in_flight.state_live = averageable_buffers(self.parts.optimizer.state, self.keys())
         self.in_flight = in_flight
 
 
-def make_fragments(parts: OuterParts, split: list[list[int]]) -> list[Fragment]:
-    """The fragments of ``split``, each with its boundary in the period and its eager estimate.
+def make_outer_states(
+    comm: Communicator,
+    config: SlowMoConfig,
+    timer: PhaseTimer,
+    count: int,
+    levels: tuple[Hierarchy, bool] | None = None,
+) -> list[tuple[SlowState, Exchange]]:
+    """Each fragment's own slow state and exchange (built empty: a slow state takes its
+    fragment's parameters at its capture). Their background work shares one thread, so the
+    fragments' collectives run in one order on every worker.
+
+    Args:
+        comm: the communicator over all workers.
+        config: the optimizer's configuration.
+        timer: the optimizer's phase timer.
+        count: the number of fragments.
+        levels: with ``config.hierarchical``, the node and cross-node levels and whether a
+            node's ranks hold identical parameters (:func:`~hvd_slowmo.exchange.make_exchange`).
+
+    Raises:
+        ValueError, TypeError: the layout or exchange cannot run with ``config`` or ``comm``
+            (:func:`~hvd_slowmo.slow_state.make_slow_state`,
+            :func:`~hvd_slowmo.exchange.make_exchange`).
+    """
+    thread = CodecThread(comm.counter)
+    out = []
+    for _ in range(count):
+        slow_state = make_slow_state(comm, config, timer)
+        out.append((slow_state, make_exchange(comm, config, slow_state, levels, thread)))
+    return out
+
+
+def make_fragments(
+    parts: OuterParts, split: list[list[int]], owned: list[tuple[SlowState, Exchange]]
+) -> list[Fragment]:
+    """The fragments of ``split``, each with its boundary in the period and its own outer state.
 
     Args:
         parts: what every fragment works with.
         split: the parameter indices of each fragment (one list: the whole model).
+        owned: each fragment's slow state and exchange (:func:`make_outer_states`).
     """
     starts = boundaries(parts.config.tau, len(split))
     return [
@@ -541,9 +668,9 @@ def make_fragments(parts: OuterParts, split: list[list[int]]) -> list[Fragment]:
             members=members,
             boundary=starts[k],
             ends_period=k == len(split) - 1,
-            whole=len(split) == 1,
             parts=parts,
-            eager=make_estimate(parts.config, parts.comm, parts.slow_state, members),
+            slow_state=slow_state,
+            exchange=exchange,
         )
-        for k, members in enumerate(split)
+        for k, (members, (slow_state, exchange)) in enumerate(zip(split, owned))
     ]

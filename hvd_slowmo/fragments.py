@@ -29,11 +29,11 @@ first. Model buffers (BatchNorm statistics) travel with the last fragment, at th
 
 **Compressed exchange** (``codec=<name>``, :class:`hvd_slowmo.exchange.CompressedExchange`): a
 fragment's ``avg`` below is ``x0 - mean_c(x0 - s_i)`` over its own parameters and anchor tensors,
-``mean_c`` the compressed mean; the error-feedback residual is per element, so each fragment's
-average adds and updates only its own parameters' residual.
+``mean_c`` the compressed mean; each fragment's exchange keeps the error-feedback residual of its
+own parameters, which its next average adds.
 
 **Recurrences.** ``m`` workers; ``x_i`` worker ``i``'s parameters; for a fragment, ``x0`` and
-``u`` its anchor and slow buffer (per parameter, so each fragment's slow state is its own);
+``u`` its anchor and slow buffer (the fragment's own slow state);
 ``gamma`` each param group's lr at the fragment's boundary. At the fragment's boundary ``n``::
 
     s_i   = x_i(n)                           snapshot; avg = mean_i s_i starts in flight

@@ -42,24 +42,28 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 
 def _parts(opt: Any) -> dict[str, Iterable[Any]]:
-    slow = opt.slow_state
-    outer = slow.outer_optimizer.state if slow.outer_optimizer is not None else {}
-    in_flight = []
-    for f in opt.outer.fragments:
+    anchor, slow, residual, scratch, in_flight = [], [], [], [], []
+    for f in opt.outer.fragments:  # each fragment owns its part of every kind
+        state = f.slow_state
+        anchor.append(state.anchor)
+        slow.append(state.slow_buffer)
+        slow.append(state.outer_optimizer.state if state.outer_optimizer is not None else {})
+        residual.append(getattr(f.exchange, "residual", None))
+        average = getattr(f.exchange, "average", None)
+        scratch.append(average.scratch if average is not None else [])
         flight = f.in_flight
         if flight is not None:
             in_flight += [flight.sent, flight.snapshot, flight.extra_sent, flight.extra_snapshot]
             in_flight += [flight.state_sent, flight.state_snapshot]
-    average = getattr(opt.exchange, "average", None)
     return {
         "parameters": opt.params,
         "gradients": [p.grad for p in opt.params],
         "optimizer state": [opt.state],
-        "anchor": [slow.anchor],
-        "slow buffer": [slow.slow_buffer, outer],
-        "residual": [getattr(opt.exchange, "residual", None)],
+        "anchor": anchor,
+        "slow buffer": slow,
+        "residual": residual,
         "in flight": in_flight,
-        "codec scratch": [average.scratch if average is not None else []],
+        "codec scratch": scratch,
     }
 
 

@@ -27,8 +27,8 @@ from .comm.hierarchy import Hierarchy
 from .config import SlowMoConfig, check_same_everywhere, param_names, resolve_codec
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
-from .exchange import make_exchange
-from .fragment import OuterParts
+from .exchange import Exchange
+from .fragment import OuterParts, make_outer_states
 from .fragments import fragment_of, resolve_fragments
 from .islands import Islands, LocalViews, is_distributed_tensor
 from .merge import check_samples
@@ -36,7 +36,7 @@ from .outer_step import OuterLoop
 from .period import TimedPeriod
 from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
-from .slow_state import make_slow_state
+from .slow_state import SlowState
 from .state_format import STATE_FORMAT
 from .timing import PhaseTimer
 from .validation import check_base_optimizer
@@ -299,10 +299,14 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         #: the time spent at the boundary and waiting for it to land).
         self.timer = PhaseTimer(("base_comm", "average", "slow_update"))
         self.timings = self.timer.totals
-        self.slow_state = make_slow_state(self.comm, self.config, self.timer, split)
-        #: How the outer step averages a fragment's parameters (:mod:`hvd_slowmo.exchange`).
-        self.exchange = make_exchange(
-            self.comm, self.config, self.slow_state, self._levels(hierarchical, hierarchy, params)
+        members = [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)]
+        # Each fragment's own slow state and exchange, built (and refused) before any collective.
+        owned = make_outer_states(
+            self.comm,
+            self.config,
+            self.timer,
+            len(members),
+            self._levels(hierarchical, hierarchy, params),
         )
         if is_elastic_launch():
             # A worker that joins an elastic job later builds its optimizer alone while the others
@@ -319,15 +323,15 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             comm=self.comm,
             optimizer=optimizer,
             params=LocalViews(params),
+            names=self.param_names,
             model_buffers=self.model_buffers,
-            slow_state=self.slow_state,
-            exchange=self.exchange,
             timer=self.timer,
         )
         self.outer = OuterLoop(
             parts,
             lambda: self.config.base(base_comm, **self.config.base_options),
-            [[j for j, f in enumerate(split) if f == k] for k in range(self.config.fragments)],
+            members,
+            owned,
             clock,
         )
         self._watch_gradients(params)
@@ -369,6 +373,18 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
     def base(self) -> BaseAlgorithm:
         """The base algorithm (rebuilt after a change of workers)."""
         return self.outer.base
+
+    @property
+    def slow_states(self) -> list[SlowState]:
+        """Each fragment's slow state (its anchor and slow buffer or outer optimizer, over its
+        parameters: :attr:`hvd_slowmo.fragment.Fragment.members`), in period order."""
+        return [f.slow_state for f in self.outer.fragments]
+
+    @property
+    def exchanges(self) -> list[Exchange]:
+        """Each fragment's exchange (with what it keeps, such as a codec's residual over the
+        fragment's parameters), in period order."""
+        return [f.exchange for f in self.outer.fragments]
 
     @property
     def replica_spread(self) -> float | None:
@@ -417,7 +433,6 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         self.param_names.extend(
             f"group{len(self.param_groups) - 1}.param{i}" for i in range(len(new))
         )
-        self.slow_state.add_group_(self.param_groups)
         self.outer.add_params(new)
 
     @property
@@ -455,7 +470,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             # Horovod elastic re-initialized with other workers and skipped its state sync
             # (workers removed at a commit): nothing may communicate with the old world's layout.
             self.adopt_world("workers changed without an elastic state sync")
-        self.slow_state.capture_(self.param_groups)  # once, after hvd.broadcast_parameters
+        self.outer.capture_()  # once, after hvd.broadcast_parameters
         if not self._gradients_ready():
             self.skipped_steps += 1  # an overflow on some worker: every worker skips this step
             return loss

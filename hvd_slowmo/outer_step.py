@@ -9,10 +9,10 @@ that landed: :meth:`OuterLoop.restart`). Streaming
 period, one fragment in flight at a time; ``P = 1`` is the whole model, through the same code.
 
 Who owns what: each fragment's outer step is a :class:`~hvd_slowmo.fragment.Fragment` (its
-parameters, boundary, outer step in flight, eager estimate; the recurrence is documented there);
-the average goes through one :class:`~hvd_slowmo.exchange.Exchange`; :class:`OuterLoop` keeps
-the counters, says whose turn it is, and does what concerns the whole model (a skip, a restart,
-the saved state).
+parameters, boundary, outer step in flight, and its own outer state: slow state, exchange, eager
+estimate; the recurrence is documented there); :class:`OuterLoop` keeps the counters, says
+whose turn it is, and does what concerns the whole model (a skip, a restart, the saved state's
+envelope), asking each fragment for its part.
 """
 
 import logging
@@ -25,10 +25,11 @@ from torch import Tensor
 
 from .bases.base import BaseAlgorithm
 from .buffers import reset_buffers
-from .eager import check_shares
-from .fragment import Fragment, InFlight, OuterParts, make_fragments
+from .exchange import Exchange
+from .fragment import Fragment, InFlight, LoadedFragment, OuterParts, make_fragments
 from .period import TimedPeriod
-from .state_format import check_in_flight
+from .slow_state import SlowState
+from .state_format import Split
 
 __all__ = ["InFlight", "OuterLoop", "Position"]
 
@@ -60,19 +61,21 @@ class OuterLoop:
 
     Args:
         parts: what every fragment works with (configuration, communicator, optimizer,
-            parameters, model buffers, slow state, exchange, timer).
+            parameters, model buffers, timer).
         make_base: builds the base algorithm for the current workers (at construction and after
             every change of workers).
         split: the parameter indices of each fragment
-            (:func:`hvd_slowmo.fragments.fragment_of`); None: one fragment, the whole model.
+            (:func:`hvd_slowmo.fragments.fragment_of`).
+        owned: each fragment's own slow state and exchange
+            (:func:`hvd_slowmo.fragment.make_outer_states`).
         clock: the clock of time-based periods (``period_seconds``; default
             ``time.monotonic``).
 
     Attributes:
         position: the step counters (:class:`Position`).
-        fragments: the fragments (:class:`~hvd_slowmo.fragment.Fragment`), in period order.
+        fragments: the fragments (:class:`~hvd_slowmo.fragment.Fragment`), in period order,
+            each with its own slow state and exchange.
         base: the base algorithm.
-        exchange: the parameters' exchange (:mod:`hvd_slowmo.exchange`).
         samples: the samples this worker reported in total (``step(samples=n)``; one per base
             step by default), for a weighted merge.
         period: the time-based periods (:class:`~hvd_slowmo.period.TimedPeriod`), or None:
@@ -86,14 +89,14 @@ class OuterLoop:
         self,
         parts: OuterParts,
         make_base: Callable[[], BaseAlgorithm],
-        split: list[list[int]] | None = None,
+        split: list[list[int]],
+        owned: list[tuple[SlowState, Exchange]],
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.parts, self.config, self.comm = parts, parts.config, parts.comm
-        self.exchange = parts.exchange
         self._make_base = make_base
         self.position = Position(world=(self.comm.rank, self.comm.size))
-        self.fragments = make_fragments(parts, split or [list(range(len(parts.params)))])
+        self.fragments = make_fragments(parts, split, owned)
         self._at = {f.boundary: f for f in self.fragments}  # inner step -> whose boundary
         self.replica_spread: float | None = None
         self.samples = 0.0
@@ -135,12 +138,33 @@ class OuterLoop:
         """Parameters appended to the (single) fragment by ``add_param_group``.
 
         Args:
-            new: the new parameters (already appended to the parameter list).
+            new: the new parameters (already appended to the parameter list and param groups).
         """
         (whole,) = self.fragments  # config: add_param_group needs fragments=1
-        whole.members.extend(range(len(self.parts.params) - len(new), len(self.parts.params)))
-        whole.eager.extend(new)
+        whole.add_(new)
         self.base.attach(self.parts.params.keys)
+
+    def capture_(self) -> None:
+        """Each fragment's slow state takes its anchor, once (called at every step, after
+        ``hvd.broadcast_parameters``)."""
+        for f in self.fragments:
+            f.capture_()
+
+    @property
+    def captured(self) -> bool:
+        """Whether every fragment's anchor is captured (or loaded)."""
+        return all(f.slow_state.captured for f in self.fragments)
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether each rank holds a different part of the outer state (a sharded layout)."""
+        return any(f.slow_state.per_rank for f in self.fragments)
+
+    def split(self) -> Split:
+        """How this worker cuts its parameters into fragments, for a saved state's load."""
+        return Split(
+            [list(f.members) for f in self.fragments], [p.numel() for p in self.parts.params]
+        )
 
     # --- the schedule ----------------------------------------------------------------------
     def advance(self, samples: float = 1.0) -> None:
@@ -208,14 +232,13 @@ class OuterLoop:
         """The parameters become the anchor (identical on every worker); what the exchange
         kept is dropped with the steps since; ``reset`` also resets the base optimizer's
         buffers."""
-        params = self.parts.params
-        self.parts.slow_state.restore_([p.detach() for p in params])
-        self.exchange.reset()
+        for f in self.fragments:
+            f.restore_()
         for f in self.fragments:
             if f.work is not None:  # the next pseudo-gradients start here
                 f.work.restart(self.samples, self.position.num_steps)
         if reset:
-            reset_buffers(self.parts.optimizer.state, params.keys)
+            reset_buffers(self.parts.optimizer.state, self.parts.params.keys)
 
     def flush(self) -> None:
         """Land the outer steps in flight now, and mix gossip messages in flight. Collective."""
@@ -245,7 +268,7 @@ class OuterLoop:
             why: what changed the workers, for the log line and errors.
         """
         pos, tau = self.position, self.config.tau
-        self.parts.slow_state.check_world(pos.world, why)
+        self.fragments[0].slow_state.check_world(pos.world, why)  # the same layout in each
         old, pos.world = pos.world, (self.comm.rank, self.comm.size)
         back_to = max(self._anchor_offsets())  # relative to the current period's start
         for fragment in self.fragments:
@@ -254,7 +277,7 @@ class OuterLoop:
         if self.period is not None:  # its slots and plan follow the new ranks
             self.period.rank, self.period.size = self.comm.rank, self.comm.size
             self.period.begin()
-        captured = self.parts.slow_state.captured
+        captured = self.captured
         dropped = pos.inner_step - back_to
         # With several fragments the others are off their anchors even when nothing is dropped.
         if captured and (dropped > 0 or len(self.fragments) > 1):
@@ -309,9 +332,9 @@ class OuterLoop:
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The position, the outer step in flight (waits for its averages: collective), the
-        eager shares and the exchange's own state."""
-        pos, flight, shares = self.position, self.in_flight, self.eager_shares
+        """The position and each fragment's entry (its outer state; waits for an average in
+        flight: collective)."""
+        pos = self.position
         return {
             "position": {
                 "num_steps": pos.num_steps,
@@ -320,11 +343,7 @@ class OuterLoop:
                 # A state loaded by another number of workers restarts its outer step.
                 "world_size": self.comm.size,
             },
-            "in_flight": None
-            if flight is None
-            else {**flight.state_dict(), "fragments": len(self.fragments)},
-            "eager_shares": None if shares is None else dict(enumerate(shares)),
-            "exchange": self.exchange.state_dict(),
+            "fragments": [f.state_dict() for f in self.fragments],
             # Only with a weighted merge or time-based periods (older states lack them).
             **self._unequal_state(),
         }
@@ -364,57 +383,36 @@ class OuterLoop:
             self.period.load(period if isinstance(period, dict) else None)
 
     def prepare_load(
-        self, position: dict[str, Any], saved: Any, base_state: dict[str, Any]
-    ) -> InFlight | None:
-        """Check a saved outer step in flight against this model and configuration; changes
-        nothing. Its base optimizer buffers are bound by :meth:`commit_load`.
+        self, saved: dict[str, Any], base_state: dict[str, Any]
+    ) -> list[LoadedFragment]:
+        """Check each fragment's saved entry against this model and configuration; changes
+        nothing.
 
         Args:
-            position: the saved (checked) position.
-            saved: :meth:`InFlight.state_dict` output (current format), or None.
+            saved: the saved ``"slowmo"`` entry (current format, checked:
+                :func:`hvd_slowmo.state_format.check_saved_state`).
             base_state: the saved base optimizer's ``state_dict``.
 
         Raises:
-            ValueError: the entry does not belong to this model or configuration.
+            ValueError: an entry does not belong to this model or configuration.
         """
-        if saved is None:
-            return None
-        cfg, count = self.config, len(self.fragments)
-        fragment, land_at = check_in_flight(saved, position, cfg.tau, cfg.overlap, count)
-        return self.fragments[fragment].prepare_load(saved, land_at, base_state)
+        position = saved["position"]
+        return [
+            f.prepare_load(entry, position, base_state)
+            for f, entry in zip(self.fragments, saved["fragments"])
+        ]
 
-    def prepare_eager_shares(self, saved: Any) -> list[Tensor] | None:
-        """Check saved eager shares against this model (:func:`hvd_slowmo.eager.check_shares`);
-        changes nothing.
-
-        Args:
-            saved: the ``"eager_shares"`` entry of a saved state, or None.
-        """
-        return check_shares(saved, self.parts.params, self.config.estimate)
-
-    def commit_load(
-        self,
-        position: dict[str, Any],
-        in_flight: InFlight | None,
-        eager_shares: list[Tensor] | None = None,
-        exchange: dict[str, Any] | None = None,
-    ) -> None:
-        """Install a checked position, outer step in flight, eager shares and exchange state
-        (after the base optimizer's state is loaded, so the live buffers of
-        ``buffers="average"`` are bound here).
+    def commit_load(self, position: dict[str, Any], loaded: list[LoadedFragment]) -> None:
+        """Install a checked position and each fragment's checked entry (after the base
+        optimizer's state is loaded, so the live buffers of ``buffers="average"`` are bound
+        here).
 
         Args:
             position: the saved position.
-            in_flight: :meth:`prepare_load`'s result.
-            eager_shares: :meth:`prepare_eager_shares`'s result.
-            exchange: the saved ``"exchange"`` entry (the exchange takes what is its own).
+            loaded: :meth:`prepare_load`'s result.
         """
-        for f in self.fragments:
-            mine = None if in_flight is None or in_flight.fragment != f.index else in_flight
-            f.commit_load(
-                mine, None if eager_shares is None else [eager_shares[j] for j in f.members]
-            )
-        self.exchange.load_state_dict(exchange)
+        for f, mine in zip(self.fragments, loaded):
+            f.commit_load(mine)
         pos = self.position
         pos.num_steps = int(position["num_steps"])
         pos.inner_step = int(position["inner_step"])

@@ -12,7 +12,6 @@ from .comm.base import Communicator
 from .config import saved_config_changes
 from .outer_step import OuterLoop
 from .progress import outer_step_note
-from .slow_state import SlowState
 from .state_format import STATE_FORMAT, check_saved_state
 
 __all__ = ["SavedState"]
@@ -25,7 +24,6 @@ class SavedState:
 
     optimizer: torch.optim.Optimizer
     outer: OuterLoop
-    slow_state: SlowState
     comm: Communicator
     params: list[torch.Tensor]
     param_names: list[str]
@@ -47,9 +45,10 @@ class SavedState:
 
     def _state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly, keyed by parameter index (not tensor identity):
-        the base optimizer's ``state_dict``, the position (step counters), the slow state, an
-        outer step in flight, the exchange's own state (a codec's residual), the base
-        algorithm's own state and the configuration (layout: :mod:`hvd_slowmo.state_format`).
+        the base optimizer's ``state_dict``, the position (step counters), each fragment's entry
+        (its slow state, exchange state such as a codec's residual, outer step in flight and
+        eager shares), the base algorithm's own state and the configuration (layout:
+        :mod:`hvd_slowmo.state_format`).
         Tensors are references, as in torch's own ``state_dict``; ``torch.save`` copies them."""
         try:
             outer = self.outer.state_dict()  # waits for an average in flight: collective
@@ -68,7 +67,6 @@ class SavedState:
                 "config": self._settings(),
                 "num_params": len(self.params),
                 **outer,
-                "slow_state": self.slow_state.state_dict(),
                 "base_algorithm": self.base.state_dict(),
             },
         }
@@ -83,21 +81,14 @@ class SavedState:
         Raises:
             ValueError: a state from an unknown format version, another model, or configuration.
         """
-        s = check_saved_state(state_dict, len(self.params), self._inner_limit(state_dict))
+        s = check_saved_state(state_dict, self.outer.split(), self._inner_limit(state_dict))
         position = s["position"]
         changes = saved_config_changes(s.get("config"), self._settings())
-        loaded = self.slow_state.prepare_load(
-            s["slow_state"], self.param_groups, position, self.param_names
-        )
+        loaded = self.outer.prepare_load(s, state_dict["base_optimizer"])
         self.base.check_state_dict(s.get("base_algorithm", {}))
-        in_flight = self.outer.prepare_load(
-            position, s.get("in_flight"), state_dict["base_optimizer"]
-        )
-        shares = self.outer.prepare_eager_shares(s.get("eager_shares"))
         # All checks passed; the wrapped optimizer's own load checks group sizes before it mutates.
         self.optimizer.load_state_dict(state_dict["base_optimizer"])
-        self.slow_state.commit_load(loaded)
-        self.outer.commit_load(position, in_flight, shares, s.get("exchange"))
+        self.outer.commit_load(position, loaded)
         self.outer.load_unequal(s.get("work"), s.get("period"))
         self.base.load_state_dict(s.get("base_algorithm", {}))
         if changes:
@@ -134,7 +125,7 @@ class SavedState:
         Raises:
             ValueError: each rank holds its own part of the slow state (``shard_slow_state=True``).
         """
-        if self.slow_state.per_rank:
+        if self.outer.per_rank:
             raise ValueError(
                 "broadcast_optimizer_state: with shard_slow_state=True each rank holds its own "
                 "shard of the slow state; have every rank load the state it saved instead"

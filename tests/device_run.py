@@ -18,6 +18,7 @@ from torch import nn
 import hvd_slowmo
 
 from amp_run import mlp
+from helpers import anchor_of
 from reference import batch, lr_at, make_model
 
 #: Feature -> (DistributedOptimizer settings, float64 model). The float64 runs make a GPU-vs-CPU
@@ -132,7 +133,7 @@ def run_feature(
             with opt.skip_synchronize():
                 scaler.step(opt)
             scaler.update()
-        anchors.append(_cpu(opt.slow_state.anchor))
+        anchors.append(_cpu(anchor_of(opt)))
     opt.flush()
     opt.finish()
     return {

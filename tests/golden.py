@@ -49,7 +49,7 @@ from hvd_slowmo.comm.base import Communicator, PendingAverage, PendingExchange
 from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import run_threads
 
-from helpers import ForwardingCommunicator
+from helpers import ForwardingCommunicator, state_tensors_of
 from reference import batch, lr_at, make_model
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden_values.pt.xz")
@@ -109,7 +109,7 @@ def _snapshot(opt: DistributedOptimizer, model: nn.Module) -> Snapshot:
         for v in opt.optimizer.state.get(p, {}).values():
             if isinstance(v, Tensor):
                 tensors.append(v)
-    tensors += opt.slow_state.state_tensors()
+    tensors += state_tensors_of(opt)
     floats = [t.detach().cpu().reshape(-1).float() for t in tensors if t.is_floating_point()]
     weight = getattr(opt.base, "ps_weight", None)
     if weight is not None:

@@ -104,6 +104,51 @@ Build = Callable[[Communicator, nn.Module], Any]
 Train = Callable[[Any, nn.Module, int, int, int], None]
 
 
+def _by_parameter(opt: Any, per_fragment: Callable[[Any], Any]) -> list[Tensor] | None:
+    """One tensor per parameter, in the optimizer's order, from each fragment's own list
+    (``per_fragment(fragment)``, over its members); None where no fragment has any."""
+    lists = [(f.members, per_fragment(f)) for f in opt.outer.fragments]
+    if all(tensors is None for _, tensors in lists):
+        return None
+    out: list[Any] = [None] * len(opt.params)
+    for members, tensors in lists:
+        for j, t in zip(members, tensors or []):
+            out[j] = t
+    return out
+
+
+def anchor_of(opt: Any) -> list[Tensor] | None:
+    """Each parameter's anchor (the full layout), in the optimizer's order, from the fragments'
+    own slow states: the tensors themselves; None before the capture."""
+    return _by_parameter(opt, lambda f: f.slow_state.anchor)
+
+
+def slow_buffer_of(opt: Any) -> list[Tensor] | None:
+    """Each parameter's slow buffer (the full layout), as :func:`anchor_of`."""
+    return _by_parameter(opt, lambda f: f.slow_state.slow_buffer)
+
+
+def state_tensors_of(opt: Any) -> list[Tensor]:
+    """Every tensor of every fragment's slow state (any layout), fragment by fragment."""
+    return [t for s in opt.slow_states for t in s.state_tensors()]
+
+
+def residual_of(opt: Any) -> Tensor | None:
+    """The codec's error-feedback residual over every parameter in the optimizer's order,
+    joined from the fragments' exchanges (zero for a fragment without one yet); None where no
+    fragment has one."""
+    residuals = [getattr(e, "residual", None) for e in opt.exchanges]
+    if all(r is None for r in residuals):
+        return None
+    sizes = [p.numel() for p in opt.params]
+    out: list[Tensor] = [torch.zeros(n) for n in sizes]
+    for f, r in zip(opt.outer.fragments, residuals):
+        if r is not None:
+            for j, part in zip(f.members, r.split([sizes[j] for j in f.members])):
+                out[j] = part
+    return torch.cat(out)
+
+
 def save_states(m: int, build: Build, train: Train, stop: int) -> list[bytes]:
     """Train ``m`` thread workers ``stop`` steps; each rank's model and optimizer state, as
     ``torch.save`` wrote them.
@@ -207,7 +252,7 @@ def train_flushed(model: nn.Module, rank: int, communicator: Any = None, **optio
     train_steps(opt, model, rank, 0, 14)
     opt.flush()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    state.update({f"anchor.{i}": a.clone() for i, a in enumerate(opt.slow_state.anchor)})
+    state.update({f"anchor.{i}": a.clone() for i, a in enumerate(anchor_of(opt))})
     return state
 
 

@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import hvd_slowmo
 from hvd_slowmo.comm.torchdist import TorchDistCommunicator
 
+from helpers import state_tensors_of
+
 WIDTH = 256  # every row of every weight is one 256-value chunk of the codecs, sharded or not
 LAYERS = 3
 CASES = {
@@ -169,7 +171,7 @@ def run(
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
             {**rec, "final": final, "outer_steps": opt.outer_steps,
-             "state_bytes": opt_state_bytes(opt), "exchange": opt.exchange.name},
+             "state_bytes": opt_state_bytes(opt), "exchange": opt.exchanges[0].name},
             f,
         )  # fmt: skip
 
@@ -215,7 +217,7 @@ def record(opt, island_model, ref_opt, ref_model, peers, island, out: dict, step
         out["consensus"].append(max(float((a - b).abs().max()) for a, b in zip(whole, want)))
     # The anchor (and, right after an exact average, the parameters) of the ranks holding one
     # shard must be bitwise identical: the same average, the same arithmetic.
-    same = list(opt.slow_state.state_tensors())
+    same = list(state_tensors_of(opt))
     whole = opt.config.fragments == 1 and not opt.config.overlap
     if opt.inner_step == 0 and whole:
         same += [hvd_slowmo.islands.local(p) for p in island_model.parameters()]
@@ -250,7 +252,7 @@ def save(island_model, opt, ref_model, ref_opt, path: str) -> None:
 
 
 def opt_state_bytes(opt) -> int:
-    return sum(t.numel() * t.element_size() for t in opt.slow_state.state_tensors())
+    return sum(t.numel() * t.element_size() for t in state_tensors_of(opt))
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 
-from helpers import ForwardingCommunicator
+from helpers import ForwardingCommunicator, anchor_of
 from reference import loss_at, lr_at, make_model, params_of
 
 __all__ = ["SGD", "InFlight", "build", "run"]
@@ -48,7 +48,7 @@ def run(m, steps, models=None, **kwargs):
             opt.zero_grad()
             loss_at(model, comm.rank, k).backward()
             opt.step()
-            anchors.append([a.clone() for a in opt.slow_state.anchor or []])
+            anchors.append([a.clone() for a in anchor_of(opt) or []])
             params.append(params_of(model))
         return model, anchors, opt, params
 

@@ -8,6 +8,7 @@ import torch
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 
+from helpers import anchor_of, slow_buffer_of
 from reference import loss_at, make_model
 
 
@@ -146,8 +147,8 @@ def _snapshot(opt):
         (
             opt.inner_step,
             opt.num_steps,
-            opt.slow_state.anchor,
-            opt.slow_state.slow_buffer,
+            anchor_of(opt),
+            slow_buffer_of(opt),
             opt.optimizer.state_dict(),
         )
     )
@@ -174,9 +175,9 @@ def corrupt(state, case):
     elif case == "bigger-tau":
         s["slowmo"]["position"]["inner_step"] = 7
     elif case == "wrong-shape":
-        s["slowmo"]["slow_state"]["anchor"][0] = torch.zeros(9, 9)
+        s["slowmo"]["fragments"][0]["slow_state"]["anchor"][0] = torch.zeros(9, 9)
     elif case == "missing-anchor-entry":
-        del s["slowmo"]["slow_state"]["slow_buffer"][1]
+        del s["slowmo"]["fragments"][0]["slow_state"]["slow_buffer"][1]
     elif case == "base-groups":
         s["base_optimizer"]["param_groups"][0]["params"] = [0]
     return s

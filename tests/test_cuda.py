@@ -45,7 +45,7 @@ from device_run import (
     run_feature,
 )
 from device_run import STEPS as FEATURE_STEPS
-from helpers import SlowArrivals
+from helpers import SlowArrivals, anchor_of, slow_buffer_of
 from horovod_launch import ROOT, horovodrun, launch_env
 from reference import batch, loss_at, make_model
 from reference_overlap import reference_overlapped
@@ -203,7 +203,7 @@ def test_base_on_device_equals_cpu_run(base, device):
         )
         assert_same_run(got, want, exact=False)
     for r in got:
-        state = r["opt"].slow_state.anchor + r["opt"].slow_state.slow_buffer
+        state = anchor_of(r["opt"]) + slow_buffer_of(r["opt"])
         assert all(t.device.type == device for t in state), (
             "SlowMo state is not on the parameters' device"
         )
@@ -318,9 +318,7 @@ def test_channels_last_parameters(base, device):
         convs = [p for p in opt.param_groups[0]["params"] if p.dim() == 4]
         assert len(convs) == 2
         for t in convs + [
-            opt.slow_state.anchor[i]
-            for i, p in enumerate(opt.param_groups[0]["params"])
-            if p.dim() == 4
+            anchor_of(opt)[i] for i, p in enumerate(opt.param_groups[0]["params"]) if p.dim() == 4
         ]:
             assert t.is_contiguous(memory_format=cl) and not t.is_contiguous(), (
                 "lost the channels_last layout"

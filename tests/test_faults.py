@@ -20,7 +20,7 @@ from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.elastic import sync_optimizer
 
-from helpers import ForwardingCommunicator
+from helpers import ForwardingCommunicator, anchor_of, slow_buffer_of
 from horovod_launch import horovodrun_command, run_bounded
 from reference import loss_at, make_model, params_of
 
@@ -55,7 +55,9 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     path = tmp_path / "ckpt.pt"
     save_checkpoint({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     loaded = load_checkpoint(path)
-    assert torch.equal(loaded["opt"]["slowmo"]["slow_state"]["anchor"][0], opt.slow_state.anchor[0])
+    assert torch.equal(
+        loaded["opt"]["slowmo"]["fragments"][0]["slow_state"]["anchor"][0], anchor_of(opt)[0]
+    )
     assert loaded["opt"]["slowmo"]["position"]["world_size"] == 1
     good = path.read_bytes()
 
@@ -103,9 +105,8 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
         opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm))
         # Outer step at 3, then 1 inner step
         _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
-        return [a.clone() for a in opts[comm.rank].slow_state.anchor], opts[
-            comm.rank
-        ].slow_state.slow_buffer[0].clone()
+        opt = opts[comm.rank]
+        return [a.clone() for a in anchor_of(opt)], slow_buffer_of(opt)[0].clone()
 
     (anchor, slow0), *_ = run_threads(3, start)
     survivors = {0: 0, 1: 2}  # new rank -> old rank (old rank 1 died)
@@ -151,7 +152,7 @@ def test_elastic_sync_shrink_then_grow_restarts_from_the_anchor(caplog, monkeypa
             params_of(model),
             opt.num_steps,
             opt.outer_steps,
-            opt.slow_state.slow_buffer[0].clone(),
+            slow_buffer_of(opt)[0].clone(),
             opt.base.comm.size,
         )
 
@@ -178,7 +179,7 @@ def test_elastic_sync_rebuilds_the_gossip_graph(base):
     def start(comm):
         opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), base=base)
         _train(models[comm.rank], opts[comm.rank], comm.rank, 4)
-        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
+        return [a.clone() for a in anchor_of(opts[comm.rank])]
 
     anchor = run_threads(3, start)[0]
     survivors = {0: 0, 1: 2}
@@ -213,7 +214,7 @@ def test_world_change_without_sync_is_noticed_at_the_next_step(caplog):
         opts[comm.rank] = _opt(models[comm.rank], ForwardingCommunicator(comm), buffers="maintain")
         # Outer step at 3, then 2 inner steps
         _train(models[comm.rank], opts[comm.rank], comm.rank, 5)
-        return [a.clone() for a in opts[comm.rank].slow_state.anchor]
+        return [a.clone() for a in anchor_of(opts[comm.rank])]
 
     anchor = run_threads(3, start)[0]
 
@@ -271,7 +272,9 @@ def test_state_from_another_world_size(tmp_path):
         assert (inner, num_steps) == (0, 3)
         assert all(
             torch.equal(p, a)
-            for p, a in zip(params, state["slowmo"]["slow_state"]["anchor"].values())
+            for p, a in zip(
+                params, state["slowmo"]["fragments"][0]["slow_state"]["anchor"].values()
+            )
         )
 
 

@@ -90,7 +90,7 @@ def test_codec_across_nodes_matches_the_replay(codec, feedback):
         assert_close_models(model, want, atol=1e-6)
         # A test of the test: the flat compressed average lands elsewhere.
         assert not torch.equal(model[0].weight, other[0].weight)
-        saved = opt.state_dict()["slowmo"]["exchange"]
+        saved = opt.state_dict()["slowmo"]["fragments"][0]["exchange"]
         assert (saved is not None) == feedback
         if feedback:  # over this rank's shard of the model, not the whole of it
             start, end = chunk_bounds(sum(p.numel() for p in model.parameters()), LOCAL)[
@@ -128,7 +128,7 @@ def test_the_residual_resumes_bit_for_bit():
         return model
 
     def resumed_residual(opt):
-        assert opt.exchange.residual is not None  # its own residual was taken back
+        assert opt.exchanges[0].residual is not None  # its own residual was taken back
 
     want = run_threads(M, uninterrupted)
     got = resume_in_fresh_workers(M, build, train, stop=9, steps=14, check=resumed_residual)
@@ -152,7 +152,7 @@ def test_a_node_of_replicas_equals_the_flat_run():
             hierarchical=True,
             base="localsgd", tau=3, slow_lr=1.0, slow_momentum=0.6,
         )  # fmt: skip
-        assert opt.exchange.name == "hierarchical" and opt.exchange.replicated
+        assert opt.exchanges[0].name == "hierarchical" and opt.exchanges[0].replicated
         per_step = []
         for k in range(steps):
             opt.zero_grad()
@@ -231,11 +231,11 @@ def test_the_plain_average_in_two_levels_equals_the_flat_one(overlap):
     if overlap == 0:
         assert_bitwise_equal_across_ranks(got)
     else:  # each worker keeps its progress since the boundary: the anchors are the average's
-        anchors = [opt.slow_state.anchor for _, _, opt in got]
+        anchors = [opt.slow_states[0].anchor for _, _, opt in got]
         for rank in range(1, M):
             assert all(torch.equal(a, b) for a, b in zip(anchors[0], anchors[rank])), rank
-    assert all(opt.exchange.name == "hierarchical" for _, _, opt in got)
-    assert all((opt.exchange._thread is not None) == (overlap > 0) for _, _, opt in got)
+    assert all(opt.exchanges[0].name == "hierarchical" for _, _, opt in got)
+    assert all((opt.exchanges[0]._thread is not None) == (overlap > 0) for _, _, opt in got)
     want = run_slowmo(M, 13, PLAIN_SGD, **kwargs)
     for (a, _, _), (b, _, _) in zip(got, want):
         assert_close_models(a, b, atol=1e-6)

@@ -14,7 +14,7 @@ from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.config import SlowMoConfig, saved_config_changes
 from hvd_slowmo.slowmo import land_
 
-from helpers import assert_same_models, resume_in_fresh_workers
+from helpers import anchor_of, assert_same_models, resume_in_fresh_workers, slow_buffer_of
 from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of
 from streaming_harness import SGD, InFlight, build
@@ -54,8 +54,8 @@ def _run(m, steps, **kwargs):
             opt.zero_grad()
             loss_at(model, comm.rank, k).backward()
             opt.step()
-            anchors.append([a.clone() for a in opt.slow_state.anchor or []])
-            slows.append([u.clone() for u in opt.slow_state.slow_buffer or []])
+            anchors.append([a.clone() for a in anchor_of(opt) or []])
+            slows.append([u.clone() for u in slow_buffer_of(opt) or []])
             params.append(params_of(model))
         return model, opt, anchors, slows, params
 

@@ -12,11 +12,13 @@ from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from helpers import (
     PLAIN_SGD,
     SGD_NESTEROV,
+    anchor_of,
     assert_bitwise_equal_across_ranks,
     assert_close_models,
     assert_same_models,
     resume_in_fresh_workers,
     run_slowmo,
+    slow_buffer_of,
 )
 from reference import loss_at, lr_at, make_model, params_of, reference_allreduce, reference_slowmo
 from reference_overlap import reference_overlapped
@@ -111,7 +113,7 @@ def test_local_sgd_special_case():
     assert_bitwise_equal_across_ranks(results)
     for (model, _, opt), want in zip(results, ref):
         assert_close_models(model, want)
-        assert opt.slow_state.anchor is None and opt.slow_state.slow_buffer is None
+        assert anchor_of(opt) is None and slow_buffer_of(opt) is None
 
 
 def test_tau_one_is_large_batch_momentum_sgd():
@@ -264,10 +266,12 @@ def test_broadcast_optimizer_state_copies_rank0():
     (o0, before0), (o1, before1) = run_threads(2, worker)
     s0, s1 = o0.state_dict(), o1.state_dict()
     assert not torch.equal(
-        before0["slowmo"]["slow_state"]["anchor"][0], before1["slowmo"]["slow_state"]["anchor"][0]
+        before0["slowmo"]["fragments"][0]["slow_state"]["anchor"][0],
+        before1["slowmo"]["fragments"][0]["slow_state"]["anchor"][0],
     )
     assert torch.equal(
-        s1["slowmo"]["slow_state"]["anchor"][0], before0["slowmo"]["slow_state"]["anchor"][0]
+        s1["slowmo"]["fragments"][0]["slow_state"]["anchor"][0],
+        before0["slowmo"]["fragments"][0]["slow_state"]["anchor"][0],
     )
     b0, b1 = (s["base_optimizer"]["state"][0]["momentum_buffer"] for s in (s0, s1))
     assert not torch.equal(before1["base_optimizer"]["state"][0]["momentum_buffer"], b0)
@@ -357,7 +361,7 @@ def test_torch_optimizer_surface():
     opt.add_param_group({"params": [extra], "lr": 0.01})
     extra.grad = torch.ones(3)
     opt.step()  # the new parameter joins the outer step (anchor extended)
-    assert len(opt.slow_state.anchor) == len(opt.params) == len(list(model.parameters())) + 1
+    assert len(anchor_of(opt)) == len(opt.params) == len(list(model.parameters())) + 1
 
 
 def test_model_buffers_are_averaged():
@@ -516,7 +520,7 @@ def test_custom_outer_optimizer_on_unscaled_pseudo_gradient():
     for model, _, _ in results:
         for a, b in zip(model.parameters(), models[0].parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    sd = results[0][2].state_dict()["slowmo"]["slow_state"]["outer_optimizer"]
+    sd = results[0][2].state_dict()["slowmo"]["fragments"][0]["slow_state"]["outer_optimizer"]
     assert sd["state"][0]["momentum_buffer"].shape == anchor[0].shape
 
 
@@ -535,7 +539,7 @@ def test_custom_outer_optimizer_state_survives_resume():
         )
 
     def check(opt):
-        assert opt.slow_state.outer_optimizer.state  # the outer momentum came from the file
+        assert opt.slow_states[0].outer_optimizer.state  # the outer momentum came from the file
 
     resumed = resume_in_fresh_workers(1, build, _train_to, 5, 8, check)
     assert_same_models(resumed, [full[0][0]])

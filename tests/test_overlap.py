@@ -11,7 +11,7 @@ from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.base import PendingAverage
 from hvd_slowmo.comm.local import run_threads
 
-from helpers import ForwardingCommunicator, assert_same_models, resume_in_fresh_workers
+from helpers import ForwardingCommunicator, anchor_of, assert_same_models, resume_in_fresh_workers
 from helpers import train_steps as train
 from reference import loss_at, lr_at, make_model, params_of, reference_slowmo
 from reference_overlap import reference_overlapped
@@ -311,7 +311,7 @@ def test_nonfinite_skip_restarts_from_the_anchor_and_raise_names_the_rank():
             if k == 2 and comm.rank == 1:
                 next(model.parameters()).grad.fill_(float("nan"))
             if k == 3:
-                anchor = [a.clone() for a in opt.slow_state.anchor]
+                anchor = [a.clone() for a in anchor_of(opt)]
             opt.step()
         return params_of(model), anchor, opt.outer.in_flight
 
@@ -390,7 +390,7 @@ def test_change_of_workers_drops_the_average_in_flight_and_restarts_from_the_anc
         )
         train(opt, model, comm.rank, 0, 4)  # boundary at 3, lands at 5: in flight now
         assert opt.outer.in_flight is not None and opt.num_steps == 4
-        anchor = [a.clone() for a in opt.slow_state.anchor]
+        anchor = [a.clone() for a in anchor_of(opt)]
         opt.adopt_world("a test")
         assert opt.outer.in_flight is None
         assert (opt.num_steps, opt.inner_step, opt.outer_steps) == (0, 0, 0)

@@ -16,6 +16,8 @@ from torch.optim import SGD
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
 
+from helpers import anchor_of, slow_buffer_of
+
 BETA = 0.5
 
 
@@ -51,7 +53,7 @@ def step(model, opt, rank):
 
 
 def slow_buffers(opt):
-    return [float(u) for u in opt.slow_state.slow_buffer]
+    return [float(u) for u in slow_buffer_of(opt)]
 
 
 def test_restart_right_after_a_fragment_landed_drops_nothing_and_lands_nothing_twice():
@@ -74,7 +76,7 @@ def test_restart_right_after_a_fragment_landed_drops_nothing_and_lands_nothing_t
         opt.adopt_world("a test")
         assert (opt.num_steps, opt.inner_step, opt.outer_steps) == (9, 3, 1)
         # Every fragment is at its anchor, the same on every worker.
-        anchor = [float(a) for a in opt.slow_state.anchor]
+        anchor = [float(a) for a in anchor_of(opt)]
         assert [float(p.detach()) for p in model.parameters()] == anchor
         for n in range(10, 16):
             step(model, opt, comm.rank)
@@ -110,9 +112,7 @@ def test_restart_before_the_other_fragment_lands_goes_back_to_the_last_landing()
         assert slow_buffers(opt) == u
         opt.adopt_world("a test")
         assert (opt.num_steps, opt.inner_step, opt.outer_steps) == (6, 0, 1)
-        assert [float(p.detach()) for p in model.parameters()] == [
-            float(a) for a in opt.slow_state.anchor
-        ]
+        assert [float(p.detach()) for p in model.parameters()] == [float(a) for a in anchor_of(opt)]
         for _ in range(6):  # to step 12: fragment 0 lands at 10 on 7..9; 1 starts at 12
             step(model, opt, comm.rank)
         u[0] = BETA * u[0] + covered(range(7, 10))
@@ -178,7 +178,7 @@ def test_restart_with_reset_buffers_clears_the_momentum_of_the_dropped_steps():
         assert all(b.abs().sum() > 0 for b in before.values())  # there was momentum to drop
         assert (opt.num_steps, opt.inner_step) == (0, 0)
         assert all(p not in opt.optimizer.state for p in model.parameters())
-        anchor = [a.clone() for a in opt.slow_state.anchor]
+        anchor = [a.clone() for a in anchor_of(opt)]
         for p, a in zip(model.parameters(), anchor):
             assert torch.equal(p.detach(), a)
         for p in model.parameters():

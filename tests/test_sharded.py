@@ -15,7 +15,13 @@ from hvd_slowmo.comm.base import Communicator, shard_range, shard_sizes
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.slow_state.sharded import Bucket, ShardedSlowState, make_buckets
 
-from helpers import assert_same_models, resume_in_fresh_workers
+from helpers import (
+    anchor_of,
+    assert_same_models,
+    resume_in_fresh_workers,
+    slow_buffer_of,
+    state_tensors_of,
+)
 from reference import loss_at, lr_at, make_model, params_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -187,8 +193,9 @@ def test_sharded_equals_unsharded_bitwise(m, outer):
     # It trained.
     assert not torch.equal(sharded[0][1][-1][0], make_model().state_dict()["0.weight"])
     for _, _, opt in sharded:
-        assert isinstance(opt.slow_state, ShardedSlowState) and opt.slow_state.captured
-        assert all(a.dim() == 1 for a in opt.slow_state.anchor)  # shards of flat buckets
+        assert all(isinstance(s, ShardedSlowState) and s.captured for s in opt.slow_states)
+        # Shards of flat buckets
+        assert all(a.dim() == 1 for s in opt.slow_states for a in s.anchor)
 
 
 FRAGMENT_CASES = {  # m, fragments, overlap
@@ -210,11 +217,11 @@ def test_sharded_fragments_equal_unsharded_fragments_bitwise(case):
     # (Ranks differ at a period's end: the other fragments moved on since their averages.)
     assert_same_runs(sharded, plain)
     assert not torch.equal(sharded[0][1][0][0], sharded[1][1][0][0])  # it is not one replica
-    for _, _, opt in sharded:  # no bucket spans two fragments
-        split = opt.outer.fragments
-        assert len(opt.slow_state.buckets) >= fragments
-        for b in opt.slow_state.buckets:
-            assert len({next(f.index for f in split if j in f.members) for j in b.indices}) == 1
+    for _, _, opt in sharded:  # each fragment's own buckets cover its parameters once
+        assert len(opt.slow_states) == fragments
+        for f in opt.outer.fragments:
+            held = sorted(j for b in f.slow_state.buckets for j in b.indices)
+            assert held == list(range(len(f.members)))
 
 
 def test_sharded_sends_the_bytes_of_one_allreduce():
@@ -231,11 +238,8 @@ def test_slow_state_memory_is_two_over_m(m):
     plain = run(m, 3, tau=3, slow_lr=1.0, slow_momentum=0.5)
     model, _, opt = sharded[0]
     param_bytes = tensor_bytes(list(model.parameters()))
-    assert (
-        tensor_bytes(plain[0][2].slow_state.anchor + plain[0][2].slow_state.slow_buffer)
-        == 2 * param_bytes
-    )
-    per_rank = [tensor_bytes(o.slow_state.state_tensors()) for _, _, o in sharded]
+    assert tensor_bytes(anchor_of(plain[0][2]) + slow_buffer_of(plain[0][2])) == 2 * param_bytes
+    per_rank = [tensor_bytes(state_tensors_of(o)) for _, _, o in sharded]
     assert sum(per_rank) == 2 * param_bytes  # the shards tile the state: nothing kept twice
     numels = [sum(p.numel() for p in g["params"]) for g in opt.param_groups]
     ceil_bytes = 2 * 4 * sum(-(-n // m) for n in numels)  # float32; rounding up per bucket
@@ -251,7 +255,7 @@ def test_resume_sharded_mid_inner_loop_equals_uninterrupted(outer):
     full = run(m, steps, **kwargs)
 
     def check(opt):
-        assert opt.inner_step == stop % 3 and opt.slow_state.captured
+        assert opt.inner_step == stop % 3 and opt.outer.captured
 
     resumed = resume_in_fresh_workers(
         m, lambda comm, model: build(comm, model, **kwargs), train, stop, steps, check
@@ -300,14 +304,14 @@ def _try_load(m, shard, state_for_rank):
         snapshot = (
             opt.inner_step,
             opt.num_steps,
-            [t.clone() for t in opt.slow_state.state_tensors()],
+            [t.clone() for t in state_tensors_of(opt)],
         )
         try:
             opt.load_state_dict(state_for_rank(comm.rank))
             msg = ""
         except ValueError as e:
             msg = str(e)
-        after = (opt.inner_step, opt.num_steps, opt.slow_state.state_tensors())
+        after = (opt.inner_step, opt.num_steps, state_tensors_of(opt))
         unchanged = snapshot[:2] == after[:2] and all(
             torch.equal(a, b) for a, b in zip(snapshot[2], after[2])
         )

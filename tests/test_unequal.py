@@ -15,6 +15,7 @@ from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.merge import make_tally, read_tally
 from hvd_slowmo.period import TimedPeriod, parse_seconds, plan_steps
 
+from helpers import anchor_of
 from reference import loss_at, lr_at, make_model, params_of
 from streaming_harness import SGD
 
@@ -71,7 +72,7 @@ def run_unequal(costs, outer, samples=samples_of, **kwargs):
             before = opt.outer_steps
             opt.step(samples=None if samples is None else samples(rank, k))
             if opt.outer_steps > before:
-                anchors.append([a.clone() for a in opt.slow_state.anchor])
+                anchors.append([a.clone() for a in anchor_of(opt)])
                 params.append(params_of(model))
         opt.finish()
         return model, anchors, params, opt

@@ -6,15 +6,12 @@ Every worker holds the same anchor ``x0``; the workers average ``d_i = x0 - x_i`
 to ``x0 - mean(d)``. The codes then carry the progress of one outer step, whose size does not
 grow with the weights, instead of the weights themselves.
 
-With streaming (``fragments=P``, :mod:`hvd_slowmo.fragments`) each average covers one fragment's
-parameters, their pseudo-gradients from their own anchor tensors, concatenated in the
-optimizer's order. The residual is per element of the whole model, so each fragment's average
-adds, and updates, only its own parameters' residual, which carries into that fragment's next
-average; with one fragment this is today's single flat residual, bit for bit.
+With streaming (``fragments=P``, :mod:`hvd_slowmo.fragments`) each fragment owns one average
+over its parameters (concatenated in the optimizer's order, from their own anchor tensors), and
+so its own residual, which carries into that fragment's next average.
 """
 
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -48,15 +45,16 @@ class PseudoGradientAverage:
             feedback decays. The codec's own average is used
             (:func:`~hvd_slowmo.compression.means.mean_start`).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
+        thread: the codec thread to run on (one shared by every fragment's average keeps their
+            collectives in one order); None: a new one where the communicator allows it.
 
     Raises:
         TypeError, ValueError: an unknown codec, or ``comm`` without the collectives its
             average needs (:func:`~hvd_slowmo.compression.codecs.check_transport`).
 
     Attributes:
-        residual: this worker's error-feedback residual, flat float32 over all the model's
-            parameters in the optimizer's order (the same layout for any number of fragments),
-            or None (no error feedback, or nothing lost yet).
+        residual: this worker's error-feedback residual, flat float32 over the parameters it
+            averages (a fragment's), in order, or None (no error feedback, or nothing lost yet).
         thread: the :class:`~hvd_slowmo.compression.offload.CodecThread` that runs each
             average's codec work and collectives off the training thread, where the
             communicator allows it (``collectives_any_thread``); None: they run on the caller's
@@ -68,47 +66,39 @@ class PseudoGradientAverage:
         comm: Communicator,
         codec: "str | SparseCodec | Codec",
         error_feedback: bool,
+        thread: CodecThread | None = None,
     ) -> None:
         self.codec: Codec = as_codec(codec)
         check_transport(comm, codec)
         self.comm = comm
         self.error_feedback = error_feedback
         self.residual: Tensor | None = None
-        self.thread = CodecThread(comm.counter) if comm.collectives_any_thread else None
+        if comm.collectives_any_thread and thread is None:
+            thread = CodecThread(comm.counter)
+        self.thread = thread if comm.collectives_any_thread else None
         self._buffers: dict[tuple[str, int, torch.device], Tensor] = {}
 
     def start(
-        self,
-        params: Sequence[Tensor],
-        anchor: Sequence[Tensor],
-        name: str,
-        indices: Sequence[int] = (),
+        self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str
     ) -> PendingAverage:
         """Start the average; once the returned handle's ``wait()`` returns, every parameter
         holds ``anchor - mean(anchor - params)``, bitwise the same on every worker. Collective.
 
         Args:
             params: this worker's parameters (overwritten at ``wait()``, and read until then
-                on the codec thread: the caller must not change them before): all of the
-                model's, or those of ``indices``.
-            anchor: the anchor of every parameter of the model, one tensor each, identical on
-                every worker.
+                on the codec thread: the caller must not change them before).
+            anchor: their anchor, one tensor each, identical on every worker.
             name: a label for the collectives.
-            indices: which parameters ``params`` are (their positions in ``anchor``: one
-                fragment); empty: all of them, in order.
         """
-        params, anchor = list(params), list(anchor)
-        which = list(indices) or list(range(len(anchor)))
-        if len(params) != len(which) or not all(0 <= j < len(anchor) for j in which):
+        params, mine = list(params), list(anchor)
+        if len(params) != len(mine):
             raise ValueError(
-                f"PseudoGradientAverage: {len(params)} parameters for indices {which} of "
-                f"{len(anchor)} anchor tensors"
+                f"PseudoGradientAverage: {len(params)} parameters for {len(mine)} anchor tensors"
             )
         if not params:
             return PendingAverage()
-        mine = [anchor[j] for j in which]
         if self.thread is None or self.comm.size == 1:
-            pending = self._begin(params, mine, which, anchor, name)
+            pending = self._begin(params, mine, name)
             return PendingAverage(
                 lambda: _copy(params, self._land(pending, params, mine)), progress=pending.done
             )
@@ -116,36 +106,26 @@ class PseudoGradientAverage:
         # (the inputs, snapshots or this step's parameters, do not change until the wait).
         devices = {t.device for t in (*params, *mine) if t.is_cuda}
         job = self.thread.submit(
-            lambda: self._land(self._begin(params, mine, which, anchor, name), params, mine),
+            lambda: self._land(self._begin(params, mine, name), params, mine),
             devices,
         )
         return PendingAverage(lambda: _copy(params, job.wait()), progress=job.done)
 
-    def _begin(
-        self,
-        params: list[Tensor],
-        mine: list[Tensor],
-        which: list[int],
-        anchor: list[Tensor],
-        name: str,
-    ) -> PendingCodecMean:
+    def _begin(self, params: list[Tensor], mine: list[Tensor], name: str) -> PendingCodecMean:
         """The pseudo-gradient, its error feedback, and the codec's mean started."""
         flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
         for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
             torch.sub(a.float().reshape(-1), p.float().reshape(-1), out=part)
-        residual, segments = None, None
+        residual = None
         if self.error_feedback:
-            residual, segments = self._residual_of(which, anchor, flat.device)
+            if self.residual is None or tuple(self.residual.shape) != (flat.numel(),):
+                self.residual = torch.zeros_like(flat)
+            self.residual = residual = self.residual.to(flat.device)  # a loaded one: on the CPU
         # The sum's buffer is reused only where each mean is consumed before the next starts
         # (one job at a time on the codec thread); in flight on the training thread, two
         # fragments' means may coexist.
         offloaded = self.thread is not None and self.comm.size > 1
-        pending = self._mean_start(flat, name, residual, offloaded)
-        if residual is not None and segments is not None:  # a gathered copy: put it back
-            assert self.residual is not None
-            for (offset, size), part in zip(segments, residual.split([n for _, n in segments])):
-                self.residual.narrow(0, offset, size).copy_(part)
-        return pending
+        return self._mean_start(flat, name, residual, offloaded)
 
     @staticmethod
     def _land(pending: PendingCodecMean, params: list[Tensor], mine: list[Tensor]) -> list[Tensor]:
@@ -179,39 +159,15 @@ class PseudoGradientAverage:
             self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
         return self._buffers[key]
 
-    def _residual_of(
-        self, which: list[int], anchor: list[Tensor], device: torch.device
-    ) -> tuple[Tensor, list[tuple[int, int]] | None]:
-        """The residual of the parameters ``which`` (PendingMean updates it in place at its
-        start): a view of :attr:`residual` when they are consecutive (one fragment: all of
-        them), else a gathered copy with its ``(offset, size)`` segments, to be put back."""
-        sizes = [a.numel() for a in anchor]
-        if self.residual is None or tuple(self.residual.shape) != (sum(sizes),):
-            self.residual = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        self.residual = self.residual.to(device)  # a loaded one: on the CPU
-        offsets = [0, *accumulate(sizes)]
-        first, count = which[0], sum(sizes[j] for j in which)
-        if which == list(range(first, first + len(which))):
-            return self.residual.narrow(0, offsets[first], count), None
-        segments = [(offsets[j], sizes[j]) for j in which]
-        return torch.cat([self.residual.narrow(0, o, n) for o, n in segments]), segments
-
-    def average_(
-        self,
-        params: Sequence[Tensor],
-        anchor: Sequence[Tensor],
-        name: str,
-        indices: Sequence[int] = (),
-    ) -> None:
+    def average_(self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str) -> None:
         """:meth:`start` and wait. Collective.
 
         Args:
             params: as for :meth:`start`.
             anchor: as for :meth:`start`.
             name: as for :meth:`start`.
-            indices: as for :meth:`start`.
         """
-        self.start(params, anchor, name, indices).wait()
+        self.start(params, anchor, name).wait()
 
     def reset(self) -> None:
         """Forget the residual (a restart from the anchor: what it held was lost with the

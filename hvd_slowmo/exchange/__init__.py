@@ -3,10 +3,12 @@ their exact average. One interface (:class:`Exchange`: ``start(payload, exact) -
 one class per way: plain allreduce (:class:`PlainExchange`), compressed pseudo-gradients with
 any codec (:class:`CompressedExchange`), the sharded layout's reduce-scatter
 (:class:`ShardedExchange`), exact inside a node and sharded across nodes
-(:class:`HierarchicalExchange`). :func:`make_exchange` picks one from the configuration."""
+(:class:`HierarchicalExchange`). :func:`make_exchange` picks one from the configuration, for
+one fragment."""
 
 from ..comm.base import Communicator
 from ..comm.hierarchy import Hierarchy
+from ..compression.offload import CodecThread
 from ..config import SlowMoConfig
 from ..slow_state import ShardedSlowState, SlowState
 from .base import EXACT_AVERAGE, Exchange, Payload
@@ -32,16 +34,20 @@ def make_exchange(
     config: SlowMoConfig,
     slow_state: SlowState,
     levels: tuple[Hierarchy, bool] | None = None,
+    thread: CodecThread | None = None,
 ) -> Exchange:
-    """The exchange that ``config`` and the slow state's layout ask for, checked against the
-    features the configuration uses (:attr:`Exchange.unsupported`).
+    """One fragment's exchange, as ``config`` and its slow state's layout ask, checked against
+    the features the configuration uses (:attr:`Exchange.unsupported`).
 
     Args:
         comm: the communicator over all workers.
         config: the optimizer's configuration (``codec``, ``error_feedback``, ...).
-        slow_state: the slow state (a sharded layout brings its own exchange).
+        slow_state: the fragment's slow state (a sharded layout brings its own exchange).
         levels: with ``config.hierarchical``, the node and cross-node levels and whether a
             node's ranks hold identical parameters.
+        thread: the background thread every fragment's exchange shares (so their collectives
+            run in one order on every worker), or None: the exchange makes its own if it
+            needs one.
 
     Raises:
         ValueError: the exchange cannot run with a feature of ``config``, or ``comm`` lacks a
@@ -49,7 +55,7 @@ def make_exchange(
     """
     exchange: Exchange
     if isinstance(slow_state, ShardedSlowState):
-        exchange = ShardedExchange(comm, slow_state, config.overlap)
+        exchange = ShardedExchange(comm, slow_state, config.overlap, thread)
     elif config.hierarchical:
         assert levels is not None, "hierarchical=True needs the node and cross-node levels"
         hierarchy, replicated = levels
@@ -63,7 +69,7 @@ def make_exchange(
             config.overlap,
         )
     elif config.codec is not None:
-        exchange = CompressedExchange(comm, slow_state, config.codec, config.error_feedback)
+        exchange = CompressedExchange(comm, slow_state, config.codec, config.error_feedback, thread)
     else:
         exchange = PlainExchange(comm)
     type(exchange).check_supported(config.features())

@@ -1,17 +1,17 @@
 """The exchange of SlowMo's outer step (arXiv 1910.00643, Algorithm 1, line 6): how one
 fragment's parameters reach their exact average, behind one interface.
 
-The outer step hands an exchange one fragment's tensors (:class:`Payload`) at the fragment's
+Each fragment owns one exchange. The fragment hands it its tensors (:class:`Payload`) at its
 boundary and gets a handle back; once the handle's ``wait()`` returns, the payload's tensors
 hold their averages, bitwise the same on every worker. An exchange that keeps state between
-outer steps (a codec's error-feedback residual) owns it, saves it and forgets it on a restart.
+outer steps (a codec's error-feedback residual, over its fragment's parameters) owns it, saves
+it and forgets it on a restart.
 A new way to exchange (compressed, sparse, sharded, ...) is a new subclass, chosen by
 :func:`hvd_slowmo.exchange.make_exchange`; what it cannot run with is declared in
 :attr:`Exchange.unsupported` and refused at construction.
 """
 
 import abc
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,12 +30,11 @@ class Payload:
     """One fragment's tensors for one exact average (each averaged in place).
 
     Attributes:
-        params: the fragment's parameters (a snapshot of them, or the parameters themselves when
-            the outer step lands in its own step), numerators for push-sum bases.
+        params: the fragment's parameters, all of them in the optimizer's order (a snapshot of
+            them, or the parameters themselves when the outer step lands in its own step),
+            numerators for push-sum bases.
         extra: tensors averaged alongside as plain values (the model buffers, with the fragment
             that ends the period).
-        indices: the parameters' indices in the optimizer's order; empty: all of them, in order
-            (the one-fragment case).
         tally: this worker's float64 tally (:func:`hvd_slowmo.merge.make_tally`: its weight
             ``r_i`` first), averaged in place in the same collective, with ``params`` weighted
             by ``r_i`` (:func:`hvd_slowmo.merge.weighted_start`); None: the plain mean. An
@@ -44,12 +43,12 @@ class Payload:
 
     params: list[Tensor]
     extra: list[Tensor] = field(default_factory=list)
-    indices: Sequence[int] = ()
     tally: Tensor | None = None
 
 
 class Exchange(abc.ABC):
-    """How the outer step averages a fragment's parameters across workers.
+    """How the outer step averages one fragment's parameters across workers (one instance per
+    fragment).
 
     Args:
         comm: the communicator over all workers.
@@ -85,7 +84,8 @@ class Exchange(abc.ABC):
         return None  # nothing kept by default
 
     def state_dict(self) -> dict[str, Any] | None:
-        """What this exchange keeps between outer steps (None: nothing)."""
+        """What this exchange keeps between outer steps (None: nothing): its fragment's
+        ``"exchange"`` entry of the saved state."""
         return None
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:

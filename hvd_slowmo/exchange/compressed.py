@@ -11,6 +11,7 @@ from torch import Tensor
 from ..comm.base import Communicator, PendingAverage
 from ..compression.averager import PseudoGradientAverage
 from ..compression.codecs import Codec
+from ..compression.offload import CodecThread
 from ..compression.sparse import SparseCodec
 from ..slow_state import SlowState
 from .base import EXACT_AVERAGE, Payload
@@ -20,16 +21,18 @@ __all__ = ["CompressedExchange"]
 
 
 class CompressedExchange(PlainExchange):
-    """Pseudo-gradients through a codec, from the slow state's anchor.
+    """Pseudo-gradients through a codec, from the fragment's anchor.
 
     Args:
         comm: the communicator over all workers (with ``alltoall_flat``/``allgather_flat``
             for more than one worker).
-        slow_state: the slow state whose anchor the pseudo-gradients are measured from (a
-            layout with per-parameter views: the sharded one declares ``"codec"`` unsupported).
+        slow_state: the fragment's slow state, whose anchor the pseudo-gradients are measured
+            from (one tensor per parameter: the sharded layout declares ``"codec"`` unsupported).
         codec: a :class:`~hvd_slowmo.compression.codecs.Codec` or its spelling (a name of
             :data:`~hvd_slowmo.compression.codecs.CODECS`, ``"sparse"``).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
+        thread: the codec thread shared by every fragment's exchange (their collectives in one
+            order), or None.
 
     Raises:
         ValueError: ``comm`` has no all-to-all.
@@ -49,26 +52,26 @@ class CompressedExchange(PlainExchange):
         slow_state: SlowState,
         codec: "str | SparseCodec | Codec",
         error_feedback: bool,
+        thread: CodecThread | None = None,
     ) -> None:
         # PseudoGradientAverage refuses a transport without the collectives, before any state.
-        self.average = PseudoGradientAverage(comm, codec, error_feedback)
+        self.average = PseudoGradientAverage(comm, codec, error_feedback, thread)
         super().__init__(comm)
         self.slow_state = slow_state
 
     @property
     def residual(self) -> Tensor | None:
-        """This worker's error-feedback residual (flat float32 over every parameter), or None."""
+        """This worker's error-feedback residual (flat float32 over the fragment's parameters),
+        or None."""
         return self.average.residual
 
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
         if not exact or not payload.params:
             return super().start(payload, exact)
-        # The whole anchor: the residual is laid out over every parameter.
-        anchor = self.slow_state.view(range(len(self.slow_state.anchor or []))).anchor
+        anchor = self.slow_state.anchor
+        assert anchor is not None, "the anchor is captured at the first step"
         pending = [
-            self.average.start(
-                payload.params, anchor, "hvd_slowmo.compressed_average", payload.indices
-            ),
+            self.average.start(payload.params, anchor, "hvd_slowmo.compressed_average"),
             self.comm.average_start(payload.extra, name=EXACT_AVERAGE),
         ]
 

@@ -46,7 +46,8 @@ class HierarchicalExchange(PlainExchange):
     Args:
         comm: the communicator over every rank (the model buffers' plain average).
         hierarchy: this rank's node and its same-local-rank peers in the other nodes.
-        slow_state: the slow state whose anchor a codec's pseudo-gradients are measured from.
+        slow_state: the fragment's slow state, whose anchor a codec's pseudo-gradients are
+            measured from.
         codec: a codec or its spelling (:func:`~hvd_slowmo.compression.codecs.as_codec`), or
             None: the shards' plain average.
         error_feedback: keep this rank's residual over its shard (needs ``codec``).
@@ -111,9 +112,9 @@ class HierarchicalExchange(PlainExchange):
         flat = torch.cat([p.detach().float().reshape(-1) for p in params])
         anchor = None
         if self.codec is not None:
-            # The whole anchor, in the optimizer's order: the one-fragment case.
-            anchor = torch.cat([a.float().reshape(-1) for a in self.slow_state.view(
-                range(len(params))).anchor])  # fmt: skip
+            # The fragment's anchor, in the optimizer's order (fragments=1: the whole model).
+            assert self.slow_state.anchor is not None, "the anchor is captured at the first step"
+            anchor = torch.cat([a.float().reshape(-1) for a in self.slow_state.anchor])
             flat = torch.sub(anchor, flat)
         name = "hvd_slowmo.hierarchical_average"
         start, end = shard_range(flat.numel(), self.node.rank, self.node.size)

@@ -25,24 +25,32 @@ class ShardedExchange(Exchange):
 
     Args:
         comm: the communicator over all workers.
-        slow_state: the sharded slow state.
+        slow_state: the fragment's sharded slow state.
         overlap: the configuration's ``overlap``.
+        thread: the thread shared by every fragment's exchange (their collectives in one
+            order); None: a new one where it runs in the background.
     """
 
     name = "sharded"
     unsupported = ShardedSlowState.unsupported
 
-    def __init__(self, comm: Communicator, slow_state: ShardedSlowState, overlap: int = 0) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        slow_state: ShardedSlowState,
+        overlap: int = 0,
+        thread: CodecThread | None = None,
+    ) -> None:
         super().__init__(comm)
         self.slow_state = slow_state
         background = overlap >= 1 and comm.size > 1 and comm.collectives_any_thread
-        self._thread = CodecThread(comm.counter) if background else None
+        self._thread = (thread or CodecThread(comm.counter)) if background else None
 
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
         p = payload
 
         def reduce_scatter() -> None:
-            self.slow_state.average_(p.params, p.extra, exact, p.indices)
+            self.slow_state.average_(p.params, p.extra, exact)
 
         if self._thread is None:
             return PendingAverage(reduce_scatter, started=False)

@@ -1,13 +1,11 @@
 """SlowMo's slow state (arXiv 1910.00643, Algorithm 1, lines 6-8): the anchor ``x_{t,0}`` and the
-slow buffer ``u_t`` or an outer optimizer, kept whole on every worker (:mod:`.full`) or sharded
-across workers (:mod:`.sharded`), behind one interface (:mod:`.base`)."""
-
-from collections.abc import Sequence
+slow buffer ``u_t`` or an outer optimizer, of one fragment, kept whole on every worker
+(:mod:`.full`) or sharded across workers (:mod:`.sharded`), behind one interface (:mod:`.base`)."""
 
 from ..comm.base import Communicator
 from ..config import SlowMoConfig
 from ..timing import PhaseTimer
-from .base import LoadedSlowState, SlowState, SlowView
+from .base import LoadedSlowState, SlowState
 from .full import FullSlowState
 from .sharded import ShardedSlowState
 
@@ -16,21 +14,18 @@ __all__ = [
     "LoadedSlowState",
     "ShardedSlowState",
     "SlowState",
-    "SlowView",
     "make_slow_state",
 ]
 
 
-def make_slow_state(
-    comm: Communicator, config: SlowMoConfig, timer: PhaseTimer, split: Sequence[int] | None = None
-) -> SlowState:
-    """The slow state that ``config`` asks for (``shard_slow_state``), over ``comm``.
+def make_slow_state(comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> SlowState:
+    """One fragment's slow state, of the layout ``config`` asks for (``shard_slow_state``), over
+    ``comm`` (it takes the fragment's parameters at its capture).
 
     Args:
         comm: the communicator of the exact average.
         config: the optimizer's configuration.
         timer: the optimizer's phase timer (a layout books its collectives to ``"average"``).
-        split: each parameter's fragment (:func:`hvd_slowmo.fragments.fragment_of`); None: one.
 
     Raises:
         ValueError: the layout cannot run with a feature of ``config`` (its ``unsupported``).
@@ -38,6 +33,6 @@ def make_slow_state(
     """
     if config.shard_slow_state:
         ShardedSlowState.check_supported(config.features())
-        return ShardedSlowState(comm, config, timer, split)
+        return ShardedSlowState(comm, config, timer)
     FullSlowState.check_supported(config.features())
     return FullSlowState(comm, config, timer)

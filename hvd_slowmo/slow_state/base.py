@@ -2,20 +2,23 @@
 interface, and the slow update written once for every layout.
 
 The slow state is the anchor ``x_{t,0}`` and either the slow buffer ``u_t`` (heavy-ball or
-Nesterov slow momentum) or a custom outer optimizer over the anchor. A layout decides how the
-anchor is stored: one tensor per parameter on every worker (:class:`~.full.FullSlowState`) or
-one shard per bucket of parameters on each worker (:class:`~.sharded.ShardedSlowState`). The
+Nesterov slow momentum) or a custom outer optimizer over the anchor. Each fragment
+(:class:`hvd_slowmo.fragment.Fragment`) owns one slow state over its own parameters; the
+whole model is the one-fragment case. A layout decides how the anchor is stored: one tensor
+per parameter on every worker (:class:`~.full.FullSlowState`) or one shard per bucket of
+parameters on each worker (:class:`~.sharded.ShardedSlowState`). The
 slow update is per element, so it is the same arithmetic over either layout: this module holds
 it, the layouts only say which tensors hold the anchor and how the exact average reaches them.
 
-The optimizer drives a slow state in this order, and never asks which layout it has::
+Its fragment drives a slow state in this order, and never asks which layout it has (``params``
+are always the fragment's parameters, in the optimizer's order)::
 
-    capture_(param_groups)            at every step (does nothing once captured)
-    every tau steps:  (the exchange averages params: :mod:`hvd_slowmo.exchange`)
+    capture_(params, groups)          at every step until captured
+    at the fragment's outer step:  (its exchange averages params: :mod:`hvd_slowmo.exchange`)
                       update_(params, param_groups)    the slow update; params <- new anchor
-    view(indices)                     one fragment's anchor and slow buffer (eager, codecs)
+    anchor, slow_buffer               read by the eager estimate and the compressed exchange
     restore_(params)                  a skipped outer step (non-finite) or a change of workers
-    add_group_(param_groups)          after add_param_group
+    add_(params, groups)              after add_param_group (one fragment)
     state_dict() / prepare_load(...) / commit_load(...)
 
 Each layout owns the keys of its saved state (``state_dict()["layout"]`` names it), and
@@ -36,23 +39,9 @@ from ..config import SlowMoConfig
 from ..slowmo import slow_momentum_step_
 from ..timing import PhaseTimer
 
-__all__ = ["LoadedSlowState", "SlowState", "SlowView"]
+__all__ = ["LoadedSlowState", "SlowState"]
 
 ParamGroups = Sequence[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class SlowView:
-    """One fragment's share of the slow state (:meth:`SlowState.view`): the tensors themselves.
-
-    Attributes:
-        anchor: ``x0`` of each parameter of the fragment.
-        slow_buffer: ``u`` of each, or None (no slow buffer: a custom outer optimizer or no
-            slow update).
-    """
-
-    anchor: list[Tensor]
-    slow_buffer: list[Tensor] | None
 
 
 @dataclass
@@ -75,7 +64,8 @@ class LoadedSlowState:
 
 
 class SlowState(abc.ABC):
-    """The anchor and slow buffer (or outer optimizer) of one worker, and the slow update.
+    """The anchor and slow buffer (or outer optimizer) of one fragment on one worker, and the
+    slow update. Its methods act on everything it holds: the fragment's parameters.
 
     Args:
         comm: the communicator of the exact average.
@@ -84,10 +74,12 @@ class SlowState(abc.ABC):
             booked to ``"average"``.
 
     Attributes:
-        anchor: the anchor tensors (per parameter, or this rank's shards); None until captured.
+        anchor: the anchor tensors (per parameter of the fragment, or this rank's shards); None
+            until captured.
         slow_buffer: ``u``, one tensor per anchor tensor; None with a custom outer optimizer or
             without a slow update.
-        outer_optimizer: the custom outer optimizer over the anchor tensors, or None.
+        outer_optimizer: the custom outer optimizer over this fragment's anchor tensors (one
+            per fragment), or None.
         per_rank: each rank holds a different part of the state (it cannot be broadcast from
             one rank, nor loaded into a job of another size).
     """
@@ -118,50 +110,35 @@ class SlowState(abc.ABC):
 
     # --- what a layout implements ----------------------------------------------------------
     @abc.abstractmethod
-    def capture_(self, param_groups: ParamGroups) -> None:
-        """Take the anchor from the current parameters, once (called at every step, after
-        ``hvd.broadcast_parameters``, so every rank's anchor is of the same vector).
+    def capture_(self, params: list[Tensor], groups: list[int]) -> None:
+        """Take the anchor from the fragment's current parameters, once (called at every step
+        until captured, after ``hvd.broadcast_parameters``, so every rank's anchor is of the
+        same vector).
 
         Args:
-            param_groups: the optimizer's param groups.
+            params: the fragment's parameters (local tensors, detached), in the optimizer's
+                order.
+            groups: the param group of each.
         """
 
     @abc.abstractmethod
-    def add_group_(self, param_groups: ParamGroups) -> None:
-        """Extend a captured state after ``add_param_group`` (the new group's anchor: its values).
+    def add_(self, params: list[Tensor], groups: list[int]) -> None:
+        """Extend a captured state with the parameters ``add_param_group`` added to the
+        fragment (their anchor: their values).
 
         Args:
-            param_groups: the optimizer's param groups, the new one last.
+            params: the fragment's parameters (local tensors, detached), the new ones last.
+            groups: the param group of each (the new ones': the new, last group).
         """
 
     @abc.abstractmethod
-    def update_(
-        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
-    ) -> None:
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         """The slow update after the exact average; ``params`` hold the new anchor on return.
 
         Args:
-            params: the averaged parameters (detached): all of them in the optimizer's order,
-                or those of ``indices``.
+            params: the fragment's averaged parameters (detached), in the optimizer's order.
             param_groups: the optimizer's param groups (their ``lr`` at the outer step).
-            indices: which parameters ``params`` are (one fragment of several,
-                :mod:`hvd_slowmo.fragments`); empty for all. Only a layout that supports
-                fragments (:attr:`unsupported`) is given indices.
         """
-
-    def view(self, indices: Sequence[int]) -> SlowView:
-        """The anchor and slow buffer of the parameters ``indices`` (one fragment), as the
-        tensors themselves (an in-place change is a change of the state). Only a layout whose
-        anchor is kept per parameter has views (:attr:`unsupported` declares ``"eager"`` and
-        ``"codec"`` otherwise).
-
-        Args:
-            indices: parameter indices in the optimizer's order.
-
-        Raises:
-            RuntimeError: the layout keeps no per-parameter anchor, or none is captured.
-        """
-        raise RuntimeError(f"the {self.layout} layout has no per-parameter view of its anchor")
 
     @classmethod
     def check_supported(cls, features: dict[str, str]) -> None:
@@ -186,30 +163,32 @@ class SlowState(abc.ABC):
         """Overwrite ``params`` with the anchor (collective for a sharded layout).
 
         Args:
-            params: the parameters (detached), in the optimizer's order.
+            params: the fragment's parameters (detached), in the optimizer's order.
         """
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """This layout's saved state: ``{"layout": self.layout, ...its own keys}`` (the
-        optimizer's ``state_dict()["slowmo"]["slow_state"]``)."""
+        fragment's entry of the optimizer's ``state_dict()["slowmo"]["fragments"]``)."""
 
     @abc.abstractmethod
     def prepare_load(
         self,
         saved: dict[str, Any],
-        param_groups: ParamGroups,
+        params: list[Tensor],
+        groups: list[int],
         position: dict[str, Any],
         names: list[str],
     ) -> LoadedSlowState:
-        """Check a saved state against this rank and model; changes nothing, so the caller can
-        still fail atomically.
+        """Check a saved state against this rank and fragment; changes nothing, so the caller
+        can still fail atomically.
 
         Args:
-            saved: the ``"slow_state"`` entry of a saved optimizer state.
-            param_groups: this optimizer's param groups.
+            saved: the ``"slow_state"`` entry of the fragment's saved entry.
+            params: the fragment's parameters (local tensors, detached).
+            groups: the param group of each.
             position: the saved step counters (``inner_step``, ``world_size``, ...).
-            names: the parameters' names, for messages.
+            names: the fragment's parameters' names, for messages.
 
         Raises:
             ValueError: a state from another layout, world, model or configuration.
@@ -254,7 +233,7 @@ class SlowState(abc.ABC):
             self.slow_buffer = [torch.zeros_like(a) for a in anchor]
 
     def _extend(self, anchor: list[Tensor], group: int) -> None:
-        """Append a new param group's anchor tensors (their slow buffer starts at zero)."""
+        """Append anchor tensors of a new param group (their slow buffer starts at zero)."""
         assert self.anchor is not None
         self.anchor.extend(anchor)
         self._groups.extend([group] * len(anchor))
@@ -275,15 +254,11 @@ class SlowState(abc.ABC):
         return opt
 
     @torch.no_grad()
-    def _slow_update_(
-        self, averages: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
-    ) -> None:
-        """The slow update of anchor tensors from their exact averages (one per anchor tensor,
-        or per index in ``indices``: one fragment); on return the anchor and ``averages`` both
-        hold the new anchor."""
+    def _slow_update_(self, averages: list[Tensor], param_groups: ParamGroups) -> None:
+        """The slow update of the anchor tensors from their exact averages (one per anchor
+        tensor); on return the anchor and ``averages`` both hold the new anchor."""
         assert self.anchor is not None, "the anchor is captured at the first step"
-        which = list(indices) or list(range(len(self.anchor)))
-        anchors = [self.anchor[i] for i in which]
+        anchors = self.anchor
         if self.outer_optimizer is not None:
             for a, x in zip(anchors, averages):
                 a.grad = a - x  # the unscaled pseudo-gradient
@@ -297,7 +272,7 @@ class SlowState(abc.ABC):
             return
         cfg = self.config
         for g, group in enumerate(param_groups):
-            idx = [k for k, i in enumerate(which) if self._groups[i] == g]
+            idx = [k for k, group_of in enumerate(self._groups) if group_of == g]
             if not idx:
                 continue
             anchor = [anchors[k] for k in idx]
@@ -318,7 +293,7 @@ class SlowState(abc.ABC):
             slow_momentum_step_(
                 avg,
                 anchor,
-                [self.slow_buffer[which[k]] for k in idx],
+                [self.slow_buffer[k] for k in idx],
                 lr,
                 cfg.slow_lr,
                 cfg.slow_momentum,

@@ -1,33 +1,22 @@
-"""The full slow state: every worker keeps the whole anchor ``x_{t,0}`` and slow buffer ``u_t``,
-one tensor per parameter (arXiv 1910.00643, Algorithm 1). Any exchange averages the parameters
-(:mod:`hvd_slowmo.exchange`: plain or compressed); the slow update then runs on every worker
-alike, over the whole model or one fragment's parameters (:meth:`FullSlowState.view`).
+"""The full slow state: every worker keeps its fragment's whole anchor ``x_{t,0}`` and slow
+buffer ``u_t``, one tensor per parameter (arXiv 1910.00643, Algorithm 1). Any exchange averages
+the parameters (:mod:`hvd_slowmo.exchange`: plain or compressed); the slow update then runs on
+every worker alike, over the fragment's parameters.
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..islands import local
-from .base import LoadedSlowState, ParamGroups, SlowState, SlowView
+from .base import LoadedSlowState, ParamGroups, SlowState
 
 __all__ = ["FullSlowState"]
 
 
-def _flat_params(param_groups: ParamGroups) -> tuple[list[Tensor], list[int]]:
-    """The parameters (detached) in the optimizer's order, and the param group of each."""
-    params: list[Tensor] = []
-    groups: list[int] = []
-    for g, group in enumerate(param_groups):
-        params.extend(local(p).detach() for p in group["params"])
-        groups.extend([g] * len(group["params"]))
-    return params, groups
-
-
 class FullSlowState(SlowState):
-    """Anchor and slow buffer (or outer optimizer) over whole parameters, on every worker.
+    """Anchor and slow buffer (or outer optimizer) over a fragment's whole parameters, on every
+    worker.
 
     With the slow update disabled (``slow_lr=1, slow_momentum=0``) an anchor is kept only for
     ``nonfinite="skip"``; otherwise nothing is kept and the outer step is the exact average.
@@ -42,39 +31,24 @@ class FullSlowState(SlowState):
     setting, alternative = "shard_slow_state=False", "shard_slow_state=True"
 
     @torch.no_grad()
-    def capture_(self, param_groups: ParamGroups) -> None:
+    def capture_(self, params: list[Tensor], groups: list[int]) -> None:
         if self.captured or not self.config.keeps_anchor:
             return
-        params, groups = _flat_params(param_groups)
         self._start([p.clone() for p in params], groups)
 
     @torch.no_grad()
-    def add_group_(self, param_groups: ParamGroups) -> None:
-        if self.captured:
-            self._extend(
-                [local(p).detach().clone() for p in param_groups[-1]["params"]],
-                len(param_groups) - 1,
-            )
+    def add_(self, params: list[Tensor], groups: list[int]) -> None:
+        if self.anchor is not None:
+            self._extend([p.clone() for p in params[len(self.anchor) :]], groups[-1])
 
-    def update_(
-        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
-    ) -> None:
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         if self.captured:  # params are the averages: updated in place
-            self._slow_update_(params, param_groups, indices)
+            self._slow_update_(params, param_groups)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
         assert self.anchor is not None, "restore_ needs a captured anchor"
         torch._foreach_copy_(params, self.anchor)
-
-    def view(self, indices: Sequence[int]) -> SlowView:
-        if self.anchor is None:
-            raise RuntimeError("the slow state's anchor is not captured yet")
-        slow = self.slow_buffer
-        return SlowView(
-            anchor=[self.anchor[j] for j in indices],
-            slow_buffer=None if slow is None else [slow[j] for j in indices],
-        )
 
     def check_world(self, old_world: tuple[int, int], why: str) -> None:
         pass  # the whole state is the same on every worker: any of them can go on with it
@@ -91,7 +65,8 @@ class FullSlowState(SlowState):
     def prepare_load(
         self,
         saved: dict[str, Any],
-        param_groups: ParamGroups,
+        params: list[Tensor],
+        groups: list[int],
         position: dict[str, Any],
         names: list[str],
     ) -> LoadedSlowState:
@@ -100,7 +75,6 @@ class FullSlowState(SlowState):
                 f"load_state_dict: the slow state was saved with layout {saved.get('layout')!r} "
                 "(shard_slow_state=True); load it with shard_slow_state=True"
             )
-        params, groups = _flat_params(param_groups)
         anchor = self._load_tensors(saved, "anchor", params, names)
         buffer = self._load_tensors(saved, "slow_buffer", params, names)
         inner_step = position["inner_step"]
@@ -125,7 +99,7 @@ class FullSlowState(SlowState):
             anchor=anchor,
             slow_buffer=slow,
             outer_optimizer=outer,
-            groups=groups,
+            groups=list(groups),
         )
 
     @staticmethod
@@ -137,7 +111,8 @@ class FullSlowState(SlowState):
             return None
         if not isinstance(tensors, dict) or set(tensors) != set(range(len(params))):
             raise ValueError(
-                f"load_state_dict: '{key}' does not cover parameters 0..{len(params) - 1}"
+                f"load_state_dict: '{key}' does not cover the fragment's parameters "
+                f"0..{len(params) - 1}"
             )
         for i, p in enumerate(params):
             if not isinstance(tensors[i], Tensor) or tuple(tensors[i].shape) != tuple(p.shape):

@@ -18,14 +18,15 @@ transport's buffers (Horovod's alltoall receive buffer, or its reducescatter fus
 the parameters' size) and the gathered anchor (the parameters' size), so the peak is about 2x the
 parameters above the persistent state for a moment; the persistent state is ``2/m`` x.
 
-With streaming (``fragments=P``) the buckets are cut by fragment as well, so a fragment's outer
-step reduce-scatters, updates and all-gathers its own buckets only.
+With streaming (``fragments=P``) each fragment owns one sharded slow state over its own
+parameters, so a fragment's outer step reduce-scatters, updates and all-gathers its own buckets
+only.
 
 Shards follow Horovod 0.28.1's reducescatter split (:func:`hvd_slowmo.comm.base.shard_range`):
 ``n // m`` elements each, and one more for ranks ``0 .. n % m - 1``.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -34,7 +35,6 @@ from torch import Tensor
 
 from ..comm.base import Communicator, shard_range
 from ..config import SlowMoConfig
-from ..islands import local
 from ..timing import PhaseTimer
 from .base import LoadedSlowState, ParamGroups, SlowState
 
@@ -47,7 +47,8 @@ class Bucket:
 
     Attributes:
         group: the param group's index (its ``lr`` scales the slow update).
-        indices: the parameters' indices in the optimizer's flat parameter order.
+        indices: the parameters' positions in the fragment (its parameters in the
+            optimizer's order).
         numel: total elements of the flat vector.
         start: this rank's shard start in the flat vector.
         end: this rank's shard end (exclusive).
@@ -60,30 +61,24 @@ class Bucket:
     end: int
 
 
-def make_buckets(
-    groups: Sequence[Sequence[Tensor]],
-    rank: int,
-    size: int,
-    fragment_of: Sequence[int] | None = None,
-) -> list[Bucket]:
-    """Partition parameters into buckets (per group, then per fragment, dtype and device, in
+def make_buckets(groups: Sequence[Sequence[Tensor]], rank: int, size: int) -> list[Bucket]:
+    """Partition a fragment's parameters into buckets (per group, then per dtype and device, in
     order of first appearance) and give each this rank's shard range. Pure: reads only shapes,
     dtypes, devices.
 
     Args:
-        groups: the parameters of each param group, in the optimizer's order.
+        groups: the fragment's parameters of each param group (empty for a group without any),
+            in the optimizer's order.
         rank: this rank.
         size: the number of ranks.
-        fragment_of: each parameter's fragment (:func:`hvd_slowmo.fragments.fragment_of`), so
-            a bucket never spans two fragments; None: one fragment.
     """
     buckets: list[Bucket] = []
     index = 0
     for g, params in enumerate(groups):
-        by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
-        numel: dict[tuple[int, torch.dtype, torch.device], int] = {}
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        numel: dict[tuple[torch.dtype, torch.device], int] = {}
         for p in params:
-            key = (0 if fragment_of is None else fragment_of[index], p.dtype, p.device)
+            key = (p.dtype, p.device)
             by_kind.setdefault(key, []).append(index)
             numel[key] = numel.get(key, 0) + p.numel()
             index += 1
@@ -93,27 +88,27 @@ def make_buckets(
     return buckets
 
 
-#: Parameters by index: all of them (a list) or one fragment's (a dict).
-Indexed = Sequence[Tensor] | Mapping[int, Tensor]
-
-
-def _flatten(params: Indexed, bucket: Bucket) -> Tensor:
+def _flatten(params: Sequence[Tensor], bucket: Bucket) -> Tensor:
     return torch.cat([params[i].reshape(-1) for i in bucket.indices])
 
 
-def _unflatten_into_(params: Indexed, bucket: Bucket, flat: Tensor) -> None:
+def _unflatten_into_(params: Sequence[Tensor], bucket: Bucket, flat: Tensor) -> None:
     targets = [params[i] for i in bucket.indices]
     pieces = torch.split(flat, [t.numel() for t in targets])
     torch._foreach_copy_(targets, [piece.view(t.shape) for piece, t in zip(pieces, targets)])
 
 
-def _params(param_groups: ParamGroups) -> list[Tensor]:
-    return [local(p).detach() for g in param_groups for p in g["params"]]
+def _by_group(params: list[Tensor], groups: list[int]) -> list[list[Tensor]]:
+    """The parameters of each param group, up to the last group with any."""
+    out: list[list[Tensor]] = [[] for _ in range(max(groups, default=-1) + 1)]
+    for p, g in zip(params, groups):
+        out[g].append(p)
+    return out
 
 
 class ShardedSlowState(SlowState):
-    """This rank's shards of the anchor and slow state (one shard per bucket), and the sharded
-    outer step.
+    """This rank's shards of a fragment's anchor and slow state (one shard per bucket), and the
+    sharded outer step.
 
     A custom outer optimizer is built over the anchor shards (one tensor per bucket), so it
     must be per-element (SGD, Adam, ...): one that uses per-tensor norms (LARS, LAMB) would see
@@ -124,9 +119,6 @@ class ShardedSlowState(SlowState):
             (``reduce_scatter_mean`` and ``allgather_flat``).
         config: the optimizer's configuration.
         timer: the optimizer's phase timer (the all-gather of the new anchor is averaging time).
-        split: each parameter's fragment (``fragments > 1``: the buckets are cut by fragment,
-            so a fragment's outer step reduce-scatters, updates and gathers its own buckets);
-            None: one fragment.
 
     Raises:
         TypeError: ``comm`` does not support sharding.
@@ -146,13 +138,7 @@ class ShardedSlowState(SlowState):
         "shard_slow_state and hierarchical",
     }
 
-    def __init__(
-        self,
-        comm: Communicator,
-        config: SlowMoConfig,
-        timer: PhaseTimer,
-        split: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, comm: Communicator, config: SlowMoConfig, timer: PhaseTimer) -> None:
         if not comm.supports_sharding:
             raise TypeError(
                 "shard_slow_state=True needs a communicator with reduce_scatter_mean() "
@@ -161,26 +147,15 @@ class ShardedSlowState(SlowState):
             )
         super().__init__(comm, config, timer)
         self.buckets: list[Bucket] | None = None  # set at capture (the first step)
-        self._split = None if split is None or len(set(split)) <= 1 else list(split)
 
-    def _layout(self, param_groups: ParamGroups) -> list[Bucket]:
-        groups = [[local(p) for p in g["params"]] for g in param_groups]
-        return make_buckets(groups, self.comm.rank, self.comm.size, self._split)
-
-    def _chosen(self, indices: Sequence[int]) -> list[int]:
-        """The buckets of the parameters ``indices`` (one fragment; empty: every bucket)."""
-        assert self.buckets is not None, "the anchor is captured at the first step"
-        if not indices:
-            return list(range(len(self.buckets)))
-        mine = set(indices)
-        return [i for i, b in enumerate(self.buckets) if b.indices[0] in mine]
+    def _layout(self, params: list[Tensor], groups: list[int]) -> list[Bucket]:
+        return make_buckets(_by_group(params, groups), self.comm.rank, self.comm.size)
 
     @torch.no_grad()
-    def capture_(self, param_groups: ParamGroups) -> None:
+    def capture_(self, params: list[Tensor], groups: list[int]) -> None:
         if self.captured:
             return
-        buckets = self._layout(param_groups)
-        params = _params(param_groups)
+        buckets = self._layout(params, groups)
         self.buckets = buckets
         self._start(
             [_flatten(params, b)[b.start : b.end].clone() for b in buckets],
@@ -188,22 +163,17 @@ class ShardedSlowState(SlowState):
         )
 
     @torch.no_grad()
-    def add_group_(self, param_groups: ParamGroups) -> None:
+    def add_(self, params: list[Tensor], groups: list[int]) -> None:
         if not self.captured:
             return  # captured with every group at the first step
         assert self.buckets is not None
-        buckets = self._layout(param_groups)
-        new = buckets[len(self.buckets) :]
-        params = _params(param_groups)
+        buckets = self._layout(params, groups)
+        new = buckets[len(self.buckets) :]  # the new group's: the last group's buckets come last
         self.buckets = buckets
-        self._extend(
-            [_flatten(params, b)[b.start : b.end].clone() for b in new], len(param_groups) - 1
-        )
+        self._extend([_flatten(params, b)[b.start : b.end].clone() for b in new], groups[-1])
 
     @torch.no_grad()
-    def average_(
-        self, params: list[Tensor], extra: list[Tensor], exact: bool, indices: Sequence[int] = ()
-    ) -> None:
+    def average_(self, params: list[Tensor], extra: list[Tensor], exact: bool) -> None:
         """The exact average as this layout needs it (:class:`hvd_slowmo.exchange.ShardedExchange`
         calls it): a reduce-scatter of each bucket, this rank's shard of the average written into
         its range of ``params`` (the other ranges keep this worker's values), and an allreduce of
@@ -214,54 +184,42 @@ class ShardedSlowState(SlowState):
         there in the same process or a new one.
 
         Args:
-            params: the parameters (detached): all of them in the optimizer's order, or those
-                of ``indices``; this rank's ranges are overwritten with the average.
+            params: the fragment's parameters (detached); this rank's ranges are overwritten
+                with the average.
             extra: other tensors averaged in place (floating-point model buffers).
             exact: whether the parameters need averaging (False: they are identical on every
                 rank, like AR-SGD's: each rank's range already is the average).
-            indices: which parameters ``params`` are (one fragment); empty for all.
         """
         assert self.buckets is not None, "the anchor is captured at the first step"
-        chosen = [self.buckets[i] for i in self._chosen(indices)]
         if extra:
             self.comm.average_(extra, name="hvd_slowmo.exact_average")
         if not exact:
             return
-        by_index = dict(zip(indices, params)) if indices else params
-        flats = [_flatten(by_index, b) for b in chosen]
+        flats = [_flatten(params, b) for b in self.buckets]
         shards = self.comm.reduce_scatter_mean(flats, name="hvd_slowmo.sharded_average")
-        for flat, shard, b in zip(flats, shards, chosen):
+        for flat, shard, b in zip(flats, shards, self.buckets):
             flat[b.start : b.end] = shard
-            _unflatten_into_(by_index, b, flat)
+            _unflatten_into_(params, b, flat)
 
     @torch.no_grad()
-    def update_(
-        self, params: list[Tensor], param_groups: ParamGroups, indices: Sequence[int] = ()
-    ) -> None:
-        chosen = self._chosen(indices)
-        by_index = dict(zip(indices, params)) if indices else params
+    def update_(self, params: list[Tensor], param_groups: ParamGroups) -> None:
         assert self.buckets is not None
-        averages = [
-            _flatten(by_index, self.buckets[i])[self.buckets[i].start : self.buckets[i].end]
-            for i in chosen
-        ]
-        self._slow_update_(averages, param_groups, chosen if indices else ())
+        averages = [_flatten(params, b)[b.start : b.end] for b in self.buckets]
+        self._slow_update_(averages, param_groups)
         del averages
         with self.timer("average"):  # communication, though inside the slow update
-            self._gather_anchor_into_(by_index, chosen)
+            self._gather_anchor_into_(params)
 
     @torch.no_grad()
     def restore_(self, params: list[Tensor]) -> None:
-        self._gather_anchor_into_(params, self._chosen(()))  # all-gathers the full anchor
+        self._gather_anchor_into_(params)  # all-gathers the fragment's full anchor
 
-    def _gather_anchor_into_(self, params: Indexed, chosen: list[int]) -> None:
+    def _gather_anchor_into_(self, params: Sequence[Tensor]) -> None:
         assert self.buckets is not None and self.anchor is not None, (
             "the anchor is captured at the first step"
         )
-        shards = [self.anchor[i] for i in chosen]
-        full = self.comm.allgather_flat(shards, name="hvd_slowmo.sharded_anchor")
-        for i, flat in zip(chosen, full):
-            b = self.buckets[i]
+        full = self.comm.allgather_flat(list(self.anchor), name="hvd_slowmo.sharded_anchor")
+        for b, flat in zip(self.buckets, full):
             if flat.numel() != b.numel:
                 raise RuntimeError(
                     f"sharded anchor: gathered {flat.numel()} elements for a bucket of {b.numel}"
@@ -295,7 +253,8 @@ class ShardedSlowState(SlowState):
     def prepare_load(
         self,
         saved: dict[str, Any],
-        param_groups: ParamGroups,
+        params: list[Tensor],
+        groups: list[int],
         position: dict[str, Any],
         names: list[str],
     ) -> LoadedSlowState:
@@ -323,7 +282,7 @@ class ShardedSlowState(SlowState):
                     "inside an outer step"
                 )
             return LoadedSlowState(anchor=None)
-        layout = self._layout(param_groups)
+        layout = self._layout(params, groups)
         if [asdict(b) for b in layout] != [
             dict(b, indices=tuple(b["indices"])) for b in state["buckets"]
         ]:
@@ -332,7 +291,6 @@ class ShardedSlowState(SlowState):
                 "differs from this optimizer's: the state comes from another model or "
                 "param groups"
             )
-        params = _params(param_groups)
         anchor = self._load_shards(state.get("anchor_shards"), layout, params, "anchor_shards")
         buffer = None
         if not self.config.custom_outer:

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hvd_slowmo import DistributedOptimizer
 
 from device_run import FEATURES, run_feature
+from helpers import anchor_of
 from reference import batch, make_model
 
 #: Horovod when launched by horovodrun (imported in main), else None: torch.distributed.
@@ -85,7 +86,7 @@ def single(out_dir: str, device: torch.device) -> None:
         "average_is_identity": all(torch.equal(a, b) for a, b in zip(tensors, want)),
         "average_on_device": all(t.device == device for t in tensors),
         "counters": [opt.num_steps, opt.inner_step, opt.outer_steps],
-        "anchor_on_device": all(a.device == device for a in opt.slow_state.anchor),
+        "anchor_on_device": all(a.device == device for a in anchor_of(opt)),
         "finite": all(bool(p.isfinite().all()) for p in final),
         "exact_averages": len(snaps),
     }

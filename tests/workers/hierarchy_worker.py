@@ -44,7 +44,7 @@ def main():
             "layout": (hvd.cross_rank(), hvd.local_rank()),
             "steps": per_step,
             "bytes": opt.bytes_sent,
-            "exchange": opt.exchange.name,
+            "exchange": opt.exchanges[0].name,
             **gathers,
         },
         os.path.join(out, f"{case}.{hvd.rank()}.pt"),

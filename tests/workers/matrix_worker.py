@@ -32,6 +32,7 @@ import hvd_slowmo
 from hvd_slowmo.checkpoint import save_checkpoint
 
 from fault_injection import Fault
+from helpers import anchor_of
 from reference import loss_at
 
 STEPS = 16
@@ -112,7 +113,7 @@ def train(out: str, rank: int, config: str, fault: Fault, communicator: Any = No
             if rank == 0:
                 save_checkpoint(state, os.path.join(out, "ckpt.pt"))
     opt.flush()
-    return {"num_steps": opt.num_steps, "anchor": [a.tolist() for a in opt.slow_state.anchor]}
+    return {"num_steps": opt.num_steps, "anchor": [a.tolist() for a in anchor_of(opt)]}
 
 
 def main() -> None:

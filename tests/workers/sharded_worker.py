@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hvd_slowmo
 from hvd_slowmo.comm.horovod import HorovodCommunicator
 
+from helpers import state_tensors_of
 from reference import loss_at, lr_at, make_model, params_of
 
 CONFIGS = {
@@ -65,7 +66,7 @@ def run(cfg, comm, shard, model):
         opt.step()
         if opt.inner_step == 0:
             snaps.append(params_of(model) + [extra.detach().clone()])
-    kept = opt.slow_state.state_tensors()
+    kept = state_tensors_of(opt)
     return {
         "snaps": snaps,
         "final": snaps[-1],

@@ -62,20 +62,25 @@ ROUND_CODECS = {
 def pseudo_gradient_rounds(comm, codec) -> dict:
     """Three outer steps of :class:`~hvd_slowmo.compression.averager.PseudoGradientAverage`
     with error feedback, over two fragments of three tensors (the first fragment's parameters
-    not consecutive), each started, polled and waited as an overlapped outer step does: on a
-    transport with ``collectives_any_thread`` the codec's work runs on the codec thread. Shared
-    with the in-process tests. Returns the parameters, the residual, the bytes sent and
-    whether the codec thread ran."""
+    not consecutive), each fragment with its own average (its own residual) on one shared codec
+    thread, each started, polled and waited as an overlapped outer step does: on a transport
+    with ``collectives_any_thread`` the codec's work runs on the codec thread. Shared with the
+    in-process tests. Returns the parameters, the fragments' residuals (concatenated), the
+    bytes sent and whether the codec thread ran."""
     from hvd_slowmo.compression.averager import PseudoGradientAverage
+    from hvd_slowmo.compression.offload import CodecThread
 
-    average = PseudoGradientAverage(comm, codec, error_feedback=True)
+    thread = CodecThread(comm.counter)
+    split = ([0, 2], [1])
+    averages = [PseudoGradientAverage(comm, codec, True, thread) for _ in split]
     g = torch.Generator().manual_seed(comm.rank)
     anchor = [torch.linspace(-1, 1, 40).view(5, 8), torch.ones(70), torch.zeros(3, 11)]
     before = comm.bytes_sent
     for step in range(3):
-        for indices in ([0, 2], [1]):
+        for average, indices in zip(averages, split):
             params = [anchor[j] + 0.1 * torch.randn(anchor[j].shape, generator=g) for j in indices]
-            pending = average.start(params, anchor, f"rounds.{step}.{indices[0]}", indices)
+            mine = [anchor[j] for j in indices]
+            pending = average.start(params, mine, f"rounds.{step}.{indices[0]}")
             deadline = time.monotonic() + 60
             while not pending.done():  # completes by polling, as an overlapped outer step
                 if time.monotonic() > deadline:
@@ -86,9 +91,9 @@ def pseudo_gradient_rounds(comm, codec) -> dict:
                 anchor[j] = p
     return {
         "params": [a.clone() for a in anchor],
-        "residual": average.residual.clone(),
+        "residual": torch.cat([a.residual for a in averages]),
         "bytes": comm.bytes_sent - before,
-        "offloaded": average.thread is not None,
+        "offloaded": averages[0].thread is not None,
     }
 
 

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hvd_slowmo
 
+from helpers import anchor_of
 from reference import loss_at, lr_at, make_model
 
 #: name -> DistributedOptimizer settings (the test replays each with the reference).
@@ -60,7 +61,7 @@ def main():
             opt.zero_grad()
             loss_at(model, hvd.rank(), k).backward()
             opt.step()
-            anchors.append([a.clone() for a in opt.slow_state.anchor])
+            anchors.append([a.clone() for a in anchor_of(opt)])
         # An outer step is still in flight: no rank may exit (Horovod shuts down at exit) before
         # every rank has started its averages. finish() meets them all and changes no state.
         opt.finish()

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import hvd_slowmo
 from hvd_slowmo.comm.torchdist import FP16, TorchDistCommunicator, broadcast_parameters
 
+from helpers import state_tensors_of
 from reference import batch, loss_at, lr_at, make_model, params_of
 
 CORE = {  # as tests/workers/core_worker.py (the transport-equality test compares the two)
@@ -121,7 +122,7 @@ def sharded_run(shard):
         opt.step()
         if opt.inner_step == 0:
             snaps.append(params_of(model) + [extra.detach().clone()])
-    kept = opt.slow_state.state_tensors()
+    kept = state_tensors_of(opt)
     return {"snaps": snaps, "state_bytes": sum(t.numel() * t.element_size() for t in kept)}
 
 

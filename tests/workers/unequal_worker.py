@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import hvd_slowmo
 
+from helpers import anchor_of
 from reference import loss_at, lr_at, make_model, params_of
 
 COSTS = {2: [0.125, 0.25], 4: [0.125, 0.25, 0.25, 0.5]}
@@ -61,7 +62,7 @@ def main(out: str) -> None:
         before = opt.outer_steps
         opt.step(samples=samples_of(rank, k))
         if opt.outer_steps > before:
-            anchors.append([a.clone() for a in opt.slow_state.anchor])
+            anchors.append([a.clone() for a in anchor_of(opt)])
             params.append(params_of(model))
     opt.finish()
     torch.save(
