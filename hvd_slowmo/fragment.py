@@ -45,6 +45,7 @@ keeps each worker's own weight). Cost of ``d >= 1``: two more copies of the para
 snapshot and the tensors in flight).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ from .comm.hierarchy import Hierarchy
 from .compression.offload import CodecThread
 from .config import SlowMoConfig
 from .eager import EagerEstimate, GroupSlice, check_shares, make_estimate
-from .exchange import Exchange, Payload, make_exchange
+from .exchange import Exchange, HierarchicalExchange, Payload, make_exchange
 from .fragments import boundaries
 from .islands import LocalViews
 from .merge import Merged, Work, make_tally, read_tally
@@ -624,7 +625,7 @@ def make_outer_states(
     config: SlowMoConfig,
     timer: PhaseTimer,
     count: int,
-    levels: tuple[Hierarchy, bool] | None = None,
+    levels: Callable[[], tuple[Hierarchy, bool] | None] | None = None,
 ) -> list[tuple[SlowState, Exchange]]:
     """Each fragment's own slow state and exchange (built empty: a slow state takes its
     fragment's parameters at its capture). Their background work shares one thread, so the
@@ -635,8 +636,10 @@ def make_outer_states(
         config: the optimizer's configuration.
         timer: the optimizer's phase timer.
         count: the number of fragments.
-        levels: with ``config.hierarchical``, the node and cross-node levels and whether a
-            node's ranks hold identical parameters (:func:`~hvd_slowmo.exchange.make_exchange`).
+        levels: with ``config.hierarchical``, builds the node and cross-node levels and says
+            whether a node's ranks hold identical parameters
+            (:func:`~hvd_slowmo.exchange.make_exchange`); called once, after the layouts' and
+            the hierarchical exchange's refusals (building the launch's nodes is collective).
 
     Raises:
         ValueError, TypeError: the layout or exchange cannot run with ``config`` or ``comm``
@@ -644,11 +647,12 @@ def make_outer_states(
             :func:`~hvd_slowmo.exchange.make_exchange`).
     """
     thread = CodecThread(comm.counter)
-    out = []
-    for _ in range(count):
-        slow_state = make_slow_state(comm, config, timer)
-        out.append((slow_state, make_exchange(comm, config, slow_state, levels, thread)))
-    return out
+    slow_states = [make_slow_state(comm, config, timer) for _ in range(count)]
+    built = None
+    if config.hierarchical and levels is not None:
+        HierarchicalExchange.check_supported(config.features())
+        built = levels()
+    return [(s, make_exchange(comm, config, s, built, thread)) for s in slow_states]
 
 
 def make_fragments(

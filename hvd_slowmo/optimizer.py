@@ -306,7 +306,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             self.config,
             self.timer,
             len(members),
-            self._levels(hierarchical, hierarchy, params),
+            lambda: self._levels(hierarchical, hierarchy, params),
         )
         if is_elastic_launch():
             # A worker that joins an elastic job later builds its optimizer alone while the others
