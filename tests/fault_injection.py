@@ -109,8 +109,8 @@ class Fault:
             for fragment in opt.outer.fragments:
                 fragment.land = self._wrap(fragment.land)
         elif self.phase == "compressed":
-            exchange = opt.outer.exchange
-            exchange.start = self._wrap(exchange.start)
+            for exchange in opt.exchanges:  # each fragment's own
+                exchange.start = self._wrap(exchange.start)
 
     def _wrap(self, method: Any) -> Any:
         def hooked(*args: Any, **kwargs: Any) -> Any:
