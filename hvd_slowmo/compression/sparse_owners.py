@@ -37,6 +37,7 @@ from .sparse import (
     packet_nbytes,
     sparse_decode_dense,
     sparse_encode,
+    sparse_encode_feedback,
     sparse_sum,
     with_feedback,
 )
@@ -106,10 +107,14 @@ class PendingOwnerSparseMean:
         if self._result is not None:
             return
         contribution = with_feedback(flat, residual, codec)
-        parts = contribution.split(self._sizes)
-        packets = [sparse_encode(part, codec) for part in parts]
-        if residual is not None:
-            residual.sub_(torch.cat([_dense(p, s, codec, flat) for p, s in zip(packets, parts)]))
+        # One packet per region; with feedback each region of the residual (the contribution
+        # itself) also loses what its packet decodes to, in place.
+        packets = [
+            sparse_encode(part, codec)
+            if residual is None
+            else sparse_encode_feedback(part, codec, part)
+            for part in contribution.split(self._sizes)
+        ]
         mine = packet_nbytes(self._sizes[comm.rank], codec)
         self._alltoall = comm.alltoall_flat_start(packets, [mine] * comm.size, f"{name}.a2a")
 
