@@ -297,7 +297,8 @@ def _scaled(blocks: Tensor, codec: str) -> tuple[Tensor, Tensor]:
     """The scales of ``blocks`` (one row a block) and the blocks divided by them, rounded and
     clamped to the codes' range (a new float32 tensor, converted to the codes by a copy)."""
     code_max = _CODE_MAX[codec]
-    amax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_empty(0)
+    scaled = blocks.abs()  # the magnitudes, then (below) the quotients: one buffer
+    amax = scaled.amax(dim=1) if blocks.numel() else blocks.new_empty(0)
     # Divided by a tensor, not a Python number: for a CPU scalar divisor CUDA multiplies by its
     # float32 reciprocal instead (torch's div_true_kernel_cuda), one ulp off the CPU's correctly
     # rounded quotient for many absmax values (1/448 and 1/127 are not exact in binary: about
@@ -306,8 +307,8 @@ def _scaled(blocks: Tensor, codec: str) -> tuple[Tensor, Tensor]:
     # A zero scale divides by one instead (its codes are 0); a NaN or inf scale is kept for the
     # decode, which then yields NaN for the whole block.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = blocks / divisor[:, None]
-    if codec == "int8":  # in place: the quotient is a new tensor
+    torch.div(blocks, divisor[:, None], out=scaled)
+    if codec == "int8":
         scaled.round_()
     return scales, scaled.clamp_(-code_max, code_max)
 

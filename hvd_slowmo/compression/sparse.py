@@ -257,12 +257,18 @@ def unpack_bits(packed: Tensor, count: int, width: int) -> Tensor:
         count: how many values.
         width: their width in bits, 1 to 8.
     """
-    packed = packed.to(torch.int64)
+    return _unpack(packed, count, width).to(torch.int64)
+
+
+def _unpack(packed: Tensor, count: int, width: int) -> Tensor:
+    """:func:`unpack_bits` in the narrowest dtype: uint8 where ``width`` divides 8 (the
+    values' own bytes, shifted and masked: an eighth of int64's traffic), else int64."""
     lead = packed.shape[:-1]
-    mask = (1 << width) - 1
     if 8 % width == 0:
-        shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.int64)
-        return ((packed[..., None] >> shifts) & mask).reshape(*lead, -1)[..., :count]
+        shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.uint8)
+        values = (packed[..., None] >> shifts).bitwise_and_((1 << width) - 1)
+        return values.reshape(*lead, -1)[..., :count]
+    packed = packed.to(torch.int64)
     stream = ((packed[..., None] >> torch.arange(8, device=packed.device)) & 1).reshape(*lead, -1)
     stream = stream[..., : count * width].reshape(*lead, count, width)
     return (stream << torch.arange(width, device=packed.device)).sum(dim=-1)
@@ -283,11 +289,12 @@ def _index_nbytes(count: int, width: int) -> int:
 
 
 def _unpack_index(packed: Tensor, count: int, width: int) -> Tensor:
-    """:func:`_pack_index` undone along the last dimension (several packets at once)."""
+    """:func:`_pack_index` undone along the last dimension (several packets at once), in a
+    narrow integer dtype (uint8 or int32)."""
     if width <= 8:
-        return unpack_bits(packed, count, width)
-    low = packed[..., :count].to(torch.int64)
-    return low | (unpack_bits(packed[..., count:], count, width - 8) << 8)
+        return _unpack(packed, count, width)
+    high = _unpack(packed[..., count:], count, width - 8).to(torch.int32)
+    return high.bitwise_left_shift_(8).bitwise_or_(packed[..., :count])
 
 
 def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
@@ -404,7 +411,7 @@ def _decode_rows(packets: Tensor, numel: int, codec: SparseCodec) -> tuple[Tenso
     start = 8 * n_chunks
     index_bytes = _index_nbytes(entries, w)
     index = _unpack_index(packets[:, start : start + index_bytes], entries, w)
-    codes = unpack_bits(packets[:, start + index_bytes :], entries, b).reshape(m, n_chunks, k)
+    codes = _unpack(packets[:, start + index_bytes :], entries, b).reshape(m, n_chunks, k)
     level = (codes & ((1 << (b - 1)) - 1)).to(torch.float32)
     size = level.mul_(step).add_(lo)  # lo + q * step: one rounding each, as the reference's
     values = torch.where((codes >> (b - 1)) == 1, -size, size)
