@@ -313,6 +313,35 @@ def _scaled(blocks: Tensor, codec: str) -> tuple[Tensor, Tensor]:
     return scales, scaled.clamp_(-code_max, code_max)
 
 
+def _codes_into(out: Tensor, codes: Tensor) -> Tensor:
+    """``out`` (float32, ``codes``' shape) set to the codes' values, the bits of
+    ``codes.to(torch.float32)``: ``fp8`` codes by a look-up in the float32 values of all 256
+    codes (:func:`_fp8_values`), about twice as fast on the CPU as torch's cast (which has no
+    vectorised kernel for it there), the others by the cast."""
+    if codes.dtype != _CODE_DTYPE["fp8"] or codes.numel() == 0:
+        return out.copy_(codes)
+    index = codes.view(torch.uint8).to(torch.int32).view(-1)
+    table = _fp8_values(codes.device)
+    if out.is_contiguous():
+        torch.index_select(table, 0, index, out=out.view(-1))
+        return out
+    return out.copy_(table.index_select(0, index).view(codes.shape))
+
+
+def _fp8_values(device: torch.device) -> Tensor:
+    """The float32 value of each ``float8_e4m3fn`` code (by its byte), made by torch's own cast
+    on ``device`` (so a look-up gives the cast's bits, the NaNs' included); kept per device."""
+    table = _FP8_VALUES.get(device)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        table = _FP8_VALUES[device] = codes.view(_CODE_DTYPE["fp8"]).to(torch.float32)
+    return table
+
+
+#: :func:`_fp8_values` by device (1 KB each).
+_FP8_VALUES: dict[torch.device, Tensor] = {}
+
+
 def _rescale_(values: Tensor, scales: Tensor, block: int) -> Tensor:
     """``values`` (float32, ``(count, size)``, the codes of blocks restarting at every row)
     multiplied in place by their block's scale (``scales``: ``(count, ceil(size / block))``):
@@ -358,7 +387,7 @@ def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
         block: the block size it was encoded with.
     """
     out = torch.empty(enc.codes.numel(), dtype=torch.float32, device=enc.codes.device)
-    out.copy_(enc.codes)
+    _codes_into(out, enc.codes)
     if codec in _CODE_MAX:
         _rescale_(out.view(1, -1), enc.scales.view(1, -1), block)
     return out
@@ -407,7 +436,7 @@ def encode_rows(
         return packets, None
     # The codes back to float32 into the quotient's buffer (whose padding holds zeros), then
     # times their scales, whole blocks.
-    scaled.view(count, -1)[:, :size].copy_(codes)
+    _codes_into(scaled.view(count, -1)[:, :size], codes)
     return packets, scaled.mul_(scales[:, None]).view(count, -1)[:, :size]
 
 
@@ -455,7 +484,7 @@ def decode_rows(
         return out.copy_(_as(packets, code_dtype))
     per_row = _num_blocks(size, block)
     scales = _as(packets[:, : 4 * per_row], torch.float32)
-    out.copy_(_as(packets[:, 4 * per_row :], code_dtype))
+    _codes_into(out, _as(packets[:, 4 * per_row :], code_dtype))
     return _rescale_(out, scales, block)
 
 
