@@ -333,8 +333,10 @@ def _fp8_values(device: torch.device) -> Tensor:
     on ``device`` (so a look-up gives the cast's bits, the NaNs' included); kept per device."""
     table = _FP8_VALUES.get(device)
     if table is None:
+        fp8 = _CODE_DTYPE["fp8"]
+        assert fp8 is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
         codes = torch.arange(256, dtype=torch.uint8, device=device)
-        table = _FP8_VALUES[device] = codes.view(_CODE_DTYPE["fp8"]).to(torch.float32)
+        table = _FP8_VALUES[device] = codes.view(fp8).to(torch.float32)
     return table
 
 
