@@ -53,6 +53,7 @@ __all__ = [
     "packet_nbytes",
     "sparse_decode",
     "sparse_decode_dense",
+    "sparse_decode_runs",
     "sparse_encode",
     "sparse_encode_feedback",
     "sparse_sum",
@@ -472,6 +473,37 @@ def sparse_sum(
     else:
         out.index_add_(0, index.view(-1), values.view(-1))
     return out[:numel]
+
+
+def sparse_decode_runs(packets: Tensor, sizes: list[int], codec: SparseCodec) -> Tensor:
+    """The concatenated vectors of consecutive packets, each a vector of whole chunks but the
+    last (the regions of :mod:`~hvd_slowmo.compression.sparse_owners`): the same bits as the
+    concatenation of :func:`sparse_decode_dense` of each, decoded a run of equal sizes at a
+    time (at most three runs) into one buffer.
+
+    Args:
+        packets: 1-D uint8, the packets one after the other.
+        sizes: each vector's length; every one but the last a multiple of ``codec.chunk``.
+        codec: their settings.
+    """
+    padded = [_chunks(size, codec.chunk) * codec.chunk for size in sizes]
+    out = torch.zeros(sum(padded), dtype=torch.float32, device=packets.device)
+    start = byte = i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        count, nbytes = j - i, packet_nbytes(sizes[i], codec)
+        if sizes[i]:
+            rows = packets[byte : byte + count * nbytes].view(count, nbytes)
+            _check_packets(rows, sizes[i], codec, "sparse_decode_runs")
+            index, values = _decode_rows(rows, sizes[i], codec)
+            index += torch.arange(
+                start, start + count * padded[i], padded[i], device=packets.device
+            )[:, None]
+            out.index_put_((index.view(-1),), values.view(-1))
+        start, byte, i = start + count * padded[i], byte + count * nbytes, j
+    return out[: sum(sizes)]
 
 
 def sparse_decode_dense(packet: Tensor, numel: int, codec: SparseCodec) -> Tensor:
