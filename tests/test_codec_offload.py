@@ -42,7 +42,7 @@ def test_offloaded_rounds_equal_the_inline_ones_bitwise(codec, m):
 
 
 @pytest.mark.parametrize(
-    "module,function", [(sparse_exchange, "sparse_encode"), (dense_exchange, "encode")]
+    "module,function", [(sparse_exchange, "sparse_encode_feedback"), (dense_exchange, "encode")]
 )
 def test_start_returns_before_the_encode_has_run(monkeypatch, module, function):
     """An instrumented encode that cannot finish until every worker's start has returned (and

@@ -117,6 +117,41 @@ def test_codec_edge_cases():
         check_codec("int4")
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_decodes_give_the_bits_of_whole_block_products(codec):
+    """decode, decode_rows and encode_rows' decoded rows: the bits of the codes cast to float32,
+    zero-padded to whole blocks and multiplied by their scales, NaN codes times NaN scales in a
+    short last block included (which NaN comes out depends on the kernel's path)."""
+    from hvd_slowmo.compression.codecs import decode_rows, encode_rows
+
+    block, size, count = 256, 700, 3  # two whole blocks and a short one per row
+    rows = torch.randn(count, size, generator=torch.Generator().manual_seed(5))
+    rows[0, 650] = float("nan")  # a NaN scale in the short block
+    rows[1, 3] = -float("nan")
+    rows[2, 690] = float("inf")
+    packets, decoded = encode_rows(rows, codec, block)
+    per_row = -(-size // block)
+    scales = packets[:, : 4 * per_row].contiguous().view(torch.float32)
+    # Codes of the short block, whose scale is NaN in row 0, set to NaN (fp8) or to 0 (int8):
+    # a NaN code times a NaN scale at every position of the kernel's vector body and tail.
+    packets[0, 4 * per_row + 640 :] = 0x7F if codec == "fp8" else 0
+    packets[1, 4 * per_row + 690 :] = 0xFF if codec == "fp8" else 0
+    dtype = torch.int8 if codec == "int8" else torch.float8_e4m3fn
+    codes = packets[:, 4 * per_row :].contiguous().view(dtype).to(torch.float32)
+    padded = torch.nn.functional.pad(codes, (0, per_row * block - size)).view(-1, block)
+    want = (padded * scales.reshape(-1)[:, None]).view(count, -1)[:, :size]
+    bits = partial(torch.Tensor.view, dtype=torch.int32)
+    assert torch.equal(bits(decode_rows(packets, size, codec, block)), bits(want.contiguous()))
+    for r in range(count):
+        got = decode(from_bytes(packets[r].clone(), size, codec, block), codec, block)
+        assert torch.equal(bits(got), bits(want[r].contiguous()))
+    packets, decoded = encode_rows(rows, codec, block)  # before the NaN codes were written
+    codes = packets[:, 4 * per_row :].contiguous().view(dtype).to(torch.float32)
+    padded = torch.nn.functional.pad(codes, (0, per_row * block - size)).view(-1, block)
+    want = (padded * scales.reshape(-1)[:, None]).view(count, -1)[:, :size]
+    assert torch.equal(bits(decoded.contiguous()), bits(want.contiguous()))
+
+
 def test_alltoall_sizes_must_agree():
     def fn(comm):
         sends = [torch.zeros(comm.rank + 1) for _ in range(comm.size)]

@@ -834,6 +834,12 @@ def test_codec_cost_runs_tiny_on_cpu(tmp_path):
             assert r[key] > 0, (codec, key, r)
         assert r["wire_bytes_per_fp32_byte"] == encoded_nbytes(n, codec) / (4 * n)
         assert f"| {codec} | cpu | {r['encode_ms_per_mb']:.4f} |" in proc.stdout
+        for step in ("encode", "decode", "mean"):  # each step beside the copy of the same run
+            want = r[f"{step}_ms_per_mb"] / r["copy_ms_per_mb"]
+            assert r[f"{step}_per_copy"] == pytest.approx(want), (codec, step, r)
+            assert f"| {r[f'{step}_per_copy']:.1f}x |" in proc.stdout
+    assert "uptime before:" in proc.stdout and "uptime after:" in proc.stdout
+    assert "load average" in result["uptime_before"] and "load average" in result["uptime_after"]
     # The sparse codec (its defaults) is measured too: the error feedback, encode and the sum
     # of the gathered packets.
     r = rows["sparse"]

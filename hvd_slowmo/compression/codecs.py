@@ -293,6 +293,74 @@ def _blocked(x: Tensor, block: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
 
 
+def _scaled(blocks: Tensor, codec: str) -> tuple[Tensor, Tensor]:
+    """The scales of ``blocks`` (one row a block) and the blocks divided by them, rounded and
+    clamped to the codes' range (a new float32 tensor, converted to the codes by a copy)."""
+    code_max = _CODE_MAX[codec]
+    scaled = blocks.abs()  # the magnitudes, then (below) the quotients: one buffer
+    amax = scaled.amax(dim=1) if blocks.numel() else blocks.new_empty(0)
+    # Divided by a tensor, not a Python number: for a CPU scalar divisor CUDA multiplies by its
+    # float32 reciprocal instead (torch's div_true_kernel_cuda), one ulp off the CPU's correctly
+    # rounded quotient for many absmax values (1/448 and 1/127 are not exact in binary: about
+    # 55% and 5% of them). A tensor divisor is an IEEE division on every device: equal bits.
+    scales = amax / torch.full_like(amax, code_max)
+    # A zero scale divides by one instead (its codes are 0); a NaN or inf scale is kept for the
+    # decode, which then yields NaN for the whole block.
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    torch.div(blocks, divisor[:, None], out=scaled)
+    if codec == "int8":
+        scaled.round_()
+    return scales, scaled.clamp_(-code_max, code_max)
+
+
+def _codes_into(out: Tensor, codes: Tensor) -> Tensor:
+    """``out`` (float32, ``codes``' shape) set to the codes' values, the bits of
+    ``codes.to(torch.float32)``: ``fp8`` codes by a look-up in the float32 values of all 256
+    codes (:func:`_fp8_values`), about twice as fast on the CPU as torch's cast (which has no
+    vectorised kernel for it there), the others by the cast."""
+    if codes.dtype != _CODE_DTYPE["fp8"] or codes.numel() == 0:
+        return out.copy_(codes)
+    index = codes.view(torch.uint8).to(torch.int32).view(-1)
+    table = _fp8_values(codes.device)
+    if out.is_contiguous():
+        torch.index_select(table, 0, index, out=out.view(-1))
+        return out
+    return out.copy_(table.index_select(0, index).view(codes.shape))
+
+
+def _fp8_values(device: torch.device) -> Tensor:
+    """The float32 value of each ``float8_e4m3fn`` code (by its byte), made by torch's own cast
+    on ``device`` (so a look-up gives the cast's bits, the NaNs' included); kept per device."""
+    table = _FP8_VALUES.get(device)
+    if table is None:
+        fp8 = _CODE_DTYPE["fp8"]
+        assert fp8 is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        table = _FP8_VALUES[device] = codes.view(fp8).to(torch.float32)
+    return table
+
+
+#: :func:`_fp8_values` by device (1 KB each).
+_FP8_VALUES: dict[torch.device, Tensor] = {}
+
+
+def _rescale_(values: Tensor, scales: Tensor, block: int) -> Tensor:
+    """``values`` (float32, ``(count, size)``, the codes of blocks restarting at every row)
+    multiplied in place by their block's scale (``scales``: ``(count, ceil(size / block))``):
+    the whole blocks as one view, and the short last block of every row zero-padded to a
+    whole one in a small buffer, so every product runs on the same kernel path as a product
+    of whole blocks (which NaN a NaN code times a NaN scale yields depends on it)."""
+    count, size = values.shape
+    whole, short = divmod(size, block)
+    if whole:
+        values[:, : whole * block].view(count, whole, block).mul_(scales[:, :whole, None])
+    if short:
+        tail = values.new_zeros(count, block)
+        tail[:, :short] = values[:, whole * block :]
+        values[:, whole * block :] = tail.mul_(scales[:, whole:])[:, :short]
+    return values
+
+
 def encode(x: Tensor, codec: str, block: int = BLOCK_SIZE) -> Encoded:
     """Encode a 1-D float32 vector.
 
@@ -308,23 +376,8 @@ def encode(x: Tensor, codec: str, block: int = BLOCK_SIZE) -> Encoded:
     dtype = _CODE_DTYPE[codec]
     if codec not in _CODE_MAX:
         return Encoded(x.to(dtype, copy=True), x.new_empty(0))
-    code_max = _CODE_MAX[codec]
-    rows = _blocked(x, block)
-    amax = rows.abs().amax(dim=1) if rows.numel() else x.new_empty(0)
-    # Divided by a tensor, not a Python number: for a CPU scalar divisor CUDA multiplies by its
-    # float32 reciprocal instead (torch's div_true_kernel_cuda), one ulp off the CPU's correctly
-    # rounded quotient for many absmax values (1/448 and 1/127 are not exact in binary: about
-    # 55% and 5% of them). A tensor divisor is an IEEE division on every device: equal bits.
-    scales = amax / torch.full_like(amax, code_max)
-    # A zero scale divides by one instead (its codes are 0); a NaN or inf scale is kept for the
-    # decode, which then yields NaN for the whole block.
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = (rows / divisor[:, None]).reshape(-1)[: x.numel()]
-    if codec == "int8":
-        codes = scaled.round().clamp_(-code_max, code_max).to(torch.int8)
-    else:
-        codes = scaled.clamp(-code_max, code_max).to(dtype)
-    return Encoded(codes, scales)
+    scales, scaled = _scaled(_blocked(x, block), codec)
+    return Encoded(scaled.view(-1)[: x.numel()].to(dtype), scales)
 
 
 def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
@@ -335,14 +388,20 @@ def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
         codec: the codec it was encoded with.
         block: the block size it was encoded with.
     """
-    if codec not in _CODE_MAX:
-        return enc.codes.to(torch.float32, copy=True)
-    n = enc.codes.numel()
-    rows = _blocked(enc.codes.to(torch.float32), block)
-    return (rows * enc.scales[:, None]).reshape(-1)[:n]
+    out = torch.empty(enc.codes.numel(), dtype=torch.float32, device=enc.codes.device)
+    _codes_into(out, enc.codes)
+    if codec in _CODE_MAX:
+        _rescale_(out.view(1, -1), enc.scales.view(1, -1), block)
+    return out
 
 
-def encode_rows(rows: Tensor, codec: str, block: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+def encode_rows(
+    rows: Tensor,
+    codec: str,
+    block: int = BLOCK_SIZE,
+    out: Tensor | None = None,
+    decoded: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Every row of a matrix encoded as a vector of its own, in one pass over the matrix: the
     same bits as :func:`to_bytes` of :func:`encode` of each row, and of :func:`decode`.
 
@@ -350,36 +409,37 @@ def encode_rows(rows: Tensor, codec: str, block: int = BLOCK_SIZE) -> tuple[Tens
         rows: float32 of shape ``(count, size)`` (the equal chunks of an exchange).
         codec: one of :data:`CODECS`.
         block: elements per scale (``int8``, ``fp8``); the blocks restart at every row.
+        out: uint8 of shape ``(count, encoded_nbytes(size))`` to write the packets into (rows
+            of a larger buffer, e.g.); None: a new one.
+        decoded: also return what the packets decode to (error feedback needs it).
 
     Returns:
         ``(packets, decoded)``: uint8 of shape ``(count, encoded_nbytes(size))``, one packet a
-        row, and the float32 rows they decode to.
+        row, and the float32 rows they decode to (None without ``decoded``).
     """
     count, size = rows.shape
-    if size == 0:
-        return rows.new_empty(count, 0, dtype=torch.uint8), rows.clone()
     dtype = _CODE_DTYPE[codec]
+    assert dtype is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
+    packets = out
+    if packets is None:
+        packets = rows.new_empty(count, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+    if size == 0:
+        return packets, (rows.clone() if decoded else None)
     if codec not in _CODE_MAX:
-        codes = rows.to(dtype).contiguous()
-        return codes.view(torch.uint8), codes.to(torch.float32)
-    code_max = _CODE_MAX[codec]
+        codes = packets.view(dtype).copy_(rows)
+        return packets, (codes.to(torch.float32) if decoded else None)
     per_row = _num_blocks(size, block)
     pad = per_row * block - size
-    blocks = torch.nn.functional.pad(rows, (0, pad)).view(count * per_row, block)
-    amax = blocks.abs().amax(dim=1)
-    scales = amax / torch.full_like(amax, code_max)  # a tensor divisor: as encode, see there
-    # As encode: a zero scale divides by one (its codes are 0), a NaN or inf one is kept.
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = (blocks / divisor[:, None]).view(count, per_row * block)[:, :size]
-    if codec == "int8":
-        codes = scaled.round().clamp_(-code_max, code_max).to(torch.int8)
-    else:
-        codes = scaled.clamp(-code_max, code_max).to(dtype)
-    codes = codes.contiguous()
-    packets = torch.cat([scales.view(count, per_row).view(torch.uint8), codes.view(torch.uint8)], 1)
-    values = torch.nn.functional.pad(codes.to(torch.float32), (0, pad)).view(-1, block)
-    decoded = (values * scales[:, None]).view(count, per_row * block)[:, :size]
-    return packets, decoded
+    padded = rows if pad == 0 else torch.nn.functional.pad(rows, (0, pad))
+    scales, scaled = _scaled(padded.reshape(count * per_row, block), codec)
+    packets[:, : 4 * per_row].copy_(scales.view(count, per_row).view(torch.uint8))
+    codes = packets[:, 4 * per_row :].view(dtype).copy_(scaled.view(count, -1)[:, :size])
+    if not decoded:
+        return packets, None
+    # The codes back to float32 into the quotient's buffer (whose padding holds zeros), then
+    # times their scales, whole blocks.
+    _codes_into(scaled.view(count, -1)[:, :size], codes)
+    return packets, scaled.mul_(scales[:, None]).view(count, -1)[:, :size]
 
 
 def _as(buf: Tensor, dtype: torch.dtype) -> Tensor:
@@ -392,7 +452,9 @@ def _as(buf: Tensor, dtype: torch.dtype) -> Tensor:
     return buf.view(dtype)
 
 
-def decode_rows(packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE) -> Tensor:
+def decode_rows(
+    packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE, out: Tensor | None = None
+) -> Tensor:
     """Packets of equal vectors decoded at once, one a row: the same bits as :func:`decode` of
     :func:`from_bytes` of each.
 
@@ -401,6 +463,8 @@ def decode_rows(packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE)
         size: each vector's length.
         codec: their codec.
         block: their block size.
+        out: float32 of shape ``(count, size)`` to decode into (rows of a larger buffer, e.g.);
+            None: a new one.
 
     Raises:
         ValueError: packets of another size.
@@ -412,17 +476,18 @@ def decode_rows(packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE)
             f"{tuple(packets.shape)} of {packets.dtype}"
         )
     count = packets.shape[0]
+    if out is None:
+        out = torch.empty(count, size, dtype=torch.float32, device=packets.device)
     if size == 0:
-        return torch.zeros(count, 0, device=packets.device)
+        return out
     code_dtype = _CODE_DTYPE[codec]
     assert code_dtype is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
     if codec not in _CODE_MAX:
-        return _as(packets, code_dtype).to(torch.float32)
+        return out.copy_(_as(packets, code_dtype))
     per_row = _num_blocks(size, block)
-    scales = _as(packets[:, : 4 * per_row], torch.float32).reshape(-1)
-    codes = _as(packets[:, 4 * per_row :], code_dtype).to(torch.float32)
-    values = torch.nn.functional.pad(codes, (0, per_row * block - size)).view(-1, block)
-    return (values * scales[:, None]).view(count, per_row * block)[:, :size]
+    scales = _as(packets[:, : 4 * per_row], torch.float32)
+    _codes_into(out, _as(packets[:, 4 * per_row :], code_dtype))
+    return _rescale_(out, scales, block)
 
 
 def encoded_nbytes(numel: int, codec: str, block: int = BLOCK_SIZE) -> int:

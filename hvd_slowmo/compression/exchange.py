@@ -38,11 +38,6 @@ from .codecs import (
 __all__ = ["PendingMean", "compressed_mean"]
 
 
-def _run_sizes(sizes: list[int]) -> list[int]:
-    """The length shared by each run of equal consecutive ``sizes``."""
-    return [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s]
-
-
 def _runs(flat: Tensor, sizes: list[int]) -> list[Tensor]:
     """``flat`` cut into pieces of ``sizes``, each run of equal consecutive sizes as one
     matrix, a piece a row (:func:`~hvd_slowmo.comm.base.shard_sizes` makes at most two runs)."""
@@ -112,16 +107,18 @@ class PendingMean:
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
-        contribution = flat if residual is None else flat + residual
-        # The chunks come in at most two runs of equal sizes: each run encoded in one pass.
-        packets: list[Tensor] = []
-        sent: list[Tensor] = []
-        for rows in _runs(contribution, self._sizes):
-            rows_packets, decoded = encode_rows(rows, codec, block)
-            packets += rows_packets.unbind(0)
-            sent.append(decoded.reshape(-1))
-        if residual is not None:
-            torch.sub(contribution, torch.cat(sent), out=residual)
+        # In place (``flat + residual``, operands in this order: which NaN a sum of two NaNs
+        # yields depends on it); the residual becomes what the encoding lost below, run by run.
+        contribution = flat if residual is None else torch.add(flat, residual, out=residual)
+        # The chunks come in at most two runs of equal sizes: each run encoded in one pass,
+        # its packets written straight into rows of one buffer.
+        nbytes = [encoded_nbytes(s, codec, block) for s in self._sizes]
+        buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=flat.device)
+        for rows, out in zip(_runs(contribution, self._sizes), _runs(buffer, nbytes)):
+            _, decoded = encode_rows(rows, codec, block, out, decoded=residual is not None)
+            if decoded is not None:
+                rows.sub_(decoded)  # rows of the residual
+        packets = list(buffer.split(nbytes))
         packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
         self._alltoall = comm.alltoall_flat_start(packets, [packet] * comm.size, f"{name}.a2a")
 
@@ -144,12 +141,10 @@ class PendingMean:
             (gathered,) = self._gather.wait()
             codec, block, sizes = self._codec, self._block, self._sizes
             nbytes = [encoded_nbytes(s, codec, block) for s in sizes]
-            self._result = torch.cat(
-                [
-                    decode_rows(rows, len_, codec, block).reshape(-1)
-                    for rows, len_ in zip(_runs(gathered, nbytes), _run_sizes(sizes))
-                ]
-            )
+            result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
+            for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
+                decode_rows(rows, values.shape[1], codec, block, out=values)
+            self._result = result
         return self._result
 
     def _reduce(self) -> None:
@@ -158,9 +153,10 @@ class PendingMean:
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
         received = decode_rows(torch.stack(self._alltoall.wait()), mine, codec, block)
-        # Added one worker after the other, in rank order: the bitwise contract of the sum.
-        total = received[0].clone()
+        # Added one worker after the other, in rank order: the bitwise contract of the sum
+        # (into the first worker's row, which is not needed after).
+        total = received[0]
         for src in range(1, m):
             total += received[src]
-        reduced = to_bytes(encode(total / m, codec, block))
+        reduced = to_bytes(encode(total.div_(m), codec, block))
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")

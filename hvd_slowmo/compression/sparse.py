@@ -53,7 +53,9 @@ __all__ = [
     "packet_nbytes",
     "sparse_decode",
     "sparse_decode_dense",
+    "sparse_decode_runs",
     "sparse_encode",
+    "sparse_encode_feedback",
     "sparse_sum",
     "unpack_bits",
     "with_feedback",
@@ -256,12 +258,18 @@ def unpack_bits(packed: Tensor, count: int, width: int) -> Tensor:
         count: how many values.
         width: their width in bits, 1 to 8.
     """
-    packed = packed.to(torch.int64)
+    return _unpack(packed, count, width).to(torch.int64)
+
+
+def _unpack(packed: Tensor, count: int, width: int) -> Tensor:
+    """:func:`unpack_bits` in the narrowest dtype: uint8 where ``width`` divides 8 (the
+    values' own bytes, shifted and masked: an eighth of int64's traffic), else int64."""
     lead = packed.shape[:-1]
-    mask = (1 << width) - 1
     if 8 % width == 0:
-        shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.int64)
-        return ((packed[..., None] >> shifts) & mask).reshape(*lead, -1)[..., :count]
+        shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.uint8)
+        values = (packed[..., None] >> shifts).bitwise_and_((1 << width) - 1)
+        return values.reshape(*lead, -1)[..., :count]
+    packed = packed.to(torch.int64)
     stream = ((packed[..., None] >> torch.arange(8, device=packed.device)) & 1).reshape(*lead, -1)
     stream = stream[..., : count * width].reshape(*lead, count, width)
     return (stream << torch.arange(width, device=packed.device)).sum(dim=-1)
@@ -282,11 +290,12 @@ def _index_nbytes(count: int, width: int) -> int:
 
 
 def _unpack_index(packed: Tensor, count: int, width: int) -> Tensor:
-    """:func:`_pack_index` undone along the last dimension (several packets at once)."""
+    """:func:`_pack_index` undone along the last dimension (several packets at once), in a
+    narrow integer dtype (uint8 or int32)."""
     if width <= 8:
-        return unpack_bits(packed, count, width)
-    low = packed[..., :count].to(torch.int64)
-    return low | (unpack_bits(packed[..., count:], count, width - 8) << 8)
+        return _unpack(packed, count, width)
+    high = _unpack(packed[..., count:], count, width - 8).to(torch.int32)
+    return high.bitwise_left_shift_(8).bitwise_or_(packed[..., :count])
 
 
 def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
@@ -296,6 +305,41 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
         x: the vector (float32, 1-D, any length including 0).
         codec: the settings.
     """
+    return _encode(x, codec)[0]
+
+
+def sparse_encode_feedback(x: Tensor, codec: SparseCodec, residual: Tensor) -> Tensor:
+    """:func:`sparse_encode` of ``x`` with error feedback: the packet, and ``residual`` (``x``
+    itself, or another vector of its shape) less what the packet decodes to, in place. The
+    same bits as ``residual.sub_(sparse_decode_dense(packet, ...))``, without unpacking the
+    packet or a dense vector of the decoded values: one ``index_add_`` of the kept entries.
+
+    Args:
+        x: the vector (float32, 1-D).
+        codec: the settings.
+        residual: float32 of ``x``'s shape.
+    """
+    packet, index, values = _encode(x, codec)
+    numel = x.numel()
+    if index.numel():
+        position = (
+            index
+            + torch.arange(0, index.shape[0] * codec.chunk, codec.chunk, device=x.device)[:, None]
+        )
+        if position.numel() and index.shape[0] * codec.chunk > numel:
+            # Entries in the padding of the last chunk: added as -0.0 at the last element,
+            # which changes no float (x + -0.0 is x, for every x).
+            values = torch.where(position < numel, values, torch.zeros_like(values))
+            position = position.clamp_(max=numel - 1)
+        # ``residual + (-1) * v`` has the bits of ``residual - v`` (NaN payloads included:
+        # the product keeps a NaN's sign, as the difference does).
+        residual.index_add_(0, position.view(-1), values.view(-1), alpha=-1)
+    return packet
+
+
+def _encode(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor, Tensor]:
+    """The packet of ``x``, and its kept entries: their positions in their chunks and the
+    values the packet decodes them to (both of shape ``(chunks, k)``)."""
     if x.dtype != torch.float32 or x.dim() != 1:
         raise ValueError(
             f"sparse_encode: need a 1-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}"
@@ -303,32 +347,40 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
     c, k, b = codec.chunk, codec.k, codec.bits
     n_chunks = _chunks(x.numel(), c)
     if n_chunks == 0:
-        return torch.empty(0, dtype=torch.uint8, device=x.device)
+        empty = torch.empty(0, k, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), empty.long(), empty
     pad = n_chunks * c - x.numel()
     rows = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(n_chunks, c)
     # One int64 key per entry: the magnitude's float32 bits (the sign bit cleared: ordered like
     # the magnitudes, NaN above inf) times 2^16 plus the reversed position, so no two keys tie
-    # and top-k is deterministic. In place after the first two passes (torch.add with an alpha
-    # was four times slower here).
+    # and top-k is deterministic. The mask written straight into int64 (one pass), then in
+    # place (torch.add with an alpha was four times slower here).
     reverse = torch.arange(c - 1, -1, -1, device=x.device, dtype=torch.int64)
-    keys = rows.view(torch.int32).bitwise_and(0x7FFFFFFF).to(torch.int64)
+    keys = torch.empty(rows.shape, dtype=torch.int64, device=x.device)
+    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=keys)
     keys.bitwise_left_shift_(16).bitwise_or_(reverse)
     index = keys.topk(k, dim=1, sorted=True).indices
+    del keys
     kept = rows.gather(1, index)
     size = kept.abs()
-    lo, hi = size[:, -1], size[:, 0]
-    step = (hi - lo) / ((1 << (b - 1)) - 1)
+    lo = size[:, -1].clone()  # size is overwritten below
+    step = (size[:, 0] - lo) / ((1 << (b - 1)) - 1)
     divisor = torch.where(step > 0, step, torch.ones_like(step))
-    level = ((size - lo[:, None]) / divisor[:, None]).round_()
-    level = level.nan_to_num_(nan=0.0).clamp_(0, (1 << (b - 1)) - 1).to(torch.int64)
-    codes = level | ((kept < 0).to(torch.int64) << (b - 1))
+    level = size.sub_(lo[:, None]).div_(divisor[:, None]).round_()
+    level = level.nan_to_num_(nan=0.0).clamp_(0, (1 << (b - 1)) - 1)
+    negative = kept < 0
+    codes = level.to(torch.int64) | (negative.to(torch.int64) << (b - 1))
     parts = [
         torch.stack([lo, step]).reshape(-1).view(torch.uint8),  # every lo, then every step
         _pack_index(index.reshape(-1), codec.index_bits),
         pack_bits(codes.reshape(-1), b),
     ]
     packet = torch.cat(parts)
-    return torch.nn.functional.pad(packet, (0, (-packet.numel()) % 4))
+    packet = torch.nn.functional.pad(packet, (0, (-packet.numel()) % 4))
+    # What the packet decodes to, as the decode computes it: lo + q * step, one rounding
+    # each (level holds q exactly), then the sign.
+    decoded = level.mul_(step[:, None]).add_(lo[:, None])
+    return packet, index, torch.where(negative, -decoded, decoded)
 
 
 def _view_f32(buf: Tensor) -> Tensor:
@@ -360,7 +412,7 @@ def _decode_rows(packets: Tensor, numel: int, codec: SparseCodec) -> tuple[Tenso
     start = 8 * n_chunks
     index_bytes = _index_nbytes(entries, w)
     index = _unpack_index(packets[:, start : start + index_bytes], entries, w)
-    codes = unpack_bits(packets[:, start + index_bytes :], entries, b).reshape(m, n_chunks, k)
+    codes = _unpack(packets[:, start + index_bytes :], entries, b).reshape(m, n_chunks, k)
     level = (codes & ((1 << (b - 1)) - 1)).to(torch.float32)
     size = level.mul_(step).add_(lo)  # lo + q * step: one rounding each, as the reference's
     values = torch.where((codes >> (b - 1)) == 1, -size, size)
@@ -421,6 +473,37 @@ def sparse_sum(
     else:
         out.index_add_(0, index.view(-1), values.view(-1))
     return out[:numel]
+
+
+def sparse_decode_runs(packets: Tensor, sizes: list[int], codec: SparseCodec) -> Tensor:
+    """The concatenated vectors of consecutive packets, each a vector of whole chunks but the
+    last (the regions of :mod:`~hvd_slowmo.compression.sparse_owners`): the same bits as the
+    concatenation of :func:`sparse_decode_dense` of each, decoded a run of equal sizes at a
+    time (at most three runs) into one buffer.
+
+    Args:
+        packets: 1-D uint8, the packets one after the other.
+        sizes: each vector's length; every one but the last a multiple of ``codec.chunk``.
+        codec: their settings.
+    """
+    padded = [_chunks(size, codec.chunk) * codec.chunk for size in sizes]
+    out = torch.zeros(sum(padded), dtype=torch.float32, device=packets.device)
+    start = byte = i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        count, nbytes = j - i, packet_nbytes(sizes[i], codec)
+        if sizes[i]:
+            rows = packets[byte : byte + count * nbytes].view(count, nbytes)
+            _check_packets(rows, sizes[i], codec, "sparse_decode_runs")
+            index, values = _decode_rows(rows, sizes[i], codec)
+            index += torch.arange(
+                start, start + count * padded[i], padded[i], device=packets.device
+            )[:, None]
+            out.index_put_((index.view(-1),), values.view(-1))
+        start, byte, i = start + count * padded[i], byte + count * nbytes, j
+    return out[: sum(sizes)]
 
 
 def sparse_decode_dense(packet: Tensor, numel: int, codec: SparseCodec) -> Tensor:

@@ -27,8 +27,8 @@ from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
     packet_nbytes,
-    sparse_decode_dense,
     sparse_encode,
+    sparse_encode_feedback,
     sparse_sum,
     with_feedback,
 )
@@ -88,9 +88,10 @@ class PendingSparseMean:
         if self._result is not None:
             return
         contribution = with_feedback(flat, residual, codec)
-        packet = sparse_encode(contribution, codec)
-        if residual is not None:
-            residual.sub_(sparse_decode_dense(packet, flat.numel(), codec))
+        if residual is None:
+            packet = sparse_encode(contribution, codec)
+        else:  # the residual (the contribution itself) less what its packet decodes to
+            packet = sparse_encode_feedback(contribution, codec, residual)
         self._gather: PendingTensors = comm.allgather_flat_start([packet], f"{name}.gather")
 
     def done(self) -> bool:

@@ -36,8 +36,9 @@ from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
     packet_nbytes,
-    sparse_decode_dense,
+    sparse_decode_runs,
     sparse_encode,
+    sparse_encode_feedback,
     sparse_sum,
     with_feedback,
 )
@@ -62,14 +63,6 @@ def owner_sizes(numel: int, codec: SparseCodec, workers: int) -> list[int]:
         sizes.append(size)
         left -= size
     return sizes
-
-
-def _dense(packet: Tensor, size: "int | Tensor", codec: SparseCodec, like: Tensor) -> Tensor:
-    """:func:`~.sparse.sparse_decode_dense`, and an empty region's empty vector."""
-    numel = size if isinstance(size, int) else size.numel()
-    if numel == 0:
-        return torch.zeros(0, device=like.device)
-    return sparse_decode_dense(packet, numel, codec)
 
 
 class PendingOwnerSparseMean:
@@ -107,10 +100,14 @@ class PendingOwnerSparseMean:
         if self._result is not None:
             return
         contribution = with_feedback(flat, residual, codec)
-        parts = contribution.split(self._sizes)
-        packets = [sparse_encode(part, codec) for part in parts]
-        if residual is not None:
-            residual.sub_(torch.cat([_dense(p, s, codec, flat) for p, s in zip(packets, parts)]))
+        # One packet per region; with feedback each region of the residual (the contribution
+        # itself) also loses what its packet decodes to, in place.
+        packets = [
+            sparse_encode(part, codec)
+            if residual is None
+            else sparse_encode_feedback(part, codec, part)
+            for part in contribution.split(self._sizes)
+        ]
         mine = packet_nbytes(self._sizes[comm.rank], codec)
         self._alltoall = comm.alltoall_flat_start(packets, [mine] * comm.size, f"{name}.a2a")
 
@@ -131,11 +128,7 @@ class PendingOwnerSparseMean:
                 self._reduce()
             assert self._gather is not None
             (gathered,) = self._gather.wait()
-            codec, sizes = self._codec, self._sizes
-            packets = gathered.split([packet_nbytes(s, codec) for s in sizes])
-            self._result = torch.cat(
-                [_dense(p, s, codec, gathered) for p, s in zip(packets, sizes)]
-            )
+            self._result = sparse_decode_runs(gathered, self._sizes, self._codec)
         return self._result
 
     def _reduce(self) -> None:
