@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
+from ..divide import div_
 from .codecs import (
     BLOCK_SIZE,
     check_transport,
@@ -158,5 +159,5 @@ class PendingMean:
         total = received[0]
         for src in range(1, m):
             total += received[src]
-        reduced = to_bytes(encode(total.div_(m), codec, block))
+        reduced = to_bytes(encode(div_(total, m), codec, block))
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
