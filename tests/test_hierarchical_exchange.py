@@ -23,9 +23,9 @@ from helpers import (
     assert_same_models,
     resume_in_fresh_workers,
     run_slowmo,
+    train_steps,
 )
-from hierarchy_cases import flat_reference, loss, mlp
-from reference import batch, loss_at, lr_at, make_model
+from reference import make_model
 
 NODES, LOCAL = 2, 2
 M = NODES * LOCAL
@@ -112,65 +112,19 @@ def test_the_residual_resumes_bit_for_bit():
             hierarchical=levels(comm),
         )
 
-    def train(opt, model, rank, start, stop):
-        for k in range(start, stop):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(k)
-            opt.zero_grad()
-            loss_at(model, rank, k).backward()
-            opt.step()
-
     models = [make_model() for _ in range(M)]  # here: torch's global RNG is not thread-safe
 
     def uninterrupted(comm):
         model = models[comm.rank]
-        train(build(comm, model), model, comm.rank, 0, 14)
+        train_steps(build(comm, model), model, comm.rank, 0, 14)
         return model
 
     def resumed_residual(opt):
         assert opt.exchanges[0].residual is not None  # its own residual was taken back
 
     want = run_threads(M, uninterrupted)
-    got = resume_in_fresh_workers(M, build, train, stop=9, steps=14, check=resumed_residual)
+    got = resume_in_fresh_workers(M, build, train_steps, stop=9, steps=14, check=resumed_residual)
     assert_same_models(got, want)
-
-
-def test_a_node_of_replicas_equals_the_flat_run():
-    """worker="node" with hierarchical=True: each rank of a node exchanges only its half of the
-    model across nodes (no reduce-scatter: the node's ranks hold the same parameters), and the
-    run equals 2 flat workers fed each node's batches."""
-    steps = 7
-    models = [mlp() for _ in range(M)]
-
-    def hier(comm):
-        model = models[comm.rank]
-        opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            worker=levels(comm),
-            hierarchical=True,
-            base="localsgd", tau=3, slow_lr=1.0, slow_momentum=0.6,
-        )  # fmt: skip
-        assert opt.exchanges[0].name == "hierarchical" and opt.exchanges[0].replicated
-        per_step = []
-        for k in range(steps):
-            opt.zero_grad()
-            loss(model, *batch(comm.rank, k)).backward()
-            opt.step()
-            per_step.append([p.detach().clone() for p in model.parameters()])
-        return per_step
-
-    got = run_threads(M, hier)
-    want = flat_reference("localsgd-slowmo", NODE_RANKS, steps)
-    for k in range(steps):
-        for r in range(1, M):
-            # A node's ranks at every step; every rank after each exact average (every 3rd).
-            ref = 0 if (k + 1) % 3 == 0 else r - r % LOCAL
-            assert all(torch.equal(a, b) for a, b in zip(got[r][k], got[ref][k])), (r, k)
-    for n, ranks in enumerate(NODE_RANKS):
-        for a, b in zip(got[ranks[0]][-1], want[n]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,13 @@ def test_node_groups():
         node_groups([(0, 0), (0, 0)])
 
 
+def _assert_equal_after_averages(got: list, tau: int, steps: int) -> None:
+    """After each exact average (every ``tau``-th step) every rank holds the same bits."""
+    for k in range(tau - 1, steps, tau):
+        for r in range(1, len(got)):
+            assert all(torch.equal(a, b) for a, b in zip(got[r][k], got[0][k])), (r, k)
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_node_workers_equal_flat_run_over_nodes(case):
     """4 ranks as 2 nodes x 2 equals 2 flat workers fed each node's concatenated batches."""
@@ -42,6 +49,8 @@ def test_node_workers_equal_flat_run_over_nodes(case):
             worker=h,
             **kwargs,
         )
+        if kwargs.get("hierarchical"):  # each rank sends its share, no reduce-scatter
+            assert opt.exchanges[0].name == "hierarchical" and opt.exchanges[0].replicated
         per_step = []
         for k in range(steps):
             opt.zero_grad()
@@ -52,6 +61,7 @@ def test_node_workers_equal_flat_run_over_nodes(case):
 
     got = run_threads(nodes * local, hier)
     want = flat_reference(case, groups_nodes, steps)
+    _assert_equal_after_averages(got, kwargs["tau"], steps)
     for n, ranks in enumerate(groups_nodes):
         for k in range(steps):  # ranks of one node are bitwise identical at every step
             for r in ranks[1:]:
