@@ -115,11 +115,11 @@ class HierarchicalExchange(PlainExchange):
             # The fragment's anchor, in the optimizer's order (fragments=1: the whole model).
             assert self.slow_state.anchor is not None, "the anchor is captured at the first step"
             anchor = torch.cat([a.float().reshape(-1) for a in self.slow_state.anchor])
-            flat = torch.sub(anchor, flat)
+            torch.sub(anchor, flat, out=flat)  # the pseudo-gradient, in the same buffer
         name = "hvd_slowmo.hierarchical_average"
         start, end = shard_range(flat.numel(), self.node.rank, self.node.size)
         if self.replicated or self.node.size == 1:
-            shard = flat[start:end].clone()
+            shard = flat[start:end]  # a view of this average's own buffer: nothing to copy
         else:
             (shard,) = self.node.reduce_scatter_mean([flat], f"{name}.node")
         if self.codec is None:
