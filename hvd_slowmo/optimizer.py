@@ -350,22 +350,20 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         """
         if hierarchical is False:
             return None
-        if isinstance(hierarchical, Hierarchy):
-            if hierarchy is not None or self.islands is not None:
-                raise ValueError(
-                    "hierarchical=Hierarchy(...) goes with worker='process'; with worker='node' "
-                    "or islands pass hierarchical=True (the worker's own levels)"
-                )
-            for level in (hierarchical.node, hierarchical.cross):
-                if level is not self.comm:
-                    level.share_counter(self.comm)
-            return hierarchical, False
+        given = isinstance(hierarchical, Hierarchy)
+        if given and (hierarchy is not None or self.islands is not None):
+            raise ValueError(
+                "hierarchical=Hierarchy(...) goes with worker='process'; with worker='node' "
+                "or islands pass hierarchical=True (the worker's own levels)"
+            )
         if self.islands is not None:
             assert self._island_comm is not None
             return _island_levels(self._island_comm, self.comm, params), True
         if hierarchy is not None:
             return hierarchy, True
-        nodes = worker_hierarchy("node", None, self.comm)  # the launch's hosts: collective
+        # worker="process": the given levels, or the launch's hosts (collective), their bytes
+        # counted in the exact average's counter.
+        nodes = worker_hierarchy(hierarchical if given else "node", None, self.comm)
         assert nodes is not None
         return nodes, False
 
