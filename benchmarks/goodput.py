@@ -1,6 +1,7 @@
 """Goodput of the fast hosts when one host is slow or pauses: count-based outer periods (``tau``
 steps everywhere) against time-based ones (``period_seconds``), with and without the merge
-weighted by the samples (SlowMo, arXiv 1910.00643; issue 37).
+weighted by the samples, and count-based periods under a straggler quorum (SlowMo, arXiv
+1910.00643; issue 37).
 
 ``--hosts`` processes on this machine, one per emulated host, over ``torch.distributed`` (Gloo,
 localhost). A base step's compute is a sleep of ``--compute-ms`` (no CPU used, so co-located
@@ -14,8 +15,11 @@ For each scenario and mode the table shows the fast hosts' **utilization**: the 
 spent computing over the wall-clock seconds of the run (the compute-only speed is 100%), and
 each host's base steps. Count-based periods run at the slowest host's pace; time-based periods
 let each host take the steps that fit (the weights cost nothing in time: they change what the
-average is, not when). A pause stalls every mode for as long as it lasts: the outer step waits
-for every worker until a straggler policy exists (docs/unequal-workers.md).
+average is, not when). A pause stalls every mode but ``quorum`` for as long as it lasts: the
+outer step waits for every worker. ``quorum`` (``straggler=Quorum(hosts - 1)``, adaptive grace
+between 10% of a period and a period) closes the outer step without the late host and
+resynchronizes it (docs/unequal-workers.md); its work since its last outer step is dropped, so
+the steps column of a slowed host counts steps whose work may not have reached the average.
 
 Check it runs (tiny)::
 
@@ -50,6 +54,7 @@ MODES = {
     "count": {},
     "time": {"period_seconds": True},
     "time+weighted": {"period_seconds": True, "merge": "samples"},
+    "quorum": {"straggler": True},
 }
 SCENARIOS = ("slow", "pause")
 
@@ -72,6 +77,8 @@ def _worker(rank: int, size: int, port: int, spec: dict[str, Any], results: Any)
     options = dict(MODES[spec["mode"]])
     if options.pop("period_seconds", False):
         options["period_seconds"] = period
+    if options.pop("straggler", False):
+        options["straggler"] = hvd_slowmo.Quorum(size - 1, min_grace=0.1 * period, max_grace=period)
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -96,6 +103,7 @@ def _worker(rank: int, size: int, port: int, spec: dict[str, Any], results: Any)
         model(x).sum().backward()
         opt.step(samples=spec["batch"])
     wall = time.monotonic() - began
+    opt.finish()  # after the clock: a quorum's late host catches up here
     results.put({"rank": rank, "busy": busy, "wall": wall, "steps": opt.num_steps})
     dist.destroy_process_group()
 

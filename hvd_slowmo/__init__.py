@@ -37,6 +37,7 @@ from .config import SlowMoConfig
 from .islands import Islands
 from .optimizer import DistributedOptimizer
 from .state_format import STATE_FORMAT
+from .straggler import Quorum
 
 __all__ = [
     "BASES",
@@ -46,6 +47,7 @@ __all__ = [
     "DistributedOptimizer",
     "Hierarchy",
     "Islands",
+    "Quorum",
     "SlowMoConfig",
     "SparseCodec",
     "broadcast_optimizer_state",

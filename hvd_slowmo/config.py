@@ -22,6 +22,7 @@ from .compression.codecs import check_codec
 from .compression.sparse import SparseCodec
 from .merge import MERGES
 from .period import parse_seconds
+from .straggler import Quorum
 from .validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -152,6 +153,14 @@ class SlowMoConfig:
             from the step times carried in its collective (:mod:`hvd_slowmo.period`). Stored in
             seconds. Needs a base that does not communicate every step, ``fragments=1`` and
             ``overlap=0``, no codec nor ``shard_slow_state``. None (default): ``tau`` steps.
+        straggler: ``Quorum(min_workers=k, grace=...)`` (:mod:`hvd_slowmo.straggler`): the outer
+            step closes once ``k`` workers arrived and the grace passed; late workers are
+            resynchronized from the new anchor (:mod:`hvd_slowmo.exchange.quorum`;
+            docs/unequal-workers.md). Needs ``base="localsgd"``, point-to-point messages
+            (torch.distributed or thread workers), ``overlap=0``, ``fragments=1``, no codec,
+            ``merge``, ``period_seconds``, eager updates, ``shard_slow_state``, custom outer
+            optimizer, ``buffers="average"`` nor ``nonfinite="skip"``. None (default): every
+            outer step waits for every worker.
     """
 
     base: Any = "localsgd"
@@ -174,6 +183,7 @@ class SlowMoConfig:
     mix: float = 0.0
     merge: str = "mean"
     period_seconds: float | str | None = None
+    straggler: Quorum | None = None
 
     def __post_init__(self) -> None:
         base = resolve_base(self.base)
@@ -191,6 +201,7 @@ class SlowMoConfig:
         self._check_average(base)
         self._check_codec(base)
         self._check_unequal(base)
+        self._check_straggler(base)
         if not base.needs_exact_average and self.buffers == "average":
             warnings.warn(
                 f"buffers='average' with base={base.display_name()!r} averages buffers that "
@@ -440,6 +451,36 @@ class SlowMoConfig:
                 "and overlap=0 with time-based periods"
             )
 
+    def _check_straggler(self, base: Any) -> None:
+        """The straggler quorum: what it cannot run with that no exchange declares (the base,
+        the overlap, the buffers, the skip policy, the outer optimizer)."""
+        if self.straggler is None:
+            return
+        if not isinstance(self.straggler, Quorum):
+            raise TypeError(
+                f"straggler must be None or hvd_slowmo.Quorum(...), got {self.straggler!r}; "
+                "e.g. straggler=Quorum(min_workers=3)"
+            )
+        what = f"straggler={self.straggler!r}"
+        refused = [
+            (base.communicates_every_step or not base.needs_exact_average,
+             f"base={base.display_name()!r} (it communicates every step: use base='localsgd')"),
+            (not self.average, "average=False (there is no exact average to close early)"),
+            (self.overlap > 0, f"overlap={self.overlap} (use overlap=0)"),
+            (self.buffers == "average",
+             "buffers='average' (an average over every worker; use 'reset' or 'maintain')"),
+            (self.nonfinite == "skip",
+             "nonfinite='skip' (under a quorum a non-finite worker is left out and "
+             "resynchronized; use nonfinite='raise')"),
+            (self.shard_slow_state, "shard_slow_state=True (a late worker needs the whole slow "
+             "state; use shard_slow_state=False)"),
+            (self.custom_outer, "a custom outer_optimizer (its state is not resynchronized; use "
+             "'heavyball' or 'nesterov')"),
+        ]  # fmt: skip
+        for on, why in refused:
+            if on:
+                raise ValueError(f"{what} is not supported with {why}")
+
     # --- what the settings imply -------------------------------------------------------------
     @property
     def estimate(self) -> str | None:
@@ -459,6 +500,7 @@ class SlowMoConfig:
             "period": f"period_seconds={self.period_seconds!r}"
             if self.period_seconds is not None
             else "",
+            "straggler": f"straggler={self.straggler!r}" if self.straggler is not None else "",
         }
         return {feature: setting for feature, setting in asked.items() if setting}
 
@@ -532,6 +574,7 @@ class SlowMoConfig:
             **({"merge": self.merge} if self.merge != "mean" else {}),
             **({"hierarchical": True} if self.hierarchical else {}),
             **({"period_seconds": self.period_seconds} if self.period_seconds is not None else {}),
+            **({"straggler": repr(self.straggler)} if self.straggler is not None else {}),
         }
 
 

@@ -383,7 +383,9 @@ class Fragment:
             comm = self.parts.comm
             ratio = self.work.ratio(samples, num_steps) if cfg.merge == "samples" else 1.0
             f.tally = make_tally(ratio, f.lrs, seconds, comm.rank, comm.size)
-        if cfg.nonfinite != "ignore":
+        if cfg.nonfinite != "ignore" and cfg.straggler is None:
+            # (under a quorum a non-finite worker is left out by the exchange instead: a probe
+            # averaged over every worker would wait for the late ones)
             f.mine = {"at": "outer step", "finite": all_finite(params),
                       "num_steps": num_steps, "outer_steps": outer_steps}  # fmt: skip
             # Time-based periods: the step counts differ by design; the outer steps must not.
@@ -451,6 +453,10 @@ class Fragment:
             # Started here: overlap=0, a resumed state, or an exchange that cannot overlap.
             f.start_averages(parts.comm, self.exchange, cfg.exact_average)
             f.finish_averages(deferred=True)
+            if self.exchange.resumed_at is not None:  # a late worker took the state it missed
+                if cfg.buffers == "reset":
+                    reset_buffers(parts.optimizer.state, self.keys())
+                return True, None
             self._merged(f)
             if f.in_place:
                 base.after_average(cfg.average)
@@ -460,6 +466,7 @@ class Fragment:
         with parts.timer("slow_update"):
             spread = None if f.in_place else self._spread(f)
             self._slow_step(f, base)
+        self.exchange.landed(f.sent + f.extra_sent)
         return True, spread
 
     def _merged(self, f: InFlight) -> None:

@@ -38,6 +38,7 @@ from .progress import gather_progress, outer_step_note, uneven_message
 from .saved_state import SavedState
 from .slow_state import SlowState
 from .state_format import STATE_FORMAT
+from .straggler import Quorum
 from .timing import PhaseTimer
 from .validation import check_base_optimizer
 from .wrapper import WrappedOptimizer
@@ -63,6 +64,12 @@ def _check_unequal_worker(config: SlowMoConfig, worker: Any) -> None:
     per rank (``merge="samples"``) would weight one island's shards differently."""
     if worker == "process":
         return
+    if config.straggler is not None:
+        raise ValueError(
+            f"straggler={config.straggler!r} with worker={worker!r}: the ranks of one worker "
+            "take collectives together every step, so one of them cannot be left out; use "
+            "worker='process'"
+        )
     if config.timed:
         raise ValueError(
             f"period_seconds={config.period_seconds!r} with worker={worker!r}: the ranks of one "
@@ -130,8 +137,8 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         base: the base algorithm; it and the other settings of the algorithm (``tau``,
             ``slow_lr``, ``slow_momentum``, ``buffers``, ``average``, ``nonfinite``,
             ``outer_optimizer``, ``shard_slow_state``, ``overlap``, ``fragments``, ``eager``,
-            ``mix``, ``merge``, ``period_seconds``, ``base_options``: the base algorithm's own
-            keyword options, e.g. a gossip topology) are documented and checked in
+            ``mix``, ``merge``, ``period_seconds``, ``straggler``, ``base_options``: the base
+            algorithm's own keyword options, e.g. a gossip topology) are documented and checked in
             :class:`hvd_slowmo.config.SlowMoConfig`.
         model_buffers: non-parameter tensors averaged at each exact average, e.g.
             ``model.buffers()`` for BatchNorm running statistics (integer buffers are skipped).
@@ -217,6 +224,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         mix: float = 0.0,
         merge: str = "mean",
         period_seconds: float | str | None = None,
+        straggler: Quorum | None = None,
         clock: Callable[[], float] | None = None,
         worker: str | Hierarchy | Islands = "process",
         communicator: Communicator | None = None,
@@ -248,6 +256,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             mix=mix,
             merge=merge,
             period_seconds=period_seconds,
+            straggler=straggler,
         )
         if clock is not None and not callable(clock):
             raise TypeError(
@@ -507,8 +516,12 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             RuntimeError: the workers took different numbers of steps.
         """
         self.outer.check_progress()  # a probe in flight shares the name of the one below
-        # Time-based periods: the workers' step counts differ by design, their outer steps not.
-        by = "outer_steps" if self.config.timed else "num_steps"
+        for fragment in self.outer.fragments:
+            fragment.exchange.settle()  # a straggler quorum: the late workers catch up first
+        # Time-based periods and a quorum: the workers' step counts differ by design, their
+        # outer steps not.
+        unequal = self.config.timed or self.config.straggler is not None
+        by = "outer_steps" if unequal else "num_steps"
         everyone = gather_progress(self.comm, "finish", True, self.num_steps, self.outer_steps, by)
         if len({p[by] for p in everyone}) > 1:
             raise RuntimeError(uneven_message(everyone))

@@ -202,6 +202,8 @@ class OuterLoop:
         if starting.ends_period:
             pos.inner_step = 0
             pos.outer_steps += 1
+            if starting.exchange.resumed_at is not None:  # resynchronized to a later step
+                pos.outer_steps = starting.exchange.resumed_at
             if period is not None:
                 period.begin()  # the wait at the outer step is not the worker's step time
 

@@ -38,9 +38,9 @@ DEFAULT_TIMEOUT_S = 300  # pytest.ini's timeout
 
 # The launches of the default tier: per engine (Horovod over Gloo and MPI, torch.distributed,
 # plain mpirun) and per feature (the exact average, overlap, streaming, the int8 and sparse codecs,
-# gossip, gradient buckets, hierarchy, AMP, sharding, faults, restart), the cheapest test that
-# checks it against its reference across real processes. Their siblings at other world sizes and
-# engines are in the launch tier.
+# gossip, gradient buckets, hierarchy, AMP, sharding, faults, restart, the straggler quorum), the
+# cheapest test that checks it against its reference across real processes. Their siblings at
+# other world sizes and engines are in the launch tier.
 DEFAULT_LAUNCHES = (
     "tests/test_amp_horovod.py::test_overflow_on_one_rank_is_skipped_everywhere[np2-mpi]",
     "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-gloo]",
@@ -61,6 +61,7 @@ DEFAULT_LAUNCHES = (
     "tests/test_streaming_horovod.py::test_fragments_and_eager_match_the_reference_on_gloo",
     "tests/test_torchdist.py::test_communicator_collectives_config_check_and_amp[3]",
     "tests/test_torchdist.py::test_examples_detect_their_launcher[torchrun]",
+    "tests/test_quorum_launch.py::test_torchrun_paused_rank_is_left_out_and_resynchronized",
     "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
 # In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod

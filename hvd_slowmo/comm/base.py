@@ -246,6 +246,9 @@ class Communicator(abc.ABC):
         supports_alltoall: :meth:`alltoall_flat` and :meth:`allgather_flat` work (the
             compressed average, :mod:`hvd_slowmo.compression`, needs them).
         supports_exchange: :meth:`exchange_start` works (the gossip bases need it).
+        supports_point_to_point: :meth:`send_start` and :meth:`recv_start` work, a message
+            between two ranks that the others do not take part in (a straggler quorum needs
+            them: :mod:`hvd_slowmo.exchange.quorum`).
         fuses_averages: the transport itself fuses averages started close together into one
             collective (Horovod's tensor fusion, every ``HOROVOD_CYCLE_TIME``), so the per-step
             gradient average starts each parameter's average as soon as its gradient is ready
@@ -265,6 +268,7 @@ class Communicator(abc.ABC):
     supports_sharding: bool = False
     supports_alltoall: bool = False
     supports_exchange: bool = False
+    supports_point_to_point: bool = False
     fuses_averages: bool = False
     collectives_any_thread: bool = False
     workers_share_process: bool = False
@@ -575,3 +579,48 @@ class Communicator(abc.ABC):
     ) -> dict[int, Tensor]:
         """Blocking form of :meth:`exchange_start`."""
         return self.exchange_start(sends, recv_from, tag, graph_key).wait()
+
+    # --- point to point (supports_point_to_point) ----------------------------------------
+    def send_start(self, tensor: Tensor, dst: int, tag: int) -> PendingExchange:
+        """Start sending ``tensor`` to rank ``dst`` alone (the other ranks take no part).
+
+        Args:
+            tensor: a contiguous tensor; it must not change until the handle is done.
+            dst: the receiving rank (not this one).
+            tag: pairs the message with the receiver's :meth:`recv_start` of the same tag.
+        """
+        self._check_peer("send_start", dst)
+        pending = self._send_start(tensor, dst, tag)
+        self.counter.add(_nbytes([tensor]))
+        return pending
+
+    def recv_start(self, like: Tensor, src: int, tag: int) -> PendingExchange:
+        """Start receiving one message from rank ``src``; its handle's ``wait()`` returns
+        ``{src: tensor}``.
+
+        Args:
+            like: a tensor of the message's shape and dtype (not written).
+            src: the sending rank (not this one).
+            tag: the sender's tag.
+        """
+        self._check_peer("recv_start", src)
+        return self._recv_start(like, src, tag)
+
+    def _check_peer(self, what: str, peer: int) -> None:
+        if not self.supports_point_to_point:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no point-to-point messages ({what}): use "
+                "torch.distributed (torchrun) or thread workers"
+            )
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(
+                f"{what}: peer {peer} must be another rank in [0, {self.size}), not {self.rank}"
+            )
+
+    def _send_start(self, tensor: Tensor, dst: int, tag: int) -> PendingExchange:
+        """:meth:`send_start` with checked arguments."""
+        raise NotImplementedError
+
+    def _recv_start(self, like: Tensor, src: int, tag: int) -> PendingExchange:
+        """:meth:`recv_start` with checked arguments."""
+        raise NotImplementedError

@@ -318,6 +318,7 @@ class ThreadCommunicator(Communicator):
     supports_sharding = True
     supports_alltoall = True
     supports_exchange = True
+    supports_point_to_point = True
     collectives_any_thread = True  # paired by kind and name
     workers_share_process = True
 
@@ -384,6 +385,14 @@ class ThreadCommunicator(Communicator):
                 w._mail[(self.rank, dst, tag)] = t.detach().clone()
             w._mail_cv.notify_all()
         return _ThreadExchange(w, self.rank, recv_from, tag)
+
+    def _send_start(self, tensor: Tensor, dst: int, tag: int) -> PendingExchange:
+        # The mailbox takes a copy: the message is delivered (done) once it is posted.
+        return self._exchange_start({dst: tensor}, [], -1 - tag, None)
+
+    def _recv_start(self, like: Tensor, src: int, tag: int) -> PendingExchange:
+        # Negative tags: a point-to-point message never meets a gossip exchange's.
+        return _ThreadExchange(self.world, self.rank, [src], -1 - tag)
 
 
 def run_threads(

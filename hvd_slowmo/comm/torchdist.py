@@ -162,6 +162,7 @@ class TorchDistCommunicator(Communicator):
     supports_sharding = True
     supports_alltoall = True
     supports_exchange = True
+    supports_point_to_point = True
 
     def __init__(
         self, group: Any = None, compression: Any = None, timeout: float | str | None = "env"
@@ -369,6 +370,20 @@ class TorchDistCommunicator(Communicator):
         return _P2PExchange(
             works, recvs, list(sends.values()), self.global_rank, f"gossip exchange {tag}"
         )
+
+    # --- point to point ------------------------------------------------------------------
+    def _send_start(self, tensor: Tensor, dst: int, tag: int) -> PendingExchange:
+        what = f"message to rank {dst} (tag {tag})"
+        with self._named(what):
+            work = dist.isend(tensor, self.members[dst], group=self.group, tag=tag)
+        return _P2PExchange([work], {}, [tensor], self.global_rank, what)
+
+    def _recv_start(self, like: Tensor, src: int, tag: int) -> PendingExchange:
+        what = f"message from rank {src} (tag {tag})"
+        buf = torch.empty_like(like)
+        with self._named(what):
+            work = dist.irecv(buf, self.members[src], group=self.group, tag=tag)
+        return _P2PExchange([work], {src: buf}, [], self.global_rank, what)
 
 
 def broadcast_parameters(

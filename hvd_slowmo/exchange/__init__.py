@@ -3,8 +3,9 @@ their exact average. One interface (:class:`Exchange`: ``start(payload, exact) -
 one class per way: plain allreduce (:class:`PlainExchange`), compressed pseudo-gradients with
 any codec (:class:`CompressedExchange`), the sharded layout's reduce-scatter
 (:class:`ShardedExchange`), exact inside a node and sharded across nodes
-(:class:`HierarchicalExchange`). :func:`make_exchange` picks one from the configuration, for
-one fragment."""
+(:class:`HierarchicalExchange`), over the workers that arrived in time
+(:class:`QuorumExchange`). :func:`make_exchange` picks one from the configuration, for one
+fragment."""
 
 from ..comm.base import Communicator
 from ..comm.hierarchy import Hierarchy
@@ -15,6 +16,7 @@ from .base import EXACT_AVERAGE, Exchange, Payload
 from .compressed import CompressedExchange
 from .hierarchical import HierarchicalExchange
 from .plain import PlainExchange
+from .quorum import QuorumExchange
 from .sharded import ShardedExchange
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "HierarchicalExchange",
     "Payload",
     "PlainExchange",
+    "QuorumExchange",
     "ShardedExchange",
     "make_exchange",
 ]
@@ -54,7 +57,9 @@ def make_exchange(
             collective it needs.
     """
     exchange: Exchange
-    if isinstance(slow_state, ShardedSlowState):
+    if config.straggler is not None:
+        exchange = QuorumExchange(comm, config.straggler, slow_state)
+    elif isinstance(slow_state, ShardedSlowState):
         exchange = ShardedExchange(comm, slow_state, config.overlap, thread)
     elif config.hierarchical:
         assert levels is not None, "hierarchical=True needs the node and cross-node levels"

@@ -58,10 +58,14 @@ class Exchange(abc.ABC):
         unsupported: features (``"fragments"``, ``"eager"``, ``"codec"``, ``"merge"``,
             ``"period"``) it cannot run with,
             each with the reason (checked by :meth:`check_supported`).
+        resumed_at: set by the last ``wait()`` when it did not average but brought this worker
+            to the state after a later outer step (a late worker under a straggler quorum): the
+            outer step to continue from, its slow step already applied; None otherwise.
     """
 
     name: ClassVar[str] = ""
     unsupported: ClassVar[dict[str, str]] = {}
+    resumed_at: int | None = None
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -77,6 +81,19 @@ class Exchange(abc.ABC):
             exact: whether the parameters need averaging (False: a base such as AR-SGD keeps
                 them identical on every worker, or ``average=False``: only ``extra`` is averaged).
         """
+
+    def landed(self, tensors: list[Tensor]) -> None:
+        """After the slow step of an average this exchange completed (nothing by default).
+
+        Args:
+            tensors: the payload's tensors (parameters, then model buffers), now the new anchor.
+        """
+        return None
+
+    def settle(self) -> None:
+        """At the end of training (``opt.finish()``, on every worker): complete what is owed
+        to other workers (nothing by default)."""
+        return None
 
     def reset(self) -> None:
         """Forget what is kept between outer steps (a restart from the anchor: it belonged to
