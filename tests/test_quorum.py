@@ -264,3 +264,27 @@ def test_a_worker_that_stops_does_not_stop_the_others_until_the_end():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] never arrived"):
         run_threads(3, worker, timeout=1.5)
     assert members[0] == [[0, 1, 2]] + [[0, 1]] * 5
+
+
+def test_the_quorum_step_is_saved_and_resumed_with_the_outer_steps():
+    def build(comm):
+        model = make_model()
+        return model, DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR),
+            named_parameters=model.named_parameters(),
+            communicator=comm,
+            tau=2,
+            straggler=Quorum(min_workers=2, grace=0.0),
+        )
+
+    def worker(comm):
+        model, opt = build(comm)
+        for k in range(5):
+            opt.zero_grad()
+            loss_at(model, comm.rank, k).backward()
+            opt.step()
+        _, resumed = build(comm)
+        resumed.load_state_dict(opt.state_dict())
+        return resumed.exchanges[0].step, resumed.outer_steps
+
+    assert run_threads(2, worker) == [(2, 2), (2, 2)]
