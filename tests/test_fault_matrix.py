@@ -21,10 +21,16 @@ period_seconds="200ms"} x {worker killed, worker frozen, worker slowed} (rank 1 
 base step that ends an outer step, at or after step 5; slowed: 0.01 s more per base step from
 then on). A slowed worker ``goes on``: every rank finishes with the same anchor.
 
+The straggler quorum adds {torch.distributed Gloo} x {straggler=Quorum(1)} x {worker killed,
+frozen, slowed}: rank 0 trains every outer step without the faulted rank and saves its
+checkpoints; then its ``opt.finish()`` waits for the missing rank up to the deadline and names it
+(a killed process: torchrun ends the job first).
+
 The same unequal-worker rows also run on thread workers, in-process (``test_thread_cell``, the
 default tier): a killed thread ends without a word (it stops calling collectives), a frozen one
 blocks; the survivor's collective deadline (1.5 s) ends the run with a ``CollectiveTimeout``
-naming the missing rank; a slowed one finishes within the launches' deadline (20 s).
+naming the missing rank (under the quorum: after the survivor trained every outer step); a
+slowed one finishes within the launches' deadline (20 s).
 
 The default suite runs 5 cells (Horovod Gloo, one per configuration, the quickest faults; and
 torch.distributed with time-based periods, a slowed worker); ``HVD_SLOWMO_FAULT_MATRIX=1`` runs
@@ -92,6 +98,8 @@ UNEQUAL_CONFIGS = ("samples", "seconds")
 UNEQUAL_FAULTS = ("kill", "freeze", "slow")
 GRID = [(e, c, f) for e in ENGINES for c in CONFIGS for f in FAULTS]
 GRID += [(e, c, f) for e in ENGINES for c in UNEQUAL_CONFIGS for f in UNEQUAL_FAULTS]
+# The straggler quorum needs point-to-point messages: torch.distributed only.
+GRID += [("torchdist-gloo", "quorum", f) for f in UNEQUAL_FAULTS]
 CELLS = [pytest.param(e, c, f, id=f"{e}-{c}-{f}") for e, c, f in GRID]
 
 
@@ -235,7 +243,7 @@ class ThreadFault(Fault):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config", ["samples", "seconds"])
+@pytest.mark.parametrize("config", ["samples", "seconds", "quorum"])
 @pytest.mark.parametrize("fault", ["kill", "freeze", "slow"])
 def test_thread_cell(tmp_path, config, fault):
     worker = _matrix_worker()
@@ -271,6 +279,10 @@ def test_thread_cell(tmp_path, config, fault):
         assert (tmp_path / "fault.json").exists()
         if config == "seconds":  # time-based: the slowed rank took fewer steps
             assert got[1]["num_steps"] < got[0]["num_steps"], got
+    elif config == "quorum":
+        # Rank 0 went on alone to the last outer step, then waited for rank 1 at finish().
+        with pytest.raises(CollectiveTimeout, match=r"after outer step 3.*\[1\] never arrived"):
+            run_threads(2, run, timeout=THREAD_DEADLINE)
     else:
         with pytest.raises(CollectiveTimeout, match=r"rank\(s\) \[1\] never started it"):
             run_threads(2, run, timeout=THREAD_DEADLINE)

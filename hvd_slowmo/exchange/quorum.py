@@ -98,6 +98,16 @@ def _mean(contributions: list[list[Tensor]]) -> list[Tensor]:
     return out
 
 
+def _received(handles: list[PendingExchange], src: int, step: int) -> list[Tensor]:
+    """The parts of ``src``'s message for outer ``step``; a transport's error (a peer gone past
+    the process group's timeout) says which rank and outer step it was."""
+    try:
+        return [h.wait()[src] for h in handles]
+    except Exception as e:
+        e.add_note(f"hvd_slowmo: straggler quorum: rank {src}'s message for outer step {step}")
+        raise
+
+
 def _finite(tensors: list[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
@@ -304,7 +314,7 @@ class QuorumExchange(Exchange):
         for r, handles in posted.items():
             if r not in arrived and all(h.done() for h in handles):
                 arrived[r] = now
-                header, *body = (h.wait()[r] for h in handles)
+                header, *body = _received(handles, r, self.step)
                 if float(header[1]) > 0:
                     bodies[r] = body
                 else:  # non-finite: left out, resynchronized like a late worker
@@ -314,8 +324,7 @@ class QuorumExchange(Exchange):
         """Rank 0: the late workers whose message has now arrived wait for a resync."""
         for r, (step, handles) in list(self._late.items()):
             if all(h.done() for h in handles):
-                for h in handles:
-                    h.wait()
+                _received(handles, r, step)
                 del self._late[r]
                 self._waiting.append((r, step))
 
@@ -359,14 +368,9 @@ class QuorumExchange(Exchange):
         while self._late:
             self._collect_late()
             if self.timeout is not None and self.clock() - began > self.timeout:
-                raise CollectiveTimeout(
-                    timeout_message(
-                        0,
-                        "the late workers' last messages",
-                        self.timeout,
-                        f"rank(s) {sorted(self._late)} never arrived",
-                    )  # fmt: skip
-                )
+                what = f"the late workers' last messages (after outer step {self.step - 1})"
+                missing = f"rank(s) {sorted(self._late)} never arrived"
+                raise CollectiveTimeout(timeout_message(0, what, self.timeout, missing))
             time.sleep(delay)
             delay = min(max(2 * delay, 2e-5), 5e-3)
         if self._waiting:

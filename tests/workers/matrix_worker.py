@@ -4,9 +4,11 @@ saves an atomic checkpoint every 4 steps.
 
 Usage: matrix_worker.py OUT_DIR ENGINE CONFIG FAULT
   ENGINE: horovod (under horovodrun, Gloo or MPI) or torchdist (under torchrun, Gloo).
-  CONFIG: plain | overlap2 | frag4 | int8 | samples | seconds (see CONFIGS; each has the phase
-          it is faulted in). samples and seconds (issue 37) report unequal samples per step
-          (2 + rank); seconds runs OUTER outer steps of unequal step counts and saves after each.
+  CONFIG: plain | overlap2 | frag4 | int8 | samples | seconds | quorum (see CONFIGS; each has
+          the phase it is faulted in). samples and seconds (issue 37) report unequal samples per
+          step (2 + rank); seconds and quorum run OUTER outer steps (of unequal step counts;
+          under the quorum a late rank skips outer steps) and save after each; quorum
+          (straggler=Quorum(1)) ends with opt.finish(), where rank 0 settles with a late rank.
   FAULT:  kill | freeze | raise | late_join | link_down | slow.
 In an emulated host (``slowmo_lab.netns``, the link_down cells) there is no launcher: Horovod's
 variables come from the namespace's worker environment, and torch.distributed takes its rank and
@@ -48,6 +50,8 @@ CONFIGS = {
     # A step of the tiny model takes about a millisecond: 0.2 s periods hold a hundred or more,
     # and the slowed rank (0.05 s per step) a few.
     "seconds": ({"tau": 4, "period_seconds": "200ms"}, "before_start"),
+    # Two ranks, a quorum of one: rank 0 goes on alone while rank 1 is late or gone.
+    "quorum": ({"tau": 4, "straggler": hvd_slowmo.Quorum(1, grace=0.5)}, "before_start"),
 }
 OUTER = STEPS // 4  # outer steps of every configuration (tau 4; the first period of "seconds")
 TIMEOUT = float(os.environ.get("FAULT_MATRIX_ENGINE_TIMEOUT", "10"))
@@ -97,7 +101,7 @@ def train(out: str, rank: int, config: str, fault: Fault, communicator: Any = No
     )
     fault.arm(opt, rank, FAULTY)
     samples = float(2 + rank) if config in ("samples", "seconds") else None
-    timed = config == "seconds"
+    timed = config in ("seconds", "quorum")
     k = 0
     # STEPS steps saved every 4 (one outer period of tau 4); under period_seconds the ranks take
     # unequal step counts: OUTER outer steps, saved after each (all ranks end each together).
@@ -113,6 +117,8 @@ def train(out: str, rank: int, config: str, fault: Fault, communicator: Any = No
             if rank == 0:
                 save_checkpoint(state, os.path.join(out, "ckpt.pt"))
     opt.flush()
+    if config == "quorum":
+        opt.finish()  # rank 0 waits for a late rank's last message, up to the deadline
     return {"num_steps": opt.num_steps, "anchor": [a.tolist() for a in anchor_of(opt)]}
 
 
