@@ -1,9 +1,10 @@
 """The cost model's compute utilization from 8 to 1024 workers: predictions, not measurements.
 
-For one model size, step time, ``tau``, workers per node, latency and one or more links, prints
-per link a Markdown table of :func:`hvd_slowmo.plan.predict`'s compute utilization for each
-curve's setting (taken from :func:`hvd_slowmo.plan.default_settings`) at each worker count, and
-with ``--png`` draws the curves, one panel per link, with the published utilization of
+For one model size, step time, ``tau`` and workers per node, and one or more links and
+latencies, prints per link and latency a Markdown table of :func:`hvd_slowmo.plan.predict`'s
+compute utilization for each curve's setting (taken from
+:func:`hvd_slowmo.plan.default_settings`) at each worker count, and with ``--png`` draws the
+curves, one panel per link and latency, with the published utilization of
 Streaming DiLoCo (simulated, arXiv 2501.18512) and Covenant-72B (measured over its run, arXiv
 2603.08163) beside them. Arithmetic only, no timing: the numbers do not depend on the machine.
 The figure of docs/planner.md::
