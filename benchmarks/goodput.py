@@ -15,8 +15,11 @@ For each scenario and mode the table shows the fast hosts' **utilization**: the 
 spent computing over the wall-clock seconds of the run (the compute-only speed is 100%), and
 each host's base steps. Count-based periods run at the slowest host's pace; time-based periods
 let each host take the steps that fit (the weights cost nothing in time: they change what the
-average is, not when). A pause stalls every mode but ``quorum`` for as long as it lasts: the
-outer step waits for every worker. ``quorum`` (``straggler=Quorum(hosts - 1)``, adaptive grace
+average is, not when). Under time-based periods ``tau`` is only the first period's count, taken
+at the slowest host's pace before any step time is known: these modes use ``--first-steps``
+(3) for it, the count-based ones ``--tau``. A pause stalls every mode but ``quorum`` for as long
+as it lasts: the outer step waits for every worker. ``quorum``
+(``straggler=Quorum(hosts - 1)``, adaptive grace
 between 10% of a period and a period) closes the outer step without the late host and
 resynchronizes it (docs/unequal-workers.md); its work since its last outer step is dropped, so
 the steps column of a slowed host counts steps whose work may not have reached the average.
@@ -75,14 +78,16 @@ def _worker(rank: int, size: int, port: int, spec: dict[str, Any], results: Any)
     compute = spec["compute_ms"] / 1e3
     period = spec["tau"] * compute  # what one count-based period takes a fast host
     options = dict(MODES[spec["mode"]])
+    tau = spec["tau"]
     if options.pop("period_seconds", False):
         options["period_seconds"] = period
+        tau = spec["first_steps"]  # only the first period counts steps, at everyone's pace
     if options.pop("straggler", False):
         options["straggler"] = hvd_slowmo.Quorum(size - 1, min_grace=0.1 * period, max_grace=period)
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        tau=spec["tau"],
+        tau=tau,
         engine="torch",
         **options,
     )
@@ -151,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compute-ms", type=float, default=100.0, help="one base step's compute")
     parser.add_argument("--tau", type=int, default=12, help="steps per count-based period")
     parser.add_argument("--outer", type=int, default=12, help="outer steps per run")
+    parser.add_argument(
+        "--first-steps", type=int, default=3,
+        help="time-based modes: the first period's steps (tau), before any step time is known",
+    )  # fmt: skip
     parser.add_argument("--params", type=int, default=100_000, help="the model's parameters")
     parser.add_argument("--batch", type=int, default=32, help="samples reported per step")
     parser.add_argument("--slow-factor", type=float, default=2.0, help="the slow host's slowdown")
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes.split(","):
             spec = {
                 "hosts": args.hosts, "compute_ms": args.compute_ms, "tau": args.tau,
-                "outer": args.outer, "params": args.params, "batch": args.batch,
+                "outer": args.outer, "first_steps": args.first_steps, "params": args.params,
+                "batch": args.batch,
                 "slow_factor": args.slow_factor, "pause_at": args.pause_at,
                 "pause_periods": args.pause_periods, "scenario": scenario, "mode": mode,
                 "timeout": args.timeout, "port": _free_port(),
