@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,15 @@ from launch import Job, ThreadJob, init_job, run_in_threads
 
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line, parse_event
-from unequal import Straggler, add_straggler_args, straggler_from_args, straggler_summary
+from unequal import (
+    Straggler,
+    add_straggler_args,
+    outer_driven,
+    policy_options,
+    policy_summary,
+    straggler_from_args,
+    straggler_summary,
+)
 
 import hvd_slowmo
 from slowmo_lab.metrics import CONFIG_FILE, TrainingMonitor
@@ -327,6 +335,7 @@ def build_optimizer(
         kwargs.update(buffers="maintain")  # identical on every worker already
     if args.slowmo and getattr(args, "outer_optimizer", "heavyball") != "heavyball":
         kwargs.update(outer_optimizer=args.outer_optimizer)  # e.g. DiLoCo's Nesterov
+    kwargs.update(policy_options(args))  # time-based periods, weighted merge, quorum
     if communicator is not None:
         kwargs.update(communicator=communicator)
     if worker is not None:
@@ -482,11 +491,18 @@ def describe(opt: hvd_slowmo.DistributedOptimizer) -> str:
 
 
 def run_name(args: argparse.Namespace) -> str:
-    """The TensorBoard run name: algorithm, SlowMo, tau, alpha, beta, buffers (so runs overlay)."""
+    """The TensorBoard run name: algorithm, SlowMo, tau, alpha, beta, buffers, the options and
+    the unequal workers' policies (so runs of other settings never overlay)."""
     if args.run_name:
         return args.run_name
+    period, quorum = getattr(args, "period_seconds", None), getattr(args, "quorum", 0)
+    policies = (
+        (f"_period{period}" if period is not None else "")
+        + ("_weighted" if getattr(args, "merge", "mean") == "samples" else "")
+        + (f"_quorum{quorum}" if quorum else "")
+    )
     if not args.slowmo:
-        return f"{args.algo}" + (f"_tau{args.tau}" if args.algo == "localsgd" else "")
+        return f"{args.algo}" + (f"_tau{args.tau}" if args.algo == "localsgd" else "") + policies
     tag = "-slowmo-noavg" if args.no_average else "-slowmo"
     return (
         f"{args.algo}{tag}_tau{args.tau}_a{args.slow_lr:g}_b{args.slow_momentum:g}"
@@ -497,6 +513,7 @@ def run_name(args: argparse.Namespace) -> str:
         + (f"_fragments{args.fragments}" if args.fragments > 1 else "")
         + ({None: "", "shares": "_eager", "local": "_eager-local"}[args.eager])
         + (f"_mix{args.mix:g}" if args.mix else "")
+        + policies
     )
 
 
@@ -565,7 +582,15 @@ def make_monitor(
         for old in old_files + [os.path.join(logdir, CONFIG_FILE)]:
             if os.path.exists(old):
                 os.remove(old)
-    return TrainingMonitor(opt, logdir if rank == 0 else None, config, device=device)
+    # The consensus distance is a collective before each outer step: with unequal step counts
+    # (time-based periods, a quorum) the workers do not reach it together.
+    return TrainingMonitor(
+        opt,
+        logdir if rank == 0 else None,
+        config,
+        device=device,
+        measure_consensus=not outer_driven(args),
+    )
 
 
 def warmup_multistep(
@@ -1008,12 +1033,14 @@ def _train_epoch(
     """One epoch of :func:`train`'s steps; returns (the sum of this worker's minibatch losses, its
     steps, whether the run diverged: a non-finite check raised, on every rank at the same step)."""
     rank = hvd.rank()
-    bar = progress(
-        task.batches(epoch), rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}"
-    )
+    # Unequal step counts (time-based periods, a quorum): the epoch ends at its share of outer
+    # steps, each worker drawing the epoch's batches again if it needs more.
+    until = (epoch + 1) * max(1, task.steps_per_epoch // args.tau) if outer_driven(args) else None
+    batches = task.batches(epoch) if until is None else _cycle(lambda: task.batches(epoch))
+    bar = progress(batches, rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}")
     loss_sum, steps = 0.0, 0
     for i, batch in enumerate(bar):
-        if i >= task.steps_per_epoch:
+        if (i >= task.steps_per_epoch) if until is None else (opt.outer_steps >= until):
             break
         batch = task.to_device(batch)
         monitor.start_iteration()
@@ -1038,11 +1065,22 @@ def _train_epoch(
         monitor.end_iteration(value)
         loss_sum, steps = loss_sum + value, steps + 1
         sched.step()
-        if opt.num_steps % args.log_every == 0:
+        if until is None and opt.num_steps % args.log_every == 0:
             window = monitor.log_window(opt.num_steps)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{window['train_loss']:.4f}", ms=f"{window['iter_ms']:.1f}")
+    if until is not None:
+        opt.finish()  # the quorum's late workers catch up before the epoch's collectives
+        # A window's numbers are averaged over the workers (collective): with unequal step
+        # counts the workers meet only here, so the window is the epoch.
+        monitor.log_window(opt.num_steps)
     return loss_sum, steps, False
+
+
+def _cycle(batches: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+    """``batches()`` over and over (a worker that takes more steps than an epoch holds)."""
+    while True:
+        yield from batches()
 
 
 def train(
@@ -1137,8 +1175,8 @@ def train(
             break
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, opt, epoch + 1, scaler, rank)
-    if opt.num_steps % args.log_every:  # close the last, partial TensorBoard window
-        monitor.log_window(opt.num_steps)
+    if not outer_driven(args) and opt.num_steps % args.log_every:
+        monitor.log_window(opt.num_steps)  # close the last, partial TensorBoard window
     monitor.close()
     opt.flush()  # no outer step (overlap) nor gossip message (OSGP) stays in flight past the run
     timed = monitor.total_iterations - skip_iters
@@ -1172,6 +1210,7 @@ def train(
         **(islands.summary() if islands is not None else {}),
     }
     summary.update(straggler_summary(straggler))  # on the emulated straggler: what it added
+    summary.update(policy_summary(args, opt, rank))  # a quorum: the steps without everyone
     write_summary(args.summary_json, summary, rank)
     _progress_line(args, rank, "end", summary=summary)
     return summary

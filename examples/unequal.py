@@ -1,5 +1,6 @@
-"""Emulated unequal workers for the examples (issue 37): one worker slowed by a factor, or paused
-for some outer periods, while the others train as usual.
+"""Unequal workers in the examples (issue 37): one emulated worker slowed by a factor, or paused
+for some outer periods, while the others train as usual; and the optimizer's policies for them
+(time-based periods, the weighted merge, the straggler quorum) as flags.
 
 The slowdown is a busy-wait, not a repeated forward/backward: a repeated pass would change the
 slowed worker's numbers (BatchNorm's running statistics, the data order, accumulated gradients),
@@ -15,10 +16,16 @@ import argparse
 import math
 import time
 from collections.abc import Callable
+from typing import Any
+
+import hvd_slowmo
 
 __all__ = [
     "Straggler",
     "add_straggler_args",
+    "outer_driven",
+    "policy_options",
+    "policy_summary",
     "straggler_flags",
     "straggler_from_args",
     "straggler_summary",
@@ -139,6 +146,30 @@ def add_straggler_args(parser: argparse.ArgumentParser) -> None:
         default=-1,
         help="the slowed/paused worker's rank (-1: the last)",
     )
+    p = parser.add_argument_group("the optimizer's policies for unequal workers (issue 37)")
+    p.add_argument(
+        "--period-seconds",
+        default=None,
+        help="time-based outer periods (e.g. 2s): after a first period of --tau steps, each "
+        "worker takes the steps that fit (DistributedOptimizer(period_seconds=...))",
+    )
+    p.add_argument(
+        "--merge",
+        choices=("mean", "samples"),
+        default="mean",
+        help="the exact average: plain mean, or weighted by each worker's samples",
+    )
+    p.add_argument(
+        "--quorum",
+        type=int,
+        default=0,
+        help="straggler=Quorum(K): the outer step goes on with K workers and the grace (0: off)",
+    )
+    p.add_argument(
+        "--grace",
+        default="adaptive",
+        help="the quorum's grace: seconds, or 'adaptive' (median + 3 MAD of recent delays)",
+    )
 
 
 def straggler_flags(args: argparse.Namespace) -> list[str]:
@@ -153,7 +184,74 @@ def straggler_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--pause-at", str(args.pause_at), "--pause-periods", f"{args.pause_periods:g}"]
     if flags and args.straggler_rank != -1:
         flags += ["--straggler-rank", str(args.straggler_rank)]
+    if args.period_seconds is not None:
+        flags += ["--period-seconds", str(args.period_seconds)]
+    if args.merge != "mean":
+        flags += ["--merge", args.merge]
+    if args.quorum:
+        flags += ["--quorum", str(args.quorum), "--grace", str(args.grace)]
     return flags
+
+
+def policy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``DistributedOptimizer`` arguments of the policy flags (none when unset).
+
+    Args:
+        args: parsed by a parser with :func:`add_straggler_args`.
+    """
+    out: dict[str, Any] = {}
+    period, merge, quorum = _policies(args)
+    if period is not None:
+        out["period_seconds"] = period
+    if merge != "mean":
+        out["merge"] = merge
+    if quorum:
+        grace: float | str = args.grace
+        if grace != "adaptive":
+            try:
+                grace = float(grace)
+            except ValueError:
+                raise ValueError(
+                    f"--grace must be seconds or 'adaptive', got {args.grace!r}"
+                ) from None
+        out["straggler"] = hvd_slowmo.Quorum(quorum, grace=grace)
+    return out
+
+
+def _policies(args: argparse.Namespace) -> tuple[str | None, str, int]:
+    """``(period_seconds, merge, quorum)`` of ``args`` (defaults where a script has no such
+    flags)."""
+    return (
+        getattr(args, "period_seconds", None),
+        getattr(args, "merge", "mean"),
+        getattr(args, "quorum", 0),
+    )
+
+
+def policy_summary(args: argparse.Namespace, opt: Any, rank: int) -> dict[str, int]:
+    """The run summary's entry of the quorum on rank 0: ``{"quorum_partial_steps": n}``, the
+    outer steps closed without every worker; ``{}`` elsewhere or without a quorum.
+
+    Args:
+        args: the parsed flags.
+        opt: the :class:`hvd_slowmo.DistributedOptimizer`.
+        rank: this worker's rank.
+    """
+    if not _policies(args)[2] or rank != 0:
+        return {}
+    size = opt.comm.size
+    return {"quorum_partial_steps": sum(len(m) < size for m in opt.exchanges[0].members)}
+
+
+def outer_driven(args: argparse.Namespace) -> bool:
+    """Whether the workers take unequal numbers of steps (time-based periods, or a quorum whose
+    late workers skip outer steps), so that an epoch must end by outer steps, not by batches.
+
+    Args:
+        args: parsed by a parser with :func:`add_straggler_args`.
+    """
+    period, _, quorum = _policies(args)
+    return period is not None or bool(quorum)
 
 
 def straggler_from_args(args: argparse.Namespace, rank: int, size: int) -> Straggler | None:

@@ -88,6 +88,12 @@ def test_run_names_encode_settings():
     )
     assert common.run_name(ns(overlap=1, eager="local")).endswith("_overlap1_eager-local")
     assert common.run_name(ns(overlap=2, fragments=4, mix=0.25)).endswith("_fragments4_mix0.25")
+    assert common.run_name(ns(period_seconds="2s", merge="samples")).endswith(
+        "_reset_period2s_weighted"
+    )
+    assert common.run_name(ns(algo="localsgd", slowmo=False, tau=12, quorum=3)) == (
+        "localsgd_tau12_quorum3"
+    )
 
 
 def test_translation_tokenizer_vocab_and_batches():

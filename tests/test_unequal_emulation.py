@@ -178,3 +178,24 @@ def test_thread_workers_slowed_and_paused_train_the_same_bits(tmp_path):
     assert slowed["straggler"]["busy_s"] > 0 and slowed["straggler"]["paused_s"] > 0
     assert slowed["steps"] == plain["steps"] == 12 and slowed["outer_steps"] == 3
     assert slowed["val_loss"] == plain["val_loss"] and slowed["train_loss"] == plain["train_loss"]
+
+
+@pytest.mark.slow  # two whole runs of a few seconds: the default tier, not the fast one
+def test_main_job_runs_the_unequal_workers_policies(tmp_path):
+    """The main job's policy flags: a quorum of 2 of 3 thread workers goes on without a paused
+    worker (an outer step closes without it), and time-based periods with the weighted merge
+    run their epochs by outer steps; both end with every outer step."""
+
+    def run(*flags: str) -> dict:
+        out = tmp_path / "summary.json"
+        argv = ["--threads", "3", "--algo", "localsgd", "--slowmo", "--tau", "4"]
+        argv += ["--epoch-steps", "8", "--epochs", "2", "--no-progress"]
+        argv += ["--logdir", str(tmp_path), "--summary-json", str(out), *flags]
+        assert common.run_cli(mnist1d_cnn.main, argv) == 0
+        return json.loads(out.read_text())
+
+    quorum = run("--quorum", "2", "--grace", "0.05", "--pause-at", "1", "--pause-periods", "30")
+    assert quorum["run"].endswith("_quorum2") and quorum["outer_steps"] == 4
+    assert quorum["quorum_partial_steps"] >= 1
+    timed = run("--period-seconds", "0.3s", "--merge", "samples", "--slow-factor", "2")
+    assert timed["run"].endswith("_period0.3s_weighted") and timed["outer_steps"] == 4
