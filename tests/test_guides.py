@@ -113,8 +113,12 @@ NOTEBOOK = re.compile(
 )
 DEPRECATED = re.compile(r'compression="(?:fp16|bf16|int8|fp8|sparse)"|eager=(?:True|False)\b')
 # A measured figure: a mean ± spread, a speed-up or a ratio to compute speed ("4.5x sooner";
-# not "one host 2x slower", a setting).
-FIGURE = re.compile(r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)")
+# not "one host 2x slower", a setting), or a time something took ("the builds took 148 s", "built
+# it in about 100 s"; not a budget or a timeout: "6 minutes for the whole run", "deadline 2 s").
+FIGURE = re.compile(
+    r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)"
+    r"|\b(?:took|in) (?:about )?\d+(?:\.\d+)?(?:-\d+)? ?(?:ms|s|min|minutes)\b"
+)
 # A dated record of a run ("2026-11-26 23:00 UTC", "Last run here, 2026-11-26"): it belongs on a
 # results page, which the guide links. Dates inside a link's target (an anchor) do not count.
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
