@@ -3,7 +3,8 @@ include (MkDocs' snippets extension) and these tests run, so a guide cannot show
 not work. At one process here (no launcher: Horovod and torch.distributed at size 1), and under
 ``horovodrun -np 2`` and ``torchrun --nproc-per-node 2`` in the launch tier. The pages also keep
 to what a user guide is: no lab-notebook "round", no deprecated spelling, and every measured
-figure or dated run beside a link to the results page that holds its machine and commit."""
+figure or dated run beside a link to the results page that holds its machine and commit; so does
+each of the README's headline figures."""
 
 import os
 import re
@@ -152,3 +153,22 @@ def test_user_guide_pages_read_as_a_guide():
             if DATE.search(re.sub(r"\]\([^)]*\)", "]", body)) and not linked & results:
                 problems.append(f"{page}, {heading}: a dated record without a results link")
     assert not problems, "\n".join(problems)
+
+
+def test_readme_headline_figures_link_their_results_pages():
+    # The README's front page holds the same care: each paragraph of its headline figures (a
+    # table belongs to the paragraph above it) that states a measured figure links the results
+    # page with its machine, commit and command.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    headline = text.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    paragraphs = []
+    for block in headline.strip().split("\n\n"):
+        if block.startswith("|") and paragraphs:
+            paragraphs[-1] += "\n" + block
+        else:
+            paragraphs.append(block)
+    # Here any ratio, share or time is a figure: the headline section states no settings.
+    figure = re.compile(r"\d(?:x\b|%| ?ms\b| s\b)|±")
+    unlinked = [p[:80] for p in paragraphs if figure.search(p) and "](docs/results/" not in p]
+    assert not unlinked, unlinked
