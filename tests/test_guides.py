@@ -188,3 +188,10 @@ def test_usage_page_names_every_argument():
     params = inspect.signature(hvd_slowmo.DistributedOptimizer).parameters.values()
     wanted = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
     assert wanted <= named, sorted(wanted - named)
+
+
+def test_benchmarks_index_links_every_results_page():
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        linked = {t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", f.read())}
+    pages = set(nav_pages("Results")) - {"benchmarks.md"}
+    assert pages <= linked, sorted(pages - linked)
