@@ -195,3 +195,17 @@ def test_benchmarks_index_links_every_results_page():
         linked = {t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", f.read())}
     pages = set(nav_pages("Results")) - {"benchmarks.md"}
     assert pages <= linked, sorted(pages - linked)
+
+
+def test_front_pages_have_no_round_nor_deprecated_spelling():
+    # The README, the home page and the list of what was not verified are read as the library's
+    # description too.
+    problems = []
+    for page in ("README.md", "docs/index.md", "docs/limitations.md"):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            for line in f:
+                if NOTEBOOK.search(line):
+                    problems.append(f"{page}: a lab notebook's round: {line.strip()[:100]}")
+                if DEPRECATED.search(line) and "eprecat" not in line:
+                    problems.append(f"{page}: deprecated spelling: {line.strip()[:100]}")
+    assert not problems, "\n".join(problems)
