@@ -209,3 +209,16 @@ def test_front_pages_have_no_round_nor_deprecated_spelling():
                 if DEPRECATED.search(line) and "eprecat" not in line:
                     problems.append(f"{page}: deprecated spelling: {line.strip()[:100]}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_settings_guide_planner_command_runs(capsys):
+    # The first step of "Choose settings for your link" is a command line: run it as written.
+    import shlex
+
+    from hvd_slowmo.plan import main
+
+    with open(os.path.join(GUIDE, "settings.md"), encoding="utf-8") as f:
+        (command,) = re.findall(r"`(python -m hvd_slowmo\.plan [^`]+)`", f.read())
+    argv = shlex.split(" ".join(command.split()))[3:]
+    text = main(argv)
+    assert "Recommended: " in text and "Its arguments: DistributedOptimizer(" in text
