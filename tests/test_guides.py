@@ -4,7 +4,8 @@ not work. At one process here (no launcher: Horovod and torch.distributed at siz
 ``horovodrun -np 2`` and ``torchrun --nproc-per-node 2`` in the launch tier. The pages also keep
 to what a user guide is: no lab-notebook "round", no deprecated spelling, and every measured
 figure or dated run beside a link to the results page that holds its machine and commit; so does
-each of the README's headline figures."""
+each of the README's headline figures. The settings guide's planner command runs as written, the
+usage page names every argument of the constructor, and the benchmarks page every results page."""
 
 import os
 import re
