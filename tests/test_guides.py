@@ -3,7 +3,9 @@ include (MkDocs' snippets extension) and these tests run, so a guide cannot show
 not work. At one process here (no launcher: Horovod and torch.distributed at size 1), and under
 ``horovodrun -np 2`` and ``torchrun --nproc-per-node 2`` in the launch tier. The pages also keep
 to what a user guide is: no lab-notebook "round", no deprecated spelling, and every measured
-figure or dated run beside a link to the results page that holds its machine and commit."""
+figure or dated run beside a link to the results page that holds its machine and commit; so does
+each of the README's headline figures. The settings guide's planner command runs as written, the
+usage page names every argument of the constructor, and the benchmarks page every results page."""
 
 import os
 import re
@@ -113,8 +115,12 @@ NOTEBOOK = re.compile(
 )
 DEPRECATED = re.compile(r'compression="(?:fp16|bf16|int8|fp8|sparse)"|eager=(?:True|False)\b')
 # A measured figure: a mean ± spread, a speed-up or a ratio to compute speed ("4.5x sooner";
-# not "one host 2x slower", a setting).
-FIGURE = re.compile(r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)")
+# not "one host 2x slower", a setting), or a time something took ("the builds took 148 s", "built
+# it in about 100 s"; not a budget or a timeout: "6 minutes for the whole run", "deadline 2 s").
+FIGURE = re.compile(
+    r"\d ± \d|\b\d+(?:\.\d+)?x (?:sooner|faster|compute)"
+    r"|\b(?:took|in) (?:about )?\d+(?:\.\d+)?(?:-\d+)? ?(?:ms|s|min|minutes)\b"
+)
 # A dated record of a run ("2026-11-26 23:00 UTC", "Last run here, 2026-11-26"): it belongs on a
 # results page, which the guide links. Dates inside a link's target (an anchor) do not count.
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
@@ -148,3 +154,72 @@ def test_user_guide_pages_read_as_a_guide():
             if DATE.search(re.sub(r"\]\([^)]*\)", "]", body)) and not linked & results:
                 problems.append(f"{page}, {heading}: a dated record without a results link")
     assert not problems, "\n".join(problems)
+
+
+def test_readme_headline_figures_link_their_results_pages():
+    # The README's front page holds the same care: each paragraph of its headline figures (a
+    # table belongs to the paragraph above it) that states a measured figure links the results
+    # page with its machine, commit and command.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    headline = text.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    paragraphs = []
+    for block in headline.strip().split("\n\n"):
+        if block.startswith("|") and paragraphs:
+            paragraphs[-1] += "\n" + block
+        else:
+            paragraphs.append(block)
+    # Here any ratio, share or time is a figure: the headline section states no settings.
+    figure = re.compile(r"\d(?:x\b|%| ?ms\b| s\b)|±")
+    unlinked = [p[:80] for p in paragraphs if figure.search(p) and "](docs/results/" not in p]
+    assert not unlinked, unlinked
+
+
+def test_usage_page_names_every_argument():
+    # The arguments table of docs/usage.md follows the constructor: a new argument fails here
+    # until the page says what it does.
+    import inspect
+
+    import hvd_slowmo
+
+    with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+        table = f.read().split("## Arguments", 1)[1]
+    shown = set(re.findall(r"^\| ([^|]+) \|", table, re.M))
+    named = {n for cell in shown for n in re.findall(r"`(\w+)", cell)}
+    params = inspect.signature(hvd_slowmo.DistributedOptimizer).parameters.values()
+    wanted = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
+    assert wanted <= named, sorted(wanted - named)
+
+
+def test_benchmarks_index_links_every_results_page():
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        linked = {t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", f.read())}
+    pages = set(nav_pages("Results")) - {"benchmarks.md"}
+    assert pages <= linked, sorted(pages - linked)
+
+
+def test_front_pages_have_no_round_nor_deprecated_spelling():
+    # The README, the home page and the list of what was not verified are read as the library's
+    # description too.
+    problems = []
+    for page in ("README.md", "docs/index.md", "docs/limitations.md"):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            for line in f:
+                if NOTEBOOK.search(line):
+                    problems.append(f"{page}: a lab notebook's round: {line.strip()[:100]}")
+                if DEPRECATED.search(line) and "eprecat" not in line:
+                    problems.append(f"{page}: deprecated spelling: {line.strip()[:100]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_settings_guide_planner_command_runs(capsys):
+    # The first step of "Choose settings for your link" is a command line: run it as written.
+    import shlex
+
+    from hvd_slowmo.plan import main
+
+    with open(os.path.join(GUIDE, "settings.md"), encoding="utf-8") as f:
+        (command,) = re.findall(r"`(python -m hvd_slowmo\.plan [^`]+)`", f.read())
+    argv = shlex.split(" ".join(command.split()))[3:]
+    text = main(argv)
+    assert "Recommended: " in text and "Its arguments: DistributedOptimizer(" in text

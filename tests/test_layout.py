@@ -1,8 +1,10 @@
 """The package's architecture, checked from its source (no import runs): no import cycles
-between its modules, and no module outside ``hvd_slowmo/comm/`` naming a concrete transport."""
+between its modules, no module outside ``hvd_slowmo/comm/`` naming a concrete transport, and
+every module and folder named on the layout page (docs/development.md)."""
 
 import ast
 import os
+import re
 
 from horovod_launch import ROOT
 
@@ -166,3 +168,18 @@ def _imports_any(tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             found.add(node.module or "")
     return found
+
+
+def test_the_layout_page_names_every_module_and_folder():
+    # docs/development.md is the one layout page: a module or folder added to the package (or
+    # renamed) fails here until the page's tree says what it holds.
+    with open(os.path.join(ROOT, "docs", "development.md"), encoding="utf-8") as f:
+        tree = f.read().split("```\nhvd_slowmo/\n", 1)[1].split("```", 1)[0]
+    named = set(re.findall(r"\b(\w+(?:\.py|/))", tree))
+    entries = {
+        f + "/" if os.path.isdir(os.path.join(PACKAGE, f)) else f
+        for f in os.listdir(PACKAGE)
+        if (f.endswith(".py") and f != "__init__.py")
+        or os.path.exists(os.path.join(PACKAGE, f, "__init__.py"))
+    }
+    assert entries <= named, sorted(entries - named)
