@@ -210,11 +210,12 @@ class QuorumExchange(Exchange):
         """A worker other than rank 0: send, then take the reply (an average or a resync)."""
         comm, t = self.comm, self.step
         flats = _flatten(tensors)
-        header = torch.tensor([t, float(_finite(tensors))], dtype=torch.float64)
+        device = flats[0].device  # NCCL sends only what lives on the GPU: the headers too
+        header = torch.tensor([t, float(_finite(tensors))], dtype=torch.float64, device=device)
         sends = [comm.send_start(header, 0, _tag(t, CONTRIBUTION, 0))]
         sends += [comm.send_start(f, 0, _tag(t, CONTRIBUTION, 1 + j)) for j, f in enumerate(flats)]
         what = f"rank 0's reply to outer step {t} (straggler quorum)"
-        like = torch.empty(2 + comm.size, dtype=torch.float64)
+        like = torch.empty(2 + comm.size, dtype=torch.float64, device=device)
         reply = self._wait(comm.recv_start(like, 0, _tag(t, REPLY, 0)), 0, what)
         kind, closed = float(reply[0]), int(reply[1])
         members = [r for r in range(comm.size) if reply[2 + r] > 0]
@@ -243,7 +244,7 @@ class QuorumExchange(Exchange):
         posted: dict[int, list[PendingExchange]] = {}
         for r in range(1, comm.size):
             if r not in self._late:  # a late worker's next message is for its own old step
-                like = [torch.empty(2, dtype=torch.float64), *flats]
+                like = [torch.empty(2, dtype=torch.float64, device=flats[0].device), *flats]
                 posted[r] = [
                     comm.recv_start(x, r, _tag(t, CONTRIBUTION, j)) for j, x in enumerate(like)
                 ]
@@ -257,7 +258,7 @@ class QuorumExchange(Exchange):
         mean = _mean([bodies[r] for r in members])
         _unflatten_(mean, tensors)
         flags = [1.0 if r in members else 0.0 for r in range(comm.size)]
-        header = torch.tensor([AVERAGE, t, *flags], dtype=torch.float64)
+        header = torch.tensor([AVERAGE, t, *flags], dtype=torch.float64, device=mean[0].device)
         for r in members:
             if r != 0:
                 self._send(r, t, [header, *mean])
@@ -353,8 +354,9 @@ class QuorumExchange(Exchange):
         closed, members = self.step - 1, self.members[-1] if self.members else []
         flags = [1.0 if r in members else 0.0 for r in range(self.comm.size)]
         for r, step in self._waiting:
-            header = torch.tensor([RESYNC, closed, *flags], dtype=torch.float64)
             assert self._latest is not None
+            device = self._latest[0].device
+            header = torch.tensor([RESYNC, closed, *flags], dtype=torch.float64, device=device)
             self._send(r, step, [header, *self._latest])
         self._waiting = []
 
