@@ -512,6 +512,10 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         every outer step go through the same named collective, so a worker here and a worker
         still at an outer step meet, and both raise instead of hanging.
 
+        Under a straggler quorum (``straggler=``) rank 0 first waits for the workers still late
+        and resynchronizes them, so every worker ends at the same outer step; with unequal step
+        counts (a quorum, time-based periods) the outer steps are compared.
+
         Raises:
             RuntimeError: the workers took different numbers of steps.
         """
