@@ -58,6 +58,7 @@ MODES = {
     "time": {"period_seconds": True},
     "time+weighted": {"period_seconds": True, "merge": "samples"},
     "quorum": {"straggler": True},
+    "time+quorum": {"period_seconds": True, "straggler": True},
 }
 SCENARIOS = ("slow", "pause")
 

@@ -158,9 +158,10 @@ class SlowMoConfig:
             resynchronized from the new anchor (:mod:`hvd_slowmo.exchange.quorum`;
             docs/unequal-workers.md). Needs ``base="localsgd"``, point-to-point messages
             (torch.distributed or thread workers), ``overlap=0``, ``fragments=1``, no codec,
-            ``merge``, ``period_seconds``, eager updates, ``shard_slow_state``, custom outer
-            optimizer, ``buffers="average"`` nor ``nonfinite="skip"``. None (default): every
-            outer step waits for every worker.
+            ``merge``, eager updates, ``shard_slow_state``, custom outer optimizer,
+            ``buffers="average"`` nor ``nonfinite="skip"``; with ``period_seconds`` rank 0 plans
+            every worker's steps from the members' step times. None (default): every outer step
+            waits for every worker.
     """
 
     base: Any = "localsgd"

@@ -454,6 +454,7 @@ class Fragment:
             f.start_averages(parts.comm, self.exchange, cfg.exact_average)
             f.finish_averages(deferred=True)
             if self.exchange.resumed_at is not None:  # a late worker took the state it missed
+                self._merged(f)  # time-based periods: the next counts, as every worker plans
                 if cfg.buffers == "reset":
                     reset_buffers(parts.optimizer.state, self.keys())
                 return True, None

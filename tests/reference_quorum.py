@@ -37,8 +37,12 @@ def reference_quorum(
     momentum: float,
     slow_lr: float,
     slow_momentum: float,
+    counts: list[list[int]] | None = None,
 ) -> nn.Module:
-    """The common model after ``len(members)`` outer steps (parameters: the anchor)."""
+    """The common model after ``len(members)`` outer steps (parameters: the anchor).
+
+    ``counts[t][r]``: the base steps worker ``r`` takes in outer step ``t`` (time-based periods;
+    default ``tau`` each); its batches are still ``(r, t * tau + i)``."""
     common = make_model()
     anchor = [p.detach().clone().requires_grad_(True) for p in common.parameters()]
     slow = torch.optim.SGD(anchor, lr=1.0, momentum=slow_momentum)
@@ -47,7 +51,7 @@ def reference_quorum(
         for r in who:
             model = copy.deepcopy(common)
             opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-            for i in range(tau):
+            for i in range(tau if counts is None else counts[t][r]):
                 opt.zero_grad()
                 loss_at(model, r, t * tau + i).backward()
                 opt.step()

@@ -17,7 +17,7 @@ from reference import loss_at, make_model, params_of
 TAU, LR, MOMENTUM, SLOW_MOMENTUM = 4, 0.05, 0.9, 0.5
 
 
-def _run(m, outer, policy, pause=None, models=None, step_seconds=0.0):
+def _run(m, outer, policy, pause=None, models=None, step_seconds=0.0, **options):
     """``m`` thread workers train ``outer`` outer steps by the loop a quorum needs (until the
     outer step count, batches indexed by outer and inner step). ``pause=(rank, outer step,
     seconds)``: that worker sleeps before the base step that ends that outer step;
@@ -34,11 +34,13 @@ def _run(m, outer, policy, pause=None, models=None, step_seconds=0.0):
             tau=TAU,
             slow_momentum=SLOW_MOMENTUM,
             straggler=policy,
+            **options,
         )
         paused = False
         while opt.outer_steps < outer:
             if pause and not paused and comm.rank == pause[0]:
-                if opt.outer_steps == pause[1] and opt.inner_step == TAU - 1:
+                ending = TAU if opt.period is None else opt.period.steps
+                if opt.outer_steps == pause[1] and opt.inner_step == ending - 1:
                     time.sleep(pause[2])
                     paused = True
             time.sleep(step_seconds)
@@ -93,6 +95,26 @@ def test_a_paused_worker_is_left_out_then_resynchronized_to_the_same_state():
     # buffers="reset": the late worker's momentum from its dropped steps is gone, like everyone's
     for _, _, momentum, _ in results:
         assert all(b is None or not b.any() for b in momentum), "momentum kept after the outer step"
+
+
+def test_time_based_periods_under_a_quorum_plan_every_worker_from_the_members():
+    """Time-based periods (0.12 s, steps of 0.02 s) with rank 3 paused for about eight periods:
+    rank 0 plans every worker's count from the members' step times (a late worker's from its
+    last contribution), a resynchronized worker takes the same plan, and the run equals the
+    reference replayed with the recorded members and counts."""
+    results = _run(4, 12, Quorum(min_workers=3, grace=0.1), pause=(3, 1, 1.0),
+                   step_seconds=0.02, period_seconds=0.12)  # fmt: skip
+    members, opt0 = results[0][1], results[0][3]
+    assert 3 not in members[1] and any(3 in m for m in members[2:]), members
+    plans = opt0.period.plans
+    assert len(plans) == 12 and all(len(p) == 4 and min(p) >= 1 for p in plans)
+    assert results[3][3].period.plans[-1] == plans[-1]  # the late worker plans as rank 0 did
+    counts = [[TAU] * 4] + plans[:-1]
+    _assert_ranks_bitwise_equal(results)
+    want = reference_quorum(members, TAU, LR, MOMENTUM, 1.0, SLOW_MOMENTUM, counts=counts)
+    for a, b in zip(results[0][0].state_dict().values(), want.state_dict().values()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_non_finite_worker_is_left_out_and_resynchronized():
@@ -154,6 +176,7 @@ def test_bad_policy_is_refused_naming_the_argument(kwargs, match):
         ({"nonfinite": "skip"}, "nonfinite='skip'"),
         ({"codec": "int8"}, "quorum exchange is not supported"),
         ({"merge": "samples"}, "quorum exchange is not supported"),
+        ({"period_seconds": 1.0, "fragments": 2}, "period_seconds=1.0 with fragments=2"),
         ({"fragments": 2}, "quorum exchange is not supported"),
         ({"shard_slow_state": True}, "shard_slow_state=True"),
         ({"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=0.7)}, "custom outer_optimizer"),

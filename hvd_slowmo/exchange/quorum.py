@@ -141,7 +141,6 @@ class QuorumExchange(Exchange):
         "codec": "a late worker's resync carries the state uncompressed; use no codec",
         "hierarchy": "the quorum is over workers, not over nodes; use hierarchical=False",
         "merge": "the weights would have to be renormalised over the members; use merge='mean'",
-        "period": "time-based periods plan every worker's steps from everyone's tally",
     }
 
     def __init__(
@@ -175,6 +174,8 @@ class QuorumExchange(Exchange):
         self._waiting: list[tuple[int, int]] = []  # rank 0: (rank, its step) owed a resync
         self._sends: list[PendingExchange] = []  # rank 0: replies in flight
         self._latest: list[Tensor] | None = None  # rank 0: the last resync body, for settle()
+        self._last_tally: list[float] = []  # rank 0: the last merged tally (a resync's too)
+        self._seconds: dict[int, float] = {}  # rank 0: each worker's last seconds per step
 
     # --- the outer step ------------------------------------------------------------------
     def start(self, payload: Payload, exact: bool) -> PendingAverage:
@@ -183,14 +184,19 @@ class QuorumExchange(Exchange):
         self._params = len(params)
         if self.comm.size == 1:
             return PendingAverage()
-        return PendingAverage(lambda: self._run(tensors), started=False)
+        return PendingAverage(lambda: self._run(tensors, payload.tally), started=False)
 
-    def _run(self, tensors: list[Tensor]) -> None:
+    def _run(self, tensors: list[Tensor], tally: Tensor | None) -> None:
         self.resumed_at = None
+        # Time-based periods: the tally (each worker's seconds per step in its own slot) rides in
+        # the header; rank 0 replies with the members' merged tally (:meth:`_merge_tally`).
+        extra = [] if tally is None else tally.tolist()
         if self.comm.rank == 0:
-            self._close(tensors)
+            merged = self._close(tensors, extra)
         else:
-            self._contribute(tensors)
+            merged = self._contribute(tensors, extra)
+        if tally is not None:
+            tally.copy_(torch.tensor(merged, dtype=tally.dtype))
 
     def _resync_body(self, tensors: list[Tensor]) -> list[Tensor]:
         """What a resync carries: the parameters (the new anchor), model buffers, slow buffer."""
@@ -206,19 +212,22 @@ class QuorumExchange(Exchange):
             delay = min(max(2 * delay, 2e-5), 5e-3)
         return handle.wait()[src]
 
-    def _contribute(self, tensors: list[Tensor]) -> None:
-        """A worker other than rank 0: send, then take the reply (an average or a resync)."""
+    def _contribute(self, tensors: list[Tensor], tally: list[float]) -> list[float]:
+        """A worker other than rank 0: send, then take the reply (an average or a resync);
+        returns the merged tally."""
         comm, t = self.comm, self.step
         flats = _flatten(tensors)
         device = flats[0].device  # NCCL sends only what lives on the GPU: the headers too
-        header = torch.tensor([t, float(_finite(tensors))], dtype=torch.float64, device=device)
+        head = [t, float(_finite(tensors)), *tally]
+        header = torch.tensor(head, dtype=torch.float64, device=device)
         sends = [comm.send_start(header, 0, _tag(t, CONTRIBUTION, 0))]
         sends += [comm.send_start(f, 0, _tag(t, CONTRIBUTION, 1 + j)) for j, f in enumerate(flats)]
         what = f"rank 0's reply to outer step {t} (straggler quorum)"
-        like = torch.empty(2 + comm.size, dtype=torch.float64, device=device)
+        like = torch.empty(2 + comm.size + len(tally), dtype=torch.float64, device=device)
         reply = self._wait(comm.recv_start(like, 0, _tag(t, REPLY, 0)), 0, what)
         kind, closed = float(reply[0]), int(reply[1])
         members = [r for r in range(comm.size) if reply[2 + r] > 0]
+        merged = reply[2 + comm.size :].tolist()
         into = tensors if kind == AVERAGE else self._resync_body(tensors)
         likes = flats if kind == AVERAGE else _flatten(into)
         pending = [comm.recv_start(f, 0, _tag(t, REPLY, 1 + j)) for j, f in enumerate(likes)]
@@ -236,19 +245,23 @@ class QuorumExchange(Exchange):
                 comm.rank, t, closed + 1,
             )  # fmt: skip
         self.step = closed + 1
+        return merged
 
-    def _close(self, tensors: list[Tensor]) -> None:
-        """Rank 0: wait for the quorum and the grace, average the members, reply to them."""
+    def _close(self, tensors: list[Tensor], tally: list[float]) -> list[float]:
+        """Rank 0: wait for the quorum and the grace, average the members, reply to them;
+        returns the merged tally."""
         comm, t = self.comm, self.step
         flats = _flatten(tensors)
         posted: dict[int, list[PendingExchange]] = {}
+        head = torch.empty(2 + len(tally), dtype=torch.float64, device=flats[0].device)
         for r in range(1, comm.size):
             if r not in self._late:  # a late worker's next message is for its own old step
-                like = [torch.empty(2, dtype=torch.float64, device=flats[0].device), *flats]
+                like = [head, *flats]
                 posted[r] = [
                     comm.recv_start(x, r, _tag(t, CONTRIBUTION, j)) for j, x in enumerate(like)
                 ]
-        bodies = self._gather(posted, {0: flats} if _finite(tensors) else {})
+        tallies = {0: tally}
+        bodies = self._gather(posted, {0: flats} if _finite(tensors) else {}, tallies)
         members = sorted(bodies)
         if not members:
             raise RuntimeError(
@@ -257,8 +270,10 @@ class QuorumExchange(Exchange):
             )
         mean = _mean([bodies[r] for r in members])
         _unflatten_(mean, tensors)
+        merged = self._last_tally = self._merge_tally(tallies, members)
         flags = [1.0 if r in members else 0.0 for r in range(comm.size)]
-        header = torch.tensor([AVERAGE, t, *flags], dtype=torch.float64, device=mean[0].device)
+        head_out = [AVERAGE, t, *flags, *merged]
+        header = torch.tensor(head_out, dtype=torch.float64, device=mean[0].device)
         for r in members:
             if r != 0:
                 self._send(r, t, [header, *mean])
@@ -266,9 +281,31 @@ class QuorumExchange(Exchange):
         self.step = t + 1
         if len(members) < comm.size:
             log.info("hvd_slowmo: outer step %d closed with rank(s) %s", t, members)
+        return merged
+
+    def _merge_tally(self, tallies: dict[int, list[float]], members: list[int]) -> list[float]:
+        """Rank 0: the tally every worker reads (:func:`hvd_slowmo.merge.read_tally`), as the
+        average over every worker would be, from the members' tallies.
+
+        Only time-based periods send one (the weighted merge is refused): the head (``r_i = 1``)
+        and the lrs are the members' means; each worker's slot holds its seconds per step
+        divided by the workers, a late worker's from its last contribution (until it has
+        contributed: the slowest member's), so every worker's next count is planned."""
+        if not tallies[0]:
+            return []
+        size, width = self.comm.size, len(tallies[0])
+        groups = width - 2 - size
+        for r in members:
+            self._seconds[r] = tallies[r][2 + groups + r]
+        slowest = max(self._seconds[r] for r in members)
+        out = [sum(tallies[r][j] for r in members) / len(members) for j in range(2 + groups)]
+        return out + [self._seconds.get(r, slowest) / size for r in range(size)]
 
     def _gather(
-        self, posted: dict[int, list[PendingExchange]], bodies: dict[int, list[Tensor]]
+        self,
+        posted: dict[int, list[PendingExchange]],
+        bodies: dict[int, list[Tensor]],
+        tallies: dict[int, list[float]],
     ) -> dict[int, list[Tensor]]:
         """Rank 0: the finite contributions of this outer step (``bodies``, its own in it when
         finite) that arrive before the quorum and the grace are over; the workers that have
@@ -280,7 +317,7 @@ class QuorumExchange(Exchange):
         grace, delay = self.grace.seconds(), 0.0
         while True:
             now = self.clock()
-            self._take_arrivals(posted, arrived, bodies, now)
+            self._take_arrivals(posted, arrived, bodies, tallies, now)
             self._collect_late()
             if quorum_at is None and len(bodies) >= k:
                 quorum_at = now
@@ -309,6 +346,7 @@ class QuorumExchange(Exchange):
         posted: dict[int, list[PendingExchange]],
         arrived: dict[int, float],
         bodies: dict[int, list[Tensor]],
+        tallies: dict[int, list[float]],
         now: float,
     ) -> None:
         """Rank 0: note the contributions of this outer step that have arrived by ``now``."""
@@ -317,7 +355,7 @@ class QuorumExchange(Exchange):
                 arrived[r] = now
                 header, *body = _received(handles, r, self.step)
                 if float(header[1]) > 0:
-                    bodies[r] = body
+                    bodies[r], tallies[r] = body, header[2:].tolist()
                 else:  # non-finite: left out, resynchronized like a late worker
                     self._waiting.append((r, self.step))
 
@@ -356,7 +394,8 @@ class QuorumExchange(Exchange):
         for r, step in self._waiting:
             assert self._latest is not None
             device = self._latest[0].device
-            header = torch.tensor([RESYNC, closed, *flags], dtype=torch.float64, device=device)
+            head = [RESYNC, closed, *flags, *self._last_tally]
+            header = torch.tensor(head, dtype=torch.float64, device=device)
             self._send(r, step, [header, *self._latest])
         self._waiting = []
 
