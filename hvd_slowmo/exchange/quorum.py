@@ -17,6 +17,10 @@ worker copies it and continues from the same outer step as everyone, bitwise ide
 from a stale anchor; its work since its last outer step is dropped. It idles from its arrival
 until rank 0's next close (at most one period and a grace).
 
+With time-based periods (``period_seconds``) each worker's seconds per step ride in its
+header; rank 0 plans every worker's next count from the members' (a late worker's last known)
+and sends the plan's tally with the average and with a resync, so every worker plans alike.
+
 Messages are point-to-point (:meth:`~hvd_slowmo.comm.base.Communicator.send_start`): a worker
 that is not there takes part in nothing. Costs and limits: rank 0 receives and sends ``m - 1``
 model copies per outer step (a star, not a ring: for tens of workers, not thousands); rank 0
