@@ -235,6 +235,7 @@ class Communicator(abc.ABC):
             * :meth:`allgather_flat`: ``(m-1)/m * P``, ``P`` the gathered result's bytes;
             * :meth:`alltoall_flat`: the bytes of the messages to the other workers;
             * :meth:`exchange_start`: the bytes of every message (one per destination);
+            * :meth:`send_start`: the message's bytes (:meth:`recv_start` counts nothing);
             * object collectives (:meth:`allgather_object`, :meth:`broadcast_object`): not
               counted (control traffic); nothing is counted with one worker.
 
