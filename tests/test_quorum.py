@@ -17,6 +17,17 @@ from reference import loss_at, make_model, params_of
 TAU, LR, MOMENTUM, SLOW_MOMENTUM = 4, 0.05, 0.9, 0.5
 
 
+def _sgd(model, comm, policy, **options):
+    """A plain SGD (no momentum) under ``policy`` over ``comm``: the small runs' optimizer."""
+    return DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        named_parameters=model.named_parameters(),
+        communicator=comm,
+        straggler=policy,
+        **options,
+    )
+
+
 def _run(m, outer, policy, pause=None, models=None, step_seconds=0.0, **options):
     """``m`` thread workers train ``outer`` outer steps by the loop a quorum needs (until the
     outer step count, batches indexed by outer and inner step). ``pause=(rank, outer step,
@@ -131,13 +142,7 @@ def test_a_non_finite_worker_is_left_out_and_resynchronized():
 def test_a_quorum_that_never_comes_is_a_timeout_naming_the_missing_rank():
     def worker(comm):
         model = make_model()
-        opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=LR),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            tau=2,
-            straggler=Quorum(min_workers=2, grace=0.0),
-        )
+        opt = _sgd(model, comm, Quorum(min_workers=2, grace=0.0), tau=2)
         if comm.rank == 1:
             time.sleep(3.0)  # never reaches its boundary within rank 0's deadline
             return None
@@ -186,14 +191,7 @@ def test_settings_a_quorum_cannot_run_with_are_refused(options, match):
     def worker(comm):
         model = make_model()
         with pytest.raises(ValueError, match=match):
-            DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=LR),
-                named_parameters=model.named_parameters(),
-                communicator=comm,
-                tau=4,
-                straggler=Quorum(min_workers=1),
-                **options,
-            )
+            _sgd(model, comm, Quorum(min_workers=1), tau=4, **options)
 
     run_threads(2, worker)
 
@@ -202,12 +200,7 @@ def test_a_quorum_larger_than_the_world_is_refused():
     def worker(comm):
         model = make_model()
         with pytest.raises(ValueError, match="min_workers=3 is larger than the 2 workers"):
-            DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=LR),
-                named_parameters=model.named_parameters(),
-                communicator=comm,
-                straggler=Quorum(min_workers=3),
-            )
+            _sgd(model, comm, Quorum(min_workers=3))
 
     run_threads(2, worker)
 
@@ -236,12 +229,7 @@ def test_a_transport_without_point_to_point_is_refused_naming_the_fix():
     comm = CollectiveOnly(ThreadWorld(1), 0)
     model = make_model()
     with pytest.raises(ValueError, match="needs point-to-point messages.*torchrun"):
-        DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=LR),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            straggler=Quorum(min_workers=1),
-        )
+        _sgd(model, comm, Quorum(min_workers=1))
 
 
 def test_point_to_point_messages_pair_by_tag_on_thread_workers():
@@ -268,13 +256,7 @@ def test_a_worker_that_stops_does_not_stop_the_others_until_the_end():
 
     def worker(comm):
         model = make_model()
-        opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=LR),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            tau=2,
-            straggler=Quorum(min_workers=2, grace=0.05),
-        )
+        opt = _sgd(model, comm, Quorum(min_workers=2, grace=0.05), tau=2)
         while opt.outer_steps < 6:
             if comm.rank == 2 and opt.outer_steps == 1:
                 return None  # gone
@@ -292,13 +274,7 @@ def test_a_worker_that_stops_does_not_stop_the_others_until_the_end():
 def test_the_quorum_step_is_saved_and_resumed_with_the_outer_steps():
     def build(comm):
         model = make_model()
-        return model, DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=LR),
-            named_parameters=model.named_parameters(),
-            communicator=comm,
-            tau=2,
-            straggler=Quorum(min_workers=2, grace=0.0),
-        )
+        return model, _sgd(model, comm, Quorum(min_workers=2, grace=0.0), tau=2)
 
     def worker(comm):
         model, opt = build(comm)
