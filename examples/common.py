@@ -33,11 +33,14 @@ from launch import Job, ThreadJob, init_job, run_in_threads
 # The machine-readable event lines (--progress-lines) and the log check built on them.
 from run_log import PROGRESS_MARK, event_line, parse_event
 from unequal import (
+    EmulatedClock,
     Straggler,
     add_straggler_args,
+    emulated_seconds,
     outer_driven,
     policy_options,
     policy_summary,
+    schedule_step,
     straggler_from_args,
     straggler_summary,
 )
@@ -289,6 +292,7 @@ def build_optimizer(
     args: argparse.Namespace,
     communicator: Any = None,
     worker: "hvd_slowmo.Islands | None" = None,
+    clock: Callable[[], float] | None = None,
 ) -> hvd_slowmo.DistributedOptimizer:
     """Wrap ``base_optimizer`` as the algorithm the flags name.
 
@@ -302,6 +306,8 @@ def build_optimizer(
         communicator: the workers' communicator (None: the launcher's engine, chosen by the
             optimizer; a :class:`launch.ThreadJob` passes its thread communicator).
         worker: the islands (:func:`shard_islands`), or None: one process is one worker.
+        clock: the clock of time-based periods (``--emulated-step``: the worker's
+            :class:`unequal.EmulatedClock`), or None: real time.
     """
     if args.algo not in hvd_slowmo.BASES:
         raise ValueError(
@@ -340,6 +346,8 @@ def build_optimizer(
         kwargs.update(communicator=communicator)
     if worker is not None:
         kwargs.update(worker=worker)
+    if clock is not None:
+        kwargs.update(clock=clock)
     return hvd_slowmo.DistributedOptimizer(
         base_optimizer,
         named_parameters=model.named_parameters(),
@@ -629,9 +637,10 @@ def inverse_sqrt(step: int, warmup_steps: int) -> float:
     return s / warmup_steps if s < warmup_steps else math.sqrt(warmup_steps / s)
 
 
-def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+def resume_schedule(sched: torch.optim.lr_scheduler.LambdaLR, step: float) -> None:
     """Put a per-step LambdaLR at ``step`` after a resume (without stepping it, which would warn
-    that the scheduler ran before the optimizer).
+    that the scheduler ran before the optimizer), or at a fractional step (the cluster's
+    progress with unequal step counts: :func:`unequal.schedule_step`).
 
     Args:
         sched: the schedule over the base optimizer.
@@ -1028,7 +1037,7 @@ def _train_epoch(
     scaler: Any,
     sched: torch.optim.lr_scheduler.LRScheduler,
     monitor: TrainingMonitor,
-    straggler: Straggler | None = None,
+    straggler: Straggler | EmulatedClock | None = None,
 ) -> tuple[float, int, bool]:
     """One epoch of :func:`train`'s steps; returns (the sum of this worker's minibatch losses, its
     steps, whether the run diverged: a non-finite check raised, on every rank at the same step)."""
@@ -1039,6 +1048,7 @@ def _train_epoch(
     batches = task.batches(epoch) if until is None else _cycle(lambda: task.batches(epoch))
     bar = progress(batches, rank, args, total=task.steps_per_epoch, desc=f"epoch {epoch}")
     loss_sum, steps = 0.0, 0
+    outer, taken = opt.outer_steps, 0  # this worker's steps since its last outer step
     for i, batch in enumerate(bar):
         if (i >= task.steps_per_epoch) if until is None else (opt.outer_steps >= until):
             break
@@ -1064,7 +1074,11 @@ def _train_epoch(
         value = loss.item()
         monitor.end_iteration(value)
         loss_sum, steps = loss_sum + value, steps + 1
-        sched.step()
+        if until is None:
+            sched.step()
+        else:  # unequal counts: the lr at the cluster's progress (unequal.schedule_step)
+            outer, taken = opt.outer_steps, (0 if opt.outer_steps != outer else taken + 1)
+            resume_schedule(sched, schedule_step(opt, args.tau, taken))
         if until is None and opt.num_steps % args.log_every == 0:
             window = monitor.log_window(opt.num_steps)
             if hasattr(bar, "set_postfix"):
@@ -1118,8 +1132,12 @@ def train(
         hvd.end_turn()  # the model is built; the optimizer's checks are collective
         threads = hvd.comm
     worker = islands.worker if islands is not None else None
-    opt = build_optimizer(base_optimizer, model, args, communicator=threads, worker=worker)
-    straggler = straggler_from_args(args, rank, size)  # None but on the emulated straggler
+    # None but on the emulated straggler; with --emulated-step every worker's clock
+    straggler = straggler_from_args(args, rank, size)
+    clock = straggler if isinstance(straggler, EmulatedClock) else None
+    opt = build_optimizer(
+        base_optimizer, model, args, communicator=threads, worker=worker, clock=clock
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(base_optimizer, lr_factor)
     scaler = make_scaler(args, device)
     if islands is None:  # shard_islands broadcast the whole model before sharding it
@@ -1127,7 +1145,9 @@ def train(
     start_epoch = 0
     if args.resume:
         start_epoch = load_checkpoint(args.checkpoint, model, opt, scaler, hvd)
-        resume_schedule(sched, opt.num_steps)
+        resume_schedule(
+            sched, schedule_step(opt, args.tau, 0) if outer_driven(args) else opt.num_steps
+        )
     config = run_config(args, task.name, task.optimizer, size)
     config.update(buffers=opt.buffers, average=opt.average)  # as built (the base alone may differ)
     config.update(islands.summary() if islands is not None else {})
@@ -1147,28 +1167,35 @@ def train(
     at_boundary = True
     skip_seconds, skip_iters = 0.0, 0
     diverged = False
+    curve: list[list[float]] = []  # --emulated-step: (emulated seconds, target) per evaluation
+    steps_total = 0  # every worker's base steps (unequal with time-based periods)
     for epoch in range(start_epoch, args.epochs):
         loss_sum, steps, diverged = _train_epoch(
             args, hvd, device, task, epoch, opt, scaler, sched, monitor, straggler
         )
         # The epoch's own mean minibatch loss over workers (a TensorBoard window may still be open).
         loss_sum, steps_all = allreduce_sums([loss_sum, steps], hvd, "examples.epoch_loss")
+        steps_total += int(steps_all)
         epoch_loss = loss_sum / steps_all if steps_all else float("nan")
         with opt.use_consensus() as already_averaged:
             metrics = task.evaluate()
         at_boundary = already_averaged
         monitor.log_validation(opt.num_steps, metrics)
-        if task.target in metrics:
-            value = metrics[task.target]
+        value = metrics.get(task.target, math.nan)
+        if not math.isnan(value):
             best = max(best, value) if higher_is_better else min(best, value)
+        # --emulated-step: the evaluation dated in the cluster's emulated seconds
+        curve += [[emulated_seconds(args, opt, size), value]] if clock is not None else []
         log0(
             rank,
             f"epoch {epoch}: train loss {epoch_loss:.4f} (minibatches); averaged model"
             f"{'' if at_boundary else ' (a copy)'}: {_fmt_metrics(metrics)}",
         )
+        emulated = {"emulated_s": curve[-1][0]} if curve else {}
         _progress_line(
-            args, rank, "epoch", epoch=epoch + 1, epochs=args.epochs, step=opt.num_steps, **metrics
-        )
+            args, rank, "epoch", epoch=epoch + 1, epochs=args.epochs, step=opt.num_steps,
+            **metrics, **emulated,
+        )  # fmt: skip
         if epoch == start_epoch:  # the first epoch pays Horovod's one-off negotiation: leave it out
             skip_seconds, skip_iters = monitor.total_seconds, monitor.total_iterations
         if diverged:
@@ -1210,6 +1237,7 @@ def train(
         **(islands.summary() if islands is not None else {}),
     }
     summary.update(straggler_summary(straggler))  # on the emulated straggler: what it added
+    summary.update({"emulated_curve": curve, "steps_all_workers": steps_total} if curve else {})
     summary.update(policy_summary(args, opt, rank))  # a quorum: the steps without everyone
     write_summary(args.summary_json, summary, rank)
     _progress_line(args, rank, "end", summary=summary)

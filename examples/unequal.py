@@ -10,6 +10,17 @@ hand the core to a co-located worker). Its length is ``factor - 1`` times the wo
 measured step time, taken from the last step that ended no outer step (a step that ends one also
 waits for the others, which is not this worker's compute). A pause is a sleep (a stalled host
 does nothing) of ``periods`` times the seconds of the worker's last outer period.
+
+With ``--emulated-step S`` nothing waits: every worker keeps an :class:`EmulatedClock` that a
+base step moves by ``S`` (``S x factor`` on the slowed worker), the optimizer's time-based
+periods read it, and the evaluations are dated in the cluster's emulated seconds
+(:func:`emulated_seconds`). The step counts are then a function of the flags, not of the
+machine's load, so a quality table (time to accuracy with one host slowed) can run on a shared
+machine and be replayed; the real-time cost (goodput) is measured on the emulated cluster.
+
+With unequal step counts (time-based periods, a quorum) a per-step lr schedule is read at the
+cluster's progress, not at the worker's own step count (:func:`schedule_step`): a worker twice
+as fast would otherwise decay its lr twice as early.
 """
 
 import argparse
@@ -21,11 +32,14 @@ from typing import Any
 import hvd_slowmo
 
 __all__ = [
+    "EmulatedClock",
     "Straggler",
     "add_straggler_args",
+    "emulated_seconds",
     "outer_driven",
     "policy_options",
     "policy_summary",
+    "schedule_step",
     "straggler_flags",
     "straggler_from_args",
     "straggler_summary",
@@ -94,6 +108,38 @@ class Straggler:
         self._period_start = now
 
 
+class EmulatedClock:
+    """A worker's emulated seconds (``--emulated-step``): each base step adds its seconds times the
+    worker's slow factor, and nothing waits. Called, it returns the seconds so far (the
+    optimizer's ``clock``); it has :class:`Straggler`'s two hooks.
+
+    Args:
+        step_seconds: the emulated seconds of one base step of an unslowed worker (> 0).
+        slow_factor: this worker's steps take this many times as long (>= 1).
+    """
+
+    def __init__(self, step_seconds: float, slow_factor: float = 1.0) -> None:
+        check_straggler(slow_factor, 0, 0.0)
+        if not (math.isfinite(step_seconds) and step_seconds > 0):
+            raise ValueError(f"--emulated-step must be seconds > 0, got {step_seconds!r}")
+        self.step_seconds, self.slow_factor = float(step_seconds), float(slow_factor)
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def before_step(self) -> None:
+        """The step's emulated compute."""
+        self.seconds += self.step_seconds * self.slow_factor
+
+    def after_step(self, outer_steps: int) -> None:
+        """Nothing: the step's time was added before it.
+
+        Args:
+            outer_steps: the optimizer's ``outer_steps`` after the step (unused).
+        """
+
+
 def check_straggler(slow_factor: float, pause_at: int, pause_periods: float) -> None:
     """Raise a ``ValueError`` naming the flag for a bad setting.
 
@@ -141,6 +187,14 @@ def add_straggler_args(parser: argparse.ArgumentParser) -> None:
         help="the pause's length, in the straggler's last outer period",
     )
     g.add_argument(
+        "--emulated-step",
+        type=float,
+        default=0.0,
+        help="emulated time instead of waiting: a base step takes these seconds (times "
+        "--slow-factor on the straggler) on every worker's clock, which --period-seconds reads; "
+        "the evaluations are dated in the cluster's emulated seconds (0: real time)",
+    )
+    g.add_argument(
         "--straggler-rank",
         type=int,
         default=-1,
@@ -182,6 +236,8 @@ def straggler_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--slow-factor", f"{args.slow_factor:g}"] if args.slow_factor != 1.0 else []
     if args.pause_at:
         flags += ["--pause-at", str(args.pause_at), "--pause-periods", f"{args.pause_periods:g}"]
+    if args.emulated_step:
+        flags += ["--emulated-step", f"{args.emulated_step:g}"]
     if flags and args.straggler_rank != -1:
         flags += ["--straggler-rank", str(args.straggler_rank)]
     if args.period_seconds is not None:
@@ -254,8 +310,11 @@ def outer_driven(args: argparse.Namespace) -> bool:
     return period is not None or bool(quorum)
 
 
-def straggler_from_args(args: argparse.Namespace, rank: int, size: int) -> Straggler | None:
-    """This worker's :class:`Straggler`, or None if it is not the straggler or nothing is set.
+def straggler_from_args(
+    args: argparse.Namespace, rank: int, size: int
+) -> "Straggler | EmulatedClock | None":
+    """This worker's :class:`Straggler`, or None if it is not the straggler or nothing is set;
+    with ``--emulated-step``, every worker's :class:`EmulatedClock`.
 
     Args:
         args: parsed by a parser with :func:`add_straggler_args`.
@@ -268,6 +327,15 @@ def straggler_from_args(args: argparse.Namespace, rank: int, size: int) -> Strag
             f"--straggler-rank must be in [-{size}, {size - 1}] for {size} workers, got "
             f"{args.straggler_rank}"
         )
+    emulated = getattr(args, "emulated_step", 0.0)
+    if emulated:
+        if args.pause_at or _policies(args)[2]:
+            raise ValueError(
+                "--emulated-step emulates a slowed worker only: drop --pause-at and --quorum "
+                "(a pause and the quorum's grace wait real seconds), or run in real time"
+            )
+        factor = args.slow_factor if rank == args.straggler_rank % size else 1.0
+        return EmulatedClock(emulated, factor)
     if args.slow_factor == 1.0 and not args.pause_at:
         return None
     if rank != args.straggler_rank % size:
@@ -275,13 +343,51 @@ def straggler_from_args(args: argparse.Namespace, rank: int, size: int) -> Strag
     return Straggler(args.slow_factor, args.pause_at, args.pause_periods)
 
 
-def straggler_summary(straggler: Straggler | None) -> dict[str, dict[str, float]]:
+def emulated_seconds(args: argparse.Namespace, opt: Any, size: int) -> float:
+    """The cluster's emulated seconds at the current outer boundary (``--emulated-step``): every
+    finished period lasts as long as its slowest worker's steps (the others wait for it at the
+    exact average), the first period ``tau`` steps on every worker, the later ones by the
+    optimizer's recorded plans (``opt.period.plans``) or ``tau`` steps with count-based periods.
+
+    Args:
+        args: parsed by a parser with :func:`add_straggler_args`.
+        opt: the :class:`hvd_slowmo.DistributedOptimizer`.
+        size: the number of workers.
+    """
+    unit = [args.emulated_step] * size
+    unit[args.straggler_rank % size] *= args.slow_factor
+    periods = opt.outer_steps
+    if periods == 0:
+        return 0.0
+    if opt.period is None:
+        return periods * opt.tau * max(unit)
+    later = opt.period.plans[: periods - 1]  # plans[k]: the counts of period k + 2
+    return opt.tau * max(unit) + sum(max(n * u for n, u in zip(p, unit)) for p in later)
+
+
+def schedule_step(opt: Any, tau: int, taken: int) -> float:
+    """Where a run with unequal step counts reads its per-step lr schedule: the cluster's progress
+    in count-based steps, ``outer_steps x tau`` plus the share of this worker's planned steps
+    taken since the last outer step. With ``tau`` planned steps it is the worker's own step count,
+    so the schedule is the count-based one; a worker twice as fast moves half a step per step,
+    and every worker reads the same lr at the boundary.
+
+    Args:
+        opt: the :class:`hvd_slowmo.DistributedOptimizer`.
+        tau: the count-based period (``--tau``).
+        taken: this worker's base steps since its last outer step.
+    """
+    planned = opt.period.steps if opt.period is not None else tau
+    return opt.outer_steps * tau + tau * min(taken, planned) / planned
+
+
+def straggler_summary(straggler: "Straggler | EmulatedClock | None") -> dict[str, dict[str, float]]:
     """The run summary's entry of this worker's straggler: ``{"straggler": {"busy_s",
-    "paused_s"}}``, or ``{}`` on a worker that is not it.
+    "paused_s"}}``, or ``{}`` on a worker that is not it (or with emulated time).
 
     Args:
         straggler: from :func:`straggler_from_args`.
     """
-    if straggler is None:
+    if not isinstance(straggler, Straggler):
         return {}
     return {"straggler": {"busy_s": straggler.busy_seconds, "paused_s": straggler.paused_seconds}}

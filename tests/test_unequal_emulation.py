@@ -199,3 +199,78 @@ def test_main_job_runs_the_unequal_workers_policies(tmp_path):
     assert quorum["quorum_partial_steps"] >= 1
     timed = run("--period-seconds", "0.3s", "--merge", "samples", "--slow-factor", "2")
     assert timed["run"].endswith("_period0.3s_weighted") and timed["outer_steps"] == 4
+
+
+def test_emulated_clock_adds_the_step_times_the_factor_and_never_waits():
+    clock = unequal.EmulatedClock(0.5, slow_factor=2.0)
+    for outer in (0, 0, 1):
+        clock.before_step()
+        clock.after_step(outer)
+    assert clock() == 3.0
+    with pytest.raises(ValueError, match="--emulated-step must be seconds > 0"):
+        unequal.EmulatedClock(float("nan"))
+    with pytest.raises(ValueError, match="--slow-factor must be >= 1"):
+        unequal.EmulatedClock(1.0, slow_factor=0.5)
+
+
+def test_emulated_time_gives_every_worker_a_clock_and_refuses_real_waits():
+    args = _parsed(["--slow-factor", "2", "--emulated-step", "1", "--straggler-rank", "1"])
+    clocks = [unequal.straggler_from_args(args, r, 3) for r in range(3)]
+    assert [c.slow_factor for c in clocks] == [1.0, 2.0, 1.0]
+    assert unequal.straggler_summary(clocks[1]) == {}
+    for extra in (["--pause-at", "2", "--pause-periods", "1"], ["--quorum", "2"]):
+        bad = _parsed(["--emulated-step", "1", *extra])
+        with pytest.raises(ValueError, match="--emulated-step emulates a slowed worker only"):
+            unequal.straggler_from_args(bad, 0, 3)
+    with pytest.raises(ValueError, match="--emulated-step must be seconds > 0"):
+        unequal.straggler_from_args(_parsed(["--emulated-step", "-1"]), 0, 3)
+    assert "--emulated-step" in unequal.straggler_flags(args)
+
+
+def _opt(outer_steps: int, tau: int, plans: list[list[int]] | None, steps: int = 0):
+    period = None if plans is None else argparse.Namespace(plans=plans, steps=steps)
+    return argparse.Namespace(outer_steps=outer_steps, tau=tau, period=period)
+
+
+def test_emulated_seconds_wait_for_the_slowest_worker_of_each_period():
+    args = _parsed(["--slow-factor", "2", "--emulated-step", "0.5"])  # rank 3: 1 s a step
+    assert unequal.emulated_seconds(args, _opt(0, 4, None), 4) == 0.0
+    assert unequal.emulated_seconds(args, _opt(3, 4, None), 4) == 12.0  # 3 x 4 steps x 1 s
+    # First period 4 steps everywhere (4 s); then [8, 8, 8, 4]: 4 s; then [8, 8, 8, 2]: 4 s
+    # (fast: 8 x 0.5); the plan of the period in progress does not count.
+    plans = [[8, 8, 8, 4], [10, 8, 8, 2], [8, 8, 8, 4]]
+    assert unequal.emulated_seconds(args, _opt(3, 4, plans), 4) == 4.0 + 4.0 + 5.0
+
+
+def test_schedule_step_is_the_count_based_step_with_tau_planned_steps():
+    assert unequal.schedule_step(_opt(2, 12, None), 12, 5) == 29.0
+    assert unequal.schedule_step(_opt(2, 12, [[24, 12]], steps=12), 12, 5) == 29.0
+    assert unequal.schedule_step(_opt(2, 12, [[24, 12]], steps=24), 12, 6) == 27.0  # half a step
+    assert unequal.schedule_step(_opt(2, 12, [[24, 12]], steps=24), 12, 30) == 36.0  # capped
+
+
+@pytest.mark.slow  # three whole runs of a few seconds: the default tier, not the fast one
+def test_emulated_time_based_periods_train_the_count_based_run_when_speeds_are_equal(tmp_path):
+    """With emulated time, equal speeds and a period of tau steps, time-based periods plan tau
+    steps everywhere, read the lr schedule at the same steps, and train the count-based run bit
+    for bit; with one worker slowed 2x and a period of 2 tau seconds the fast workers take 2 tau
+    steps, and the evaluations fall at the same emulated seconds."""
+
+    def run(*flags: str) -> dict:
+        out = tmp_path / "summary.json"
+        argv = ["--threads", "3", "--algo", "localsgd", "--slowmo", "--tau", "4", "--seed", "3"]
+        argv += ["--epoch-steps", "8", "--epochs", "4", "--no-progress", "--emulated-step", "1"]
+        argv += ["--logdir", str(tmp_path), "--summary-json", str(out), *flags]
+        assert common.run_cli(mnist1d_cnn.main, argv) == 0
+        return json.loads(out.read_text())
+
+    count = run()
+    timed = run("--period-seconds", "4")
+    assert timed["steps_all_workers"] == count["steps_all_workers"] == 3 * 32
+    assert timed["val_loss"] == count["val_loss"] and timed["train_loss"] == count["train_loss"]
+    assert timed["emulated_curve"] == count["emulated_curve"]
+    assert [s for s, _ in count["emulated_curve"]] == [8.0, 16.0, 24.0, 32.0]
+    slowed = run("--period-seconds", "8", "--slow-factor", "2", "--merge", "samples")
+    # First period 4 steps each, then 7 periods of [8, 8, 4]: 12 + 7 x 20 steps.
+    assert slowed["steps_all_workers"] == 12 + 7 * 20
+    assert [s for s, _ in slowed["emulated_curve"]] == [16.0, 32.0, 48.0, 64.0]
