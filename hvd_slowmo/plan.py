@@ -35,6 +35,12 @@ of float32 it encodes (a measured constant: :data:`CODEC_MS_PER_MB`). An average
 period's ``W`` seconds (wire, latency, codec) is hidden behind the compute: with ``F``
 fragments each in flight ``d`` steps of ``step_time``, the exposed time is ``F max(0, W/F - d
 step_time)``; the time per iteration is ``step_time + exposed / tau``.
+
+The wire runs at the link's nominal rate in this model. On the emulated cluster a ring did,
+within about 7% (about what TCP's headers and acknowledgements take); the int8 exchange, whose
+first collective is an all-to-all, moved about 60% of the rate. So a prediction whose
+all-to-all loads the slow link above :data:`ALLTOALL_LOAD_LIMIT` carries a warning: it is
+outside the calibrated regime (docs/planner.md, Calibration).
 """
 
 import argparse
@@ -45,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ALLTOALL_LOAD_LIMIT",
     "CODEC_MS_PER_MB",
     "Cluster",
     "Measured",
@@ -79,6 +86,14 @@ CODEC_MS_PER_MB: dict[str, float] = {
     "sparse": 4.61,
     "sparse-owners": 4.61,  # not measured: the all-gather form's figure
 }
+#: The link load (a period's bytes on the slow link at its nominal rate, over the period's
+#: compute) above which a prediction with an all-to-all on that link is outside the calibrated
+#: regime. On the emulated cluster (docs/planner.md, Calibration) every all-to-all row up to a
+#: load of 0.11 was within 10%, the one at 0.97 was 34% under. There the streamed int8 exchange
+#: took 1.64x its bytes' nominal time, and without overlap (five rates) 1.36x plus a fixed
+#: 1.25 s, where fp32's ring took 1.07x: past a load of 1 / 1.64 = 0.61 the int8 exchange alone
+#: fills the link. Half the link keeps a margin below that.
+ALLTOALL_LOAD_LIMIT = 0.5
 #: Float32 copies of the model the base optimizer keeps, by name.
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
 _MIB = float(1 << 20)
@@ -477,6 +492,11 @@ class Prediction:
         exchange_s: seconds of one period's exchanges (wire, latency, codec), hidden or not.
         traffic: one outer step's traffic.
         memory: :func:`memory_parts`.
+        link_load: the period's bytes on the slow link at its nominal rate, over the period's
+            compute (``tau * step_time``); above 1 the link cannot carry them in the compute's
+            time.
+        warning: why the prediction is outside the calibrated regime (an all-to-all on a link
+            loaded above :data:`ALLTOALL_LOAD_LIMIT`), or empty.
     """
 
     setting: Setting
@@ -486,6 +506,8 @@ class Prediction:
     exchange_s: float
     traffic: Traffic
     memory: dict[str, int] = field(default_factory=dict)
+    link_load: float = 0.0
+    warning: str = ""
 
 
 def predict(
@@ -542,6 +564,16 @@ def predict(
     hideable = wire if codec_hidden else wire - codec
     exposed = f * max(0.0, hideable / f - d * step_time_s) + (0.0 if codec_hidden else codec)
     iteration = step_time_s + exposed / tau
+    cross = [p for p in traffic.phases if p.link == "cross"]
+    load = 8 * sum(p.link_bytes for p in cross) / cluster.link_bits_per_s / (tau * step_time_s)
+    warning = ""
+    if load > ALLTOALL_LOAD_LIMIT and any(p.name.startswith("all-to-all") for p in cross):
+        warning = (
+            f"its all-to-all loads the slow link to {100 * load:.0f}% of the compute's time "
+            f"(above {100 * ALLTOALL_LOAD_LIMIT:.0f}%): outside the calibrated regime; on the "
+            "emulated cluster an all-to-all moved about 60% of the link's rate, where the model "
+            "assumes all of it, so this setting may be much slower than predicted"
+        )
     return Prediction(
         setting,
         tau,
@@ -550,6 +582,8 @@ def predict(
         wire,
         traffic,
         memory_parts(setting, params, cluster, optimizer),
+        load,
+        warning,
     )
 
 
@@ -581,9 +615,10 @@ _PREFERENCE = ("fp32", "bf16", "fp16", "int8", "fp8", "sparse", "sparse-owners")
 
 def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Prediction:
     """The setting to run: among the settings the optimizer runs (not the hierarchical ones
-    with fragments, which it cannot run yet) within ``within`` of the best utilization, the
-    least lossy codec (fp32, then int8, then sparse), then the fewest fragments and the least
-    overlap (the least staleness).
+    with fragments, which it cannot run yet) and whose prediction is in the calibrated regime
+    (no :attr:`Prediction.warning`), within ``within`` of the best utilization, the least
+    lossy codec (fp32, then int8, then sparse), then the fewest fragments and the least
+    overlap (the least staleness). Where every runnable setting carries a warning, among them.
 
     Args:
         predictions: from :func:`predict`.
@@ -594,6 +629,9 @@ def recommend(predictions: Sequence[Prediction], within: float = 0.02) -> Predic
     # The hierarchical exchange with fragments is predicted, never recommended: the optimizer's
     # hierarchical exchange takes the whole model.
     runnable = [p for p in predictions if p.setting.runnable] or list(predictions)
+    # A prediction outside the calibrated regime may be far too fast: not recommended over one
+    # inside it.
+    runnable = [p for p in runnable if not p.warning] or runnable
     best = max(p.utilization for p in runnable)
     near = [p for p in runnable if p.utilization >= best - within]
 
@@ -638,8 +676,8 @@ def calibration_rows(
     latency_s: float = 0.0,
     link_efficiency: float = 1.0,
     codec_hidden: bool = True,
-) -> list[tuple[Measured, float]]:
-    """Each measured row with the model's prediction (ms per iteration), one host per node.
+) -> list[tuple[Measured, Prediction]]:
+    """Each measured row with the model's prediction, one host per node.
 
     Args:
         rows: measured rows.
@@ -662,7 +700,7 @@ def calibration_rows(
             setting, r.params, r.compute_ms / 1e3, r.tau, cluster, codec_ms_per_mb,
             codec_hidden=codec_hidden,
         )  # fmt: skip
-        out.append((r, 1e3 * p.iteration_s))
+        out.append((r, p))
     return out
 
 
@@ -674,8 +712,9 @@ def print_calibration(
     codec_hidden: bool = True,
     file=None,
 ) -> float:
-    """Print predicted against measured ms per iteration as a Markdown table; returns the
-    largest relative error.
+    """Print predicted against measured ms per iteration as a Markdown table, with each row's
+    link load (marked ``(!)`` where the prediction is outside the calibrated regime:
+    :attr:`Prediction.warning`); returns the largest relative error over every row.
 
     Args:
         rows: measured rows.
@@ -686,18 +725,20 @@ def print_calibration(
         file: where to print (default stdout).
     """
     out = file or sys.stdout
-    print("| hosts | rate | setting | params | compute ms | predicted ms | measured ms | error |",
-          file=out)  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|", file=out)
+    print("| hosts | rate | setting | params | compute ms | link load | predicted ms | "
+          "measured ms | error |", file=out)  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     worst = 0.0
     predictions = calibration_rows(rows, codec_ms_per_mb, latency_s, link_efficiency, codec_hidden)
-    for r, predicted in predictions:
+    for r, p in predictions:
+        predicted = 1e3 * p.iteration_s
         error = predicted / r.measured_ms - 1
         worst = max(worst, abs(error))
-        label = Setting(r.codec, False, r.fragments, r.overlap).label
+        load = f"{100 * p.link_load:.0f}%" + (" (!)" if p.warning else "")
         print(
-            f"| {r.hosts} | {r.rate} | {label} | {_human(r.params)} | {r.compute_ms:.0f} | "
-            f"{predicted:.0f} | {r.measured_ms:.0f} | {100 * error:+.1f}% |",
+            f"| {r.hosts} | {r.rate} | {p.setting.label} | {_human(r.params)} | "
+            f"{r.compute_ms:.0f} | {load} | {predicted:.0f} | {r.measured_ms:.0f} | "
+            f"{100 * error:+.1f}% |",
             file=out,
         )
     return worst
@@ -764,25 +805,33 @@ def report(
             else ""
         ),
         "",
-        "| setting | tau | ms / iteration | utilization | sent / worker / outer step | "
-        "received | node egress | memory / GPU |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | tau | ms / iteration | utilization | link load | sent / worker / outer "
+        "step | received | node egress | memory / GPU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in predictions:
         egress = sum(ph.link_bytes for ph in p.traffic.phases if ph.link == "cross")
         lines.append(
             f"| {p.setting.label} | {p.tau} | {p.iteration_s * 1e3:.0f} | "
-            f"{100 * p.utilization:.1f}% | {_human(p.traffic.sent, 'B')} | "
-            f"{_human(p.traffic.received, 'B')} | {_human(egress, 'B')} | "
-            f"{_human(sum(p.memory.values()), 'B')} |"
+            f"{100 * p.utilization:.1f}% | {100 * p.link_load:.0f}%{' (!)' if p.warning else ''} "
+            f"| {_human(p.traffic.sent, 'B')} | {_human(p.traffic.received, 'B')} | "
+            f"{_human(egress, 'B')} | {_human(sum(p.memory.values()), 'B')} |"
         )
     best = recommend(predictions)
     parts = ", ".join(f"{k} {_human(v, 'B')}" for k, v in best.memory.items() if v)
+    lines.append("")
+    if any(p.warning for p in predictions):
+        lines.append(
+            f"(!) Outside the calibrated regime: an all-to-all on a link loaded above "
+            f"{100 * ALLTOALL_LOAD_LIMIT:.0f}% (link load: the period's bytes on the slow link at "
+            "its rate, over the period's compute). On the emulated cluster an all-to-all moved "
+            "about 60% of the link's rate where the model assumes all of it: these rows may be "
+            "much slower than predicted, and are recommended only where no other runs."
+        )
     lines += [
-        "",
         f"Recommended: {best.setting.label}, tau={best.tau}: {best.iteration_s * 1e3:.0f} ms per "
         f"iteration, {100 * best.utilization:.1f}% utilization (the least lossy setting within "
-        "2 points of the best).",
+        "2 points of the best)." + (f" Warning: {best.warning}." if best.warning else ""),
         f"Its arguments: DistributedOptimizer(..., {best.setting.arguments}, tau={best.tau}).",
         f"Memory per GPU: {parts}.",
     ]

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hvd_slowmo.plan import (
+    ALLTOALL_LOAD_LIMIT,
     Cluster,
     Measured,
     Setting,
@@ -76,6 +77,45 @@ def test_time_and_utilization_by_hand():
     assert p.iteration_s == pytest.approx(0.01 + 4 * max(0, p.exchange_s / 4 - 0.01) / 8)
 
 
+def test_a_saturated_link_bounds_the_iteration_by_its_bytes():
+    """However it is split and overlapped, a period cannot be shorter than its bytes on the
+    link: the iteration is at least ``egress / rate / tau``, and on a saturated link with
+    ``fragments * overlap = tau`` exactly that."""
+    link = Cluster(4, 1, 10e6)  # 10 Mbit/s, 10M parameters, 1 s steps: the 10 Mbit/s rows
+    for codec in ("fp32", "int8", "sparse"):
+        for f, d in ((1, 0), (1, 1), (2, 3), (4, 3), (4, 2)):
+            p = predict(Setting(codec, False, f, d), 10_000_000, 1.0, 12, link, COSTS)
+            bytes_s = sum(8 * ph.link_bytes for ph in p.traffic.phases) / 10e6
+            assert p.link_load == pytest.approx(bytes_s / 12)
+            assert p.iteration_s >= max(1.0, bytes_s / 12)
+    p = predict(Setting("fp32", False, 4, 3), 10_000_000, 1.0, 12, link, COSTS)
+    assert p.iteration_s == pytest.approx(60e6 * 8 / 10e6 / 12)  # 4 s: the link's pace
+
+
+def test_an_all_to_all_on_a_loaded_link_is_outside_the_calibrated_regime():
+    """The emulated cluster's int8 row at 10 Mbit/s (load 0.97, an all-to-all) was 34% under
+    the measured time: the prediction says so, and the recommendation avoids it; a ring on the
+    same link (calibrated up to load 3.8) and an all-to-all on a lightly loaded link do not."""
+    slow, fast = Cluster(4, 1, 10e6), Cluster(4, 1, 100e6)
+    int8 = Setting("int8", False, 4, 3)
+    flagged = predict(int8, 10_000_000, 1.049, 12, slow, COSTS)
+    assert flagged.link_load == pytest.approx(8 * 15_234_432 / 10e6 / (12 * 1.049))
+    assert flagged.link_load > ALLTOALL_LOAD_LIMIT
+    assert "outside the calibrated regime" in flagged.warning
+    assert predict(int8, 10_000_000, 1.049, 12, fast, COSTS).warning == ""
+    assert predict(Setting("fp32", False, 4, 3), 10_000_000, 1.049, 12, slow, COSTS).warning == ""
+    # At the limit: just above it warns, just below it does not.
+    step = 8 * 15_234_432 / 10e6 / 12 / ALLTOALL_LOAD_LIMIT
+    assert predict(int8, 10_000_000, step * 0.99, 12, slow, COSTS).warning
+    assert not predict(int8, 10_000_000, step * 1.01, 12, slow, COSTS).warning
+    # Of int8 (flagged, as fast as sparse here) and sparse, the flagged one is not recommended.
+    choices = [predict(Setting(c, False, 4, 3), 10_000_000, 1.049, 12, slow, COSTS)
+               for c in ("int8", "sparse")]  # fmt: skip
+    assert choices[0].utilization == choices[1].utilization == 1.0
+    assert recommend(choices).setting.codec == "sparse"
+    assert recommend(choices[:1]).setting.codec == "int8"  # nothing else runs: still an answer
+
+
 def test_all_to_all_egress_counts_every_worker_of_a_node():
     # 8 workers, 4 per node, int8 of 8 * 256 values: chunks of 256 (260 bytes); each node's
     # 4 workers send their 4 chunks for the other node's workers: 4 * 4 * 260 bytes.
@@ -119,7 +159,8 @@ def test_calibration_prints_predicted_against_measured():
     worst = print_calibration([row], COSTS, file=out)
     # 6e6 bytes at 1 Gbit/s over 10 steps: 4.8 ms per iteration, no latency: 104.8 ms.
     assert worst == pytest.approx(abs(104.8 / 110 - 1))
-    assert "| 4 | 1gbit | fp32, no overlap | 1 M | 100 | 105 | 110 | -4.7% |" in out.getvalue()
+    # Link load: 48 ms of bytes per 1 s of compute.
+    assert "| 4 | 1gbit | fp32, no overlap | 1 M | 100 | 5% | 105 | 110 | -4.7% |" in out.getvalue()
 
 
 def test_units():
@@ -163,6 +204,9 @@ def test_command_line_prints_every_setting_and_a_recommendation(capsys):
     for label in labels:
         assert f"| {label} | 12 |" in text
     assert "Memory per GPU: parameters 5.2 GB" in text
+    # The flat int8 rows' all-to-all loads the 10 Gbit/s link to 59%: marked, and explained.
+    assert "| int8, no overlap | 12 | 2576 | 46.6% | 59% (!) |" in text
+    assert "(!) Outside the calibrated regime: an all-to-all on a link loaded above 50%" in text
     # The hierarchical rows with fragments are predicted (here they are the fastest), never
     # recommended: the optimizer's hierarchical exchange takes the whole model. The one without
     # fragments that wins is recommended, with the arguments that ask for it.
