@@ -196,6 +196,15 @@ def report(rows: list[dict[str, Any]]) -> str:
                         f"time to {t:{spec}}, {p} against count ({len(pairs)} seeds both "
                         f"reached): {regime_map._paired(a, b)}"
                     )
+        if {"time", "time-samples"} <= set(policies):  # what the weights add on their own
+            final = {
+                p: [value_at_seconds(by[p, s]["curve"], horizon) for s in seeds]
+                for p in ("time", "time-samples")
+            }
+            tests.append(
+                "final, time-samples against time (the weights alone): "
+                + regime_map._paired(final["time-samples"], final["time"])
+            )
         out += tests
     return "\n".join(out)
 

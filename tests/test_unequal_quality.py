@@ -34,6 +34,7 @@ def test_report_dates_targets_and_pairs_the_seeds():
     time_row = "| time | 94.33 ± 1.15 | t = 10.00, p = 0.010 | 200 ± 0 (3/3) | 233 ± 58 (3/3) | "
     assert time_row + "300 ± 0 (3/3) |" in text
     assert "time to 90.00, time against count (3 seeds both reached): the same difference" in text
+    assert "the weights alone" not in text  # no time-samples rows
 
 
 def test_run_skips_finished_runs_and_refuses_unknown_policies(tmp_path):
