@@ -430,9 +430,8 @@ def memory_parts(
     error-feedback residual (a copy, of the node's shard when hierarchical; none for fp32), the
     outer step in flight (with ``overlap``: the sent copy and the snapshot of one fragment), and
     the codec's scratch (``hvd_slowmo.compression.averager``: kept and shared by the fragments,
-    one fragment's pseudo-gradient buffer and, sparse, its sum buffer; per average, a dense
-    codec's decoded mean of one fragment). :func:`hvd_slowmo.memory.held_bytes` measures the
-    kept parts of a running optimizer.
+    one fragment's buffer, its pseudo-gradient and then its mean).
+    :func:`hvd_slowmo.memory.held_bytes` measures the kept parts of a running optimizer.
 
     Args:
         setting: the exchange.
@@ -450,10 +449,9 @@ def memory_parts(
     compressed = setting.codec != "fp32"
     shard = cluster.per_node if setting.hierarchical else 1
     # Kept across outer steps and shared by the fragments (their averages run one at a time):
-    # one fragment's pseudo-gradient buffer, and the sparse all-gather's sum buffer; made per
-    # average, a dense codec's decoded mean of one fragment (the sparse one sums into its
-    # buffer). The encode's and decode's own temporaries are bounded by a slice, not counted.
-    scratch = 2 * fragment
+    # one fragment's buffer, the pseudo-gradient and then the mean. The encode's and decode's
+    # own temporaries (a few slices, hvd_slowmo.compression.codecs.SLICE) are left out.
+    scratch = fragment
     return {
         "parameters": copy,
         "gradients": copy,

@@ -107,21 +107,26 @@ class PseudoGradientAverage:
         return PendingAverage(job.wait, progress=job.done)
 
     def _begin(self, params: list[Tensor], mine: list[Tensor], name: str) -> PendingCodecMean:
-        """The pseudo-gradient, its error feedback, and the codec's mean started (which is done
-        with the pseudo-gradient's buffer when it returns: the next average may take it)."""
-        flat = self._scratch.take("flat", sum(p.numel() for p in params), params[0].device)
+        """The pseudo-gradient (in the scratch buffer), its error feedback, and the codec's mean
+        started: which has made its packets, and is done with the pseudo-gradient, when it
+        returns. Where each mean is consumed before the next starts (one job at a time on the
+        codec thread, which lands it), the mean is then written into the same buffer: one
+        buffer, of the largest fragment's size, serves every fragment's outer step. In flight
+        on the training thread, two fragments' means may coexist: each mean is a new tensor."""
+        numel = sum(p.numel() for p in params)
+        offloaded = self.thread is not None and self.comm.size > 1
+        into = self.codec.sum_numel(numel) if offloaded else 0
+        buffer = self._scratch.take("flat", max(numel, into), params[0].device)
+        flat = buffer[:numel]
         for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
             torch.sub(a.float().reshape(-1), p.float().reshape(-1), out=part)
         residual = None
         if self.error_feedback:
-            if self.residual is None or tuple(self.residual.shape) != (flat.numel(),):
+            if self.residual is None or tuple(self.residual.shape) != (numel,):
                 self.residual = torch.zeros_like(flat)
             self.residual = residual = self.residual.to(flat.device)  # a loaded one: on the CPU
-        # The sum's buffer is shared only where each mean is consumed before the next starts
-        # (one job at a time on the codec thread, which lands it); in flight on the training
-        # thread, two fragments' means may coexist.
-        offloaded = self.thread is not None and self.comm.size > 1
-        return self._mean_start(flat, name, residual, offloaded)
+        out = buffer[:into] if into else None
+        return mean_start(self.codec, self.comm, flat, name, residual, out)
 
     @staticmethod
     @torch.no_grad()
@@ -136,19 +141,10 @@ class PseudoGradientAverage:
             else:
                 p.copy_(torch.sub(a.float(), d, out=d))
 
-    def _mean_start(
-        self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
-    ) -> PendingCodecMean:
-        """Start the codec's mean of ``flat`` (summed into a reused buffer with ``reuse``,
-        where the codec sums into one)."""
-        padded = self.codec.sum_numel(flat.numel())
-        out = self._scratch.take("sum", padded, flat.device) if reuse and padded else None
-        return mean_start(self.codec, self.comm, flat, name, residual, out)
-
     @property
     def scratch(self) -> list[Tensor]:
-        """The float32 buffers kept across outer steps (the pseudo-gradient, the sum), shared
-        with the averages of the same codec thread, for the memory accounting
+        """The float32 buffer kept across outer steps (the pseudo-gradient, then the mean),
+        shared with the averages of the same codec thread, for the memory accounting
         (:func:`hvd_slowmo.memory.held_bytes`, which counts a storage once)."""
         return self._scratch.buffers
 
