@@ -159,7 +159,7 @@ class PendingMean:
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
         packets = torch.stack(self._alltoall.wait())
-        reduced = torch.empty(encoded_nbytes(mine, codec, block), dtype=torch.uint8)
+        reduced = packets.new_empty(encoded_nbytes(mine, codec, block))
         codes_at = None  # where the codes start in the packet: after every block's scale
         # A slice of columns (whole blocks) at a time: the decoded chunks, their sum and its
         # encode stay a slice's size, with the same bits as the whole chunk's.

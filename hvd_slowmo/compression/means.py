@@ -40,8 +40,7 @@ def mean_start(
             codecs' decoded chunks, the sparse all-gather's sum), or None: a new one.
     """
     if codec.exchange == "dense":
-        dense = (codec.name, codec.block)  # type: ignore[attr-defined]
-        return PendingMean(comm, flat, dense[0], name, residual, dense[1], out=out)
+        return PendingMean(comm, flat, codec.name, name, residual, codec.block, out)  # type: ignore[attr-defined]
     if codec.exchange == "owners":
         return PendingOwnerSparseMean(comm, flat, codec, name, residual)  # type: ignore[arg-type]
     return PendingSparseMean(comm, flat, codec, name, residual, out=out)  # type: ignore[arg-type]
