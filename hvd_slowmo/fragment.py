@@ -508,7 +508,8 @@ class Fragment:
         assert f.snapshot is not None
         spread = list(torch._foreach_sub(f.snapshot, f.sent))
         self.eager.landed_(f.snapshot, f.sent, self.groups(f.lrs), spread)
-        square = sum(float(d.double().square().sum()) for d in spread)
+        # Squared in the float64 copy itself: one copy of a tensor at a time, not two.
+        square = sum(float(d.double().square_().sum()) for d in spread)
         return (square / max(sum(d.numel() for d in spread), 1)) ** 0.5
 
     def drop(self) -> None:

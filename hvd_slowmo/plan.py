@@ -444,10 +444,9 @@ def memory_parts(
     one copy, ``adam`` two), the anchor and the slow momentum buffer (a copy each), the codec's
     error-feedback residual (a copy, of the node's shard when hierarchical; none for fp32), the
     outer step in flight (with ``overlap``: the sent copy and the snapshot of one fragment), and
-    the codec's scratch (``hvd_slowmo.compression.averager``: kept, the pseudo-gradient buffers
-    of all fragments, and the sparse all-gather's sum buffer; per average, the decoded mean and
-    the new values of one fragment). :func:`hvd_slowmo.memory.held_bytes` measures the kept
-    parts of a running optimizer.
+    the codec's scratch (``hvd_slowmo.compression.averager``: kept and shared by the fragments,
+    one fragment's buffer, its pseudo-gradient and then its mean).
+    :func:`hvd_slowmo.memory.held_bytes` measures the kept parts of a running optimizer.
 
     Args:
         setting: the exchange.
@@ -464,10 +463,10 @@ def memory_parts(
     fragment = 4 * math.ceil(params / setting.fragments)
     compressed = setting.codec != "fp32"
     shard = cluster.per_node if setting.hierarchical else 1
-    # Kept across outer steps: the pseudo-gradient buffer of every fragment (the whole model),
-    # and the sparse all-gather's sum buffer; made per average: the decoded mean and the new
-    # values of one fragment.
-    scratch = copy * (2 if setting.codec == "sparse" else 1) + 2 * fragment
+    # Kept across outer steps and shared by the fragments (their averages run one at a time):
+    # one fragment's buffer, the pseudo-gradient and then the mean. The encode's and decode's
+    # own temporaries (a few slices, hvd_slowmo.compression.codecs.SLICE) are left out.
+    scratch = fragment
     return {
         "parameters": copy,
         "gradients": copy,

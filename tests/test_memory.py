@@ -1,6 +1,7 @@
 """hvd_slowmo.memory.held_bytes: each part of a running optimizer, each storage counted once,
 against the sizes the parts must have (and the planner's kept parts)."""
 
+import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer
@@ -53,3 +54,41 @@ def test_without_overlap_nothing_is_counted_twice():
     held = run(8)
     assert held["in flight"] == held["residual"] == held["codec scratch"] == 0
     assert held["parameters"] == held["anchor"] == 4 * N
+
+
+@pytest.mark.parametrize("codec", ["int8", "sparse"])
+def test_the_fragments_share_one_scratch_buffer(codec):
+    # Four fragments of 930 parameters, each averaged three times: one buffer (the
+    # pseudo-gradient, then the mean; sparse: padded to a whole chunk, the sum's length) serves
+    # them all, the same storage every outer step, where each fragment kept its own
+    # pseudo-gradient buffer and, sparse, its sum buffer before (four or eight times the bytes).
+    fragment = 30 * 30 + 30
+
+    def fn(comm):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(30, 30) for _ in range(4)])
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            communicator=comm,
+            tau=8,
+            fragments=4,
+            overlap=1,
+            codec=codec,
+            error_feedback=True,
+        )
+        pointers = []
+        for step in range(1, 25):
+            opt.zero_grad()
+            model(torch.randn(4, 30)).square().mean().backward()
+            opt.step()
+            if step % 8 == 0:
+                scratch = {
+                    t.data_ptr() for f in opt.outer.fragments for t in f.exchange.average.scratch
+                }
+                pointers.append(scratch)
+        return held_bytes(opt), pointers
+
+    held, pointers = run_threads(2, fn)[0]
+    assert len(pointers[0]) == 1 and pointers[0] == pointers[1] == pointers[2]
+    assert held["codec scratch"] == 4 * (4096 if codec == "sparse" else fragment)

@@ -134,7 +134,7 @@ def test_memory_parts():
         "slow buffer": 4000,
         "residual": 1000,  # the node's shard: 1/4
         "in flight": 2 * 1000,  # sent and snapshot of one fragment of 250
-        "codec scratch": (4000 + 2 * 1000) // 4,  # kept pseudo-gradient, one fragment's two
+        "codec scratch": 1000 // 4,  # one fragment's buffer (its pseudo-gradient, its mean)
     }
     plain = memory_parts(Setting("fp32"), 1000, Cluster(2), "sgd")
     assert plain["residual"] == plain["in flight"] == plain["optimizer state"] == 0

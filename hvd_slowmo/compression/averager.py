@@ -26,12 +26,6 @@ from .sparse import SparseCodec
 __all__ = ["PseudoGradientAverage"]
 
 
-def _copy(params: list[Tensor], values: list[Tensor]) -> None:
-    """The landing: each parameter takes its new value (on the training thread)."""
-    for p, v in zip(params, values):
-        p.copy_(v)
-
-
 class PseudoGradientAverage:
     """Averages parameters through their pseudo-gradients from a common anchor.
 
@@ -46,7 +40,8 @@ class PseudoGradientAverage:
             (:func:`~hvd_slowmo.compression.means.mean_start`).
         error_feedback: keep this worker's residual and add it to its next pseudo-gradient.
         thread: the codec thread to run on (one shared by every fragment's average keeps their
-            collectives in one order); None: a new one where the communicator allows it.
+            collectives in one order, and its :class:`~hvd_slowmo.compression.offload.Scratch`
+            serves them all); None: a new one.
 
     Raises:
         TypeError, ValueError: an unknown codec, or ``comm`` without the collectives its
@@ -73,10 +68,11 @@ class PseudoGradientAverage:
         self.comm = comm
         self.error_feedback = error_feedback
         self.residual: Tensor | None = None
-        if comm.collectives_any_thread and thread is None:
-            thread = CodecThread(comm.counter)
+        thread = thread if thread is not None else CodecThread(comm.counter)
         self.thread = thread if comm.collectives_any_thread else None
-        self._buffers: dict[tuple[str, int, torch.device], Tensor] = {}
+        # Shared with the averages of the same thread, on it or on the training thread: either
+        # way they run one at a time (the thread is started only by a job).
+        self._scratch = thread.scratch
 
     def start(
         self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str
@@ -85,8 +81,9 @@ class PseudoGradientAverage:
         holds ``anchor - mean(anchor - params)``, bitwise the same on every worker. Collective.
 
         Args:
-            params: this worker's parameters (overwritten at ``wait()``, and read until then
-                on the codec thread: the caller must not change them before).
+            params: this worker's parameters (read, then overwritten as soon as the mean is in:
+                on the codec thread, before ``wait()``; the caller neither changes nor reads
+                them until ``wait()`` has returned).
             anchor: their anchor, one tensor each, identical on every worker.
             name: a label for the collectives.
         """
@@ -99,65 +96,57 @@ class PseudoGradientAverage:
             return PendingAverage()
         if self.thread is None or self.comm.size == 1:
             pending = self._begin(params, mine, name)
-            return PendingAverage(
-                lambda: _copy(params, self._land(pending, params, mine)), progress=pending.done
-            )
-        # Off the training thread: everything from the pseudo-gradient to the landing values
-        # (the inputs, snapshots or this step's parameters, do not change until the wait).
+            return PendingAverage(lambda: self._land(pending, params, mine), progress=pending.done)
+        # Off the training thread: everything from the pseudo-gradient to the parameters' new
+        # values (the inputs, snapshots or this step's parameters, are not touched by anyone
+        # else until the wait); nothing of the fragment's size outlives the job.
         devices = {t.device for t in (*params, *mine) if t.is_cuda}
         job = self.thread.submit(
-            lambda: self._land(self._begin(params, mine, name), params, mine),
-            devices,
+            lambda: self._land(self._begin(params, mine, name), params, mine), devices
         )
-        return PendingAverage(lambda: _copy(params, job.wait()), progress=job.done)
+        return PendingAverage(job.wait, progress=job.done)
 
     def _begin(self, params: list[Tensor], mine: list[Tensor], name: str) -> PendingCodecMean:
-        """The pseudo-gradient, its error feedback, and the codec's mean started."""
-        flat = self._buffer("flat", sum(p.numel() for p in params), params[0].device)
+        """The pseudo-gradient (in the scratch buffer), its error feedback, and the codec's mean
+        started: which has made its packets, and is done with the pseudo-gradient, when it
+        returns. Where each mean is consumed before the next starts (one job at a time on the
+        codec thread, which lands it), the mean is then written into the same buffer: one
+        buffer, of the largest fragment's size, serves every fragment's outer step. In flight
+        on the training thread, two fragments' means may coexist: each mean is a new tensor."""
+        numel = sum(p.numel() for p in params)
+        offloaded = self.thread is not None and self.comm.size > 1
+        into = self.codec.sum_numel(numel) if offloaded else 0
+        buffer = self._scratch.take("flat", max(numel, into), params[0].device)
+        flat = buffer[:numel]
         for part, p, a in zip(flat.split([p.numel() for p in params]), params, mine):
             torch.sub(a.float().reshape(-1), p.float().reshape(-1), out=part)
         residual = None
         if self.error_feedback:
-            if self.residual is None or tuple(self.residual.shape) != (flat.numel(),):
+            if self.residual is None or tuple(self.residual.shape) != (numel,):
                 self.residual = torch.zeros_like(flat)
             self.residual = residual = self.residual.to(flat.device)  # a loaded one: on the CPU
-        # The sum's buffer is reused only where each mean is consumed before the next starts
-        # (one job at a time on the codec thread); in flight on the training thread, two
-        # fragments' means may coexist.
-        offloaded = self.thread is not None and self.comm.size > 1
-        return self._mean_start(flat, name, residual, offloaded)
+        out = buffer[:into] if into else None
+        return mean_start(self.codec, self.comm, flat, name, residual, out)
 
     @staticmethod
-    def _land(pending: PendingCodecMean, params: list[Tensor], mine: list[Tensor]) -> list[Tensor]:
-        """Each parameter's new value ``anchor - mean``, once the mean is in."""
+    @torch.no_grad()
+    def _land(pending: PendingCodecMean, params: list[Tensor], mine: list[Tensor]) -> None:
+        """Each parameter set to ``anchor - mean`` once the mean is in: straight into a float32
+        parameter, else through the mean's own storage (which is consumed here)."""
         mean = pending.wait()
-        return [
-            a.float() - d.view_as(p)
-            for p, a, d in zip(params, mine, mean.split([p.numel() for p in params]))
-        ]
-
-    def _mean_start(
-        self, flat: Tensor, name: str, residual: Tensor | None, reuse: bool = False
-    ) -> PendingCodecMean:
-        """Start the codec's mean of ``flat`` (summed into a reused buffer with ``reuse``,
-        where the codec sums into one)."""
-        padded = self.codec.sum_numel(flat.numel())
-        out = self._buffer("sum", padded, flat.device) if reuse and padded else None
-        return mean_start(self.codec, self.comm, flat, name, residual, out)
+        for p, a, d in zip(params, mine, mean.split([p.numel() for p in params])):
+            d = d.view_as(p)
+            if p.dtype == torch.float32:
+                torch.sub(a.float(), d, out=p)
+            else:
+                p.copy_(torch.sub(a.float(), d, out=d))
 
     @property
     def scratch(self) -> list[Tensor]:
-        """The float32 buffers kept across outer steps (the pseudo-gradient, the sum), for the
-        memory accounting (:func:`hvd_slowmo.memory.held_bytes`)."""
-        return list(self._buffers.values())
-
-    def _buffer(self, role: str, numel: int, device: torch.device) -> Tensor:
-        """A float32 buffer of ``numel`` elements kept across outer steps (one per role, size
-        and device: the fragments' sizes), so a step allocates nothing of the model's size."""
-        key = (role, numel, device)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
-        return self._buffers[key]
+        """The float32 buffer kept across outer steps (the pseudo-gradient, then the mean),
+        shared with the averages of the same codec thread, for the memory accounting
+        (:func:`hvd_slowmo.memory.held_bytes`, which counts a storage once)."""
+        return self._scratch.buffers
 
     def average_(self, params: Sequence[Tensor], anchor: Sequence[Tensor], name: str) -> None:
         """:meth:`start` and wait. Collective.

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from .sparse import SparseCodec
+from .sparse import SLICE, SparseCodec
 
 if TYPE_CHECKING:  # the exchanges import this module
     from ..comm.base import Communicator
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the exchanges import this module
 __all__ = [
     "BLOCK_SIZE",
     "CODECS",
+    "SLICE",
     "Codec",
     "DenseCodec",
     "Encoded",
@@ -52,6 +53,7 @@ __all__ = [
     "check_codec",
     "check_transport",
     "check_vector",
+    "column_slices",
     "decode",
     "decode_rows",
     "encode",
@@ -115,7 +117,7 @@ class Codec(Protocol):
         ...
 
     def sum_numel(self, numel: int) -> int:
-        """Float32 elements of the buffer its mean may sum into
+        """Float32 elements of a buffer its mean may be written into
         (:func:`hvd_slowmo.compression.means.mean_start`'s ``out``; 0: it takes none)."""
         ...
 
@@ -165,12 +167,12 @@ class DenseCodec:
         return encoded_nbytes(numel, self.name, self.block)
 
     def sum_numel(self, numel: int) -> int:
-        """0: the dense mean concatenates its decoded chunks into a new tensor.
+        """``numel``: the dense mean decodes the gathered chunks into that buffer.
 
         Args:
             numel: the vector's length.
         """
-        return 0
+        return numel
 
     def summary(self) -> str:
         """The name (what states saved before this class hold)."""
@@ -395,15 +397,66 @@ def decode(enc: Encoded, codec: str, block: int = BLOCK_SIZE) -> Tensor:
     return out
 
 
+def column_slices(size: int, count: int, block: int = BLOCK_SIZE) -> list[tuple[int, int]]:
+    """Ranges ``(start, stop)`` of the columns of a ``(count, size)`` matrix, about
+    :data:`SLICE` elements each, every one starting at a whole block: an encode or decode of a
+    slice at a time gives the bits of the whole (a block's scale is made from its whole block).
+
+    Args:
+        size: the columns.
+        count: the rows.
+        block: elements per scale.
+    """
+    width = max(block, SLICE // max(count, 1) // block * block)
+    return [(start, min(size, start + width)) for start in range(0, size, width)]
+
+
+def _encode_slice(
+    values: Tensor,
+    codes: Tensor,
+    packets: Tensor,
+    start: int,
+    codec: str,
+    block: int,
+    decoded: bool,
+) -> Tensor | None:
+    """:func:`encode_rows` of the columns ``values`` (from column ``start``, a whole block on):
+    their codes into ``codes`` (the same columns of the packets' codes) and their scales into
+    their bytes of ``packets``; returns what they decode to if ``decoded`` (a slice-sized
+    buffer), else None."""
+    if codec not in _CODE_MAX:
+        codes.copy_(values)
+        return codes.to(torch.float32) if decoded else None
+    count, width = values.shape
+    # The slice's blocks as rows of one matrix (a copy: the columns of a slice are not
+    # contiguous), the short last block zero-padded (zeros change no block's absmax).
+    blocks = _num_blocks(width, block)
+    padded = values
+    if blocks * block != width:
+        padded = torch.nn.functional.pad(values, (0, blocks * block - width))
+    scales, scaled = _scaled(padded.reshape(count * blocks, block), codec)
+    first = start // block
+    packets[:, 4 * first : 4 * (first + blocks)].copy_(scales.view(count, blocks).view(torch.uint8))
+    codes.copy_(scaled.view(count, -1)[:, :width])
+    if not decoded:
+        return None
+    # The codes back to float32 into the quotient's buffer (whose padding holds zeros), then
+    # times their scales, whole blocks.
+    _codes_into(scaled.view(count, -1)[:, :width], codes)
+    return scaled.mul_(scales[:, None]).view(count, -1)[:, :width]
+
+
 def encode_rows(
     rows: Tensor,
     codec: str,
     block: int = BLOCK_SIZE,
     out: Tensor | None = None,
     decoded: bool = True,
+    feedback: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Every row of a matrix encoded as a vector of its own, in one pass over the matrix: the
-    same bits as :func:`to_bytes` of :func:`encode` of each row, and of :func:`decode`.
+    """Every row of a matrix encoded as a vector of its own, a slice of columns (whole blocks,
+    about :data:`SLICE` elements) at a time, so the temporaries stay a slice's size: the same
+    bits as :func:`to_bytes` of :func:`encode` of each row, and of :func:`decode`.
 
     Args:
         rows: float32 of shape ``(count, size)`` (the equal chunks of an exchange).
@@ -411,7 +464,9 @@ def encode_rows(
         block: elements per scale (``int8``, ``fp8``); the blocks restart at every row.
         out: uint8 of shape ``(count, encoded_nbytes(size))`` to write the packets into (rows
             of a larger buffer, e.g.); None: a new one.
-        decoded: also return what the packets decode to (error feedback needs it).
+        decoded: also return what the packets decode to (a new matrix of ``rows``' shape).
+        feedback: subtract what the packets decode to from ``rows`` in place, slice by slice
+            (error feedback, where ``rows`` are the residual): no matrix of it is made.
 
     Returns:
         ``(packets, decoded)``: uint8 of shape ``(count, encoded_nbytes(size))``, one packet a
@@ -423,23 +478,21 @@ def encode_rows(
     packets = out
     if packets is None:
         packets = rows.new_empty(count, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+    whole = rows.new_empty(count, size) if decoded else None
     if size == 0:
-        return packets, (rows.clone() if decoded else None)
-    if codec not in _CODE_MAX:
-        codes = packets.view(dtype).copy_(rows)
-        return packets, (codes.to(torch.float32) if decoded else None)
-    per_row = _num_blocks(size, block)
-    pad = per_row * block - size
-    padded = rows if pad == 0 else torch.nn.functional.pad(rows, (0, pad))
-    scales, scaled = _scaled(padded.reshape(count * per_row, block), codec)
-    packets[:, : 4 * per_row].copy_(scales.view(count, per_row).view(torch.uint8))
-    codes = packets[:, 4 * per_row :].view(dtype).copy_(scaled.view(count, -1)[:, :size])
-    if not decoded:
-        return packets, None
-    # The codes back to float32 into the quotient's buffer (whose padding holds zeros), then
-    # times their scales, whole blocks.
-    _codes_into(scaled.view(count, -1)[:, :size], codes)
-    return packets, scaled.mul_(scales[:, None]).view(count, -1)[:, :size]
+        return packets, whole
+    per_row = _num_blocks(size, block) if codec in _CODE_MAX else 0
+    all_codes = packets[:, 4 * per_row :].view(dtype)
+    for start, stop in column_slices(size, count, block):
+        values = rows[:, start:stop]
+        back = _encode_slice(
+            values, all_codes[:, start:stop], packets, start, codec, block, decoded or feedback
+        )
+        if back is not None and whole is not None:
+            whole[:, start:stop] = back
+        if back is not None and feedback:
+            values.sub_(back)
+    return packets, whole
 
 
 def _as(buf: Tensor, dtype: torch.dtype) -> Tensor:
@@ -453,21 +506,29 @@ def _as(buf: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def decode_rows(
-    packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE, out: Tensor | None = None
+    packets: Tensor,
+    size: int,
+    codec: str,
+    block: int = BLOCK_SIZE,
+    out: Tensor | None = None,
+    columns: tuple[int, int] | None = None,
 ) -> Tensor:
-    """Packets of equal vectors decoded at once, one a row: the same bits as :func:`decode` of
-    :func:`from_bytes` of each.
+    """Packets of equal vectors decoded at once, one a row, a slice of columns at a time (the
+    temporaries stay a slice's size): the same bits as :func:`decode` of :func:`from_bytes` of
+    each.
 
     Args:
         packets: uint8 of shape ``(count, encoded_nbytes(size))``.
         size: each vector's length.
         codec: their codec.
         block: their block size.
-        out: float32 of shape ``(count, size)`` to decode into (rows of a larger buffer, e.g.);
-            None: a new one.
+        out: float32 of shape ``(count, stop - start)`` to decode into (rows of a larger
+            buffer, e.g.); None: a new one.
+        columns: ``(start, stop)``: only the elements ``[start, stop)`` of every vector
+            (``start`` a multiple of ``block``); None: all of them.
 
     Raises:
-        ValueError: packets of another size.
+        ValueError: packets of another size, or columns that do not start a block.
     """
     want = encoded_nbytes(size, codec, block)
     if packets.dtype != torch.uint8 or packets.dim() != 2 or packets.shape[1] != want:
@@ -475,19 +536,28 @@ def decode_rows(
             f"decode_rows: {codec} packets of {size} elements have {want} bytes, got "
             f"{tuple(packets.shape)} of {packets.dtype}"
         )
+    begin, end = (0, size) if columns is None else columns
+    if not (0 <= begin <= end <= size and begin % block == 0):
+        raise ValueError(
+            f"decode_rows: columns must be (start, stop) with 0 <= start <= stop <= {size} and "
+            f"start a multiple of the block ({block}), got {columns}"
+        )
     count = packets.shape[0]
     if out is None:
-        out = torch.empty(count, size, dtype=torch.float32, device=packets.device)
-    if size == 0:
-        return out
+        out = torch.empty(count, end - begin, dtype=torch.float32, device=packets.device)
     code_dtype = _CODE_DTYPE[codec]
     assert code_dtype is not None, "check_codec refuses fp8 where torch has no float8_e4m3fn"
-    if codec not in _CODE_MAX:
-        return out.copy_(_as(packets, code_dtype))
-    per_row = _num_blocks(size, block)
-    scales = _as(packets[:, : 4 * per_row], torch.float32)
-    _codes_into(out, _as(packets[:, 4 * per_row :], code_dtype))
-    return _rescale_(out, scales, block)
+    per_row = _num_blocks(size, block) if codec in _CODE_MAX else 0
+    itemsize = torch.empty(0, dtype=code_dtype).element_size()
+    for start, stop in column_slices(end - begin, count, block):
+        target = out[:, start:stop]
+        start, stop = begin + start, begin + stop
+        first = 4 * per_row + start * itemsize
+        _codes_into(target, _as(packets[:, first : first + (stop - start) * itemsize], code_dtype))
+        if codec in _CODE_MAX:
+            blocks = slice(4 * (start // block), 4 * _num_blocks(stop, block))
+            _rescale_(target, _as(packets[:, blocks], torch.float32), block)
+    return out
 
 
 def encoded_nbytes(numel: int, codec: str, block: int = BLOCK_SIZE) -> int:

@@ -29,11 +29,11 @@ from .codecs import (
     BLOCK_SIZE,
     check_transport,
     check_vector,
+    column_slices,
     decode_rows,
     encode,
     encode_rows,
     encoded_nbytes,
-    to_bytes,
 )
 
 __all__ = ["PendingMean", "compressed_mean"]
@@ -89,6 +89,8 @@ class PendingMean:
 
     On transports without background progress (threads, MPI) each collective finishes when it
     starts. Arguments as for :func:`compressed_mean`; ``residual`` is updated on construction.
+    ``out``: a float32 buffer of ``n`` elements to decode the mean into (the result is it; it
+    may be ``flat``'s own, which is not read after construction), None: a new one.
     """
 
     def __init__(
@@ -99,10 +101,12 @@ class PendingMean:
         name: str,
         residual: Tensor | None = None,
         block: int = BLOCK_SIZE,
+        out: Tensor | None = None,
     ) -> None:
         check_vector(flat, residual, "compressed_mean")
         check_transport(comm, codec)
         self._comm, self._codec, self._name, self._block = comm, codec, name, block
+        self._out = out
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         self._gather: PendingTensors | None = None
@@ -115,10 +119,9 @@ class PendingMean:
         # its packets written straight into rows of one buffer.
         nbytes = [encoded_nbytes(s, codec, block) for s in self._sizes]
         buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=flat.device)
+        feedback = residual is not None  # the rows are the residual's: less what they send
         for rows, out in zip(_runs(contribution, self._sizes), _runs(buffer, nbytes)):
-            _, decoded = encode_rows(rows, codec, block, out, decoded=residual is not None)
-            if decoded is not None:
-                rows.sub_(decoded)  # rows of the residual
+            encode_rows(rows, codec, block, out, decoded=False, feedback=feedback)
         packets = list(buffer.split(nbytes))
         packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
         self._alltoall = comm.alltoall_flat_start(packets, [packet] * comm.size, f"{name}.a2a")
@@ -133,8 +136,8 @@ class PendingMean:
         return self._gather is not None and self._gather.done()
 
     def wait(self) -> Tensor:
-        """Block until done; returns the decoded average (a new 1-D float32 tensor, the same
-        object on every call)."""
+        """Block until done; returns the decoded average (1-D float32: ``out``, or a new
+        tensor; the same object on every call)."""
         if self._result is None:
             if self._gather is None:
                 self._reduce()
@@ -142,7 +145,9 @@ class PendingMean:
             (gathered,) = self._gather.wait()
             codec, block, sizes = self._codec, self._block, self._sizes
             nbytes = [encoded_nbytes(s, codec, block) for s in sizes]
-            result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
+            result = self._out
+            if result is None:
+                result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
             for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
                 decode_rows(rows, values.shape[1], codec, block, out=values)
             self._result = result
@@ -153,11 +158,24 @@ class PendingMean:
         chunk the same way), average, encode, and start the all-gather."""
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
-        received = decode_rows(torch.stack(self._alltoall.wait()), mine, codec, block)
-        # Added one worker after the other, in rank order: the bitwise contract of the sum
-        # (into the first worker's row, which is not needed after).
-        total = received[0]
-        for src in range(1, m):
-            total += received[src]
-        reduced = to_bytes(encode(div_(total, m), codec, block))
+        packets = torch.stack(self._alltoall.wait())
+        reduced = packets.new_empty(encoded_nbytes(mine, codec, block))
+        codes_at = None  # where the codes start in the packet: after every block's scale
+        # A slice of columns (whole blocks) at a time: the decoded chunks, their sum and its
+        # encode stay a slice's size, with the same bits as the whole chunk's.
+        for start, stop in column_slices(mine, m, block):
+            received = decode_rows(packets, mine, codec, block, columns=(start, stop))
+            # Added one worker after the other, in rank order: the bitwise contract of the sum
+            # (into the first worker's row, which is not needed after).
+            total = received[0]
+            for src in range(1, m):
+                total += received[src]
+            enc = encode(div_(total, m), codec, block)
+            itemsize = enc.codes.element_size()
+            if codes_at is None:
+                codes_at = reduced.numel() - mine * itemsize
+            first = 4 * (start // block) if enc.scales.numel() else 0
+            reduced[first : first + 4 * enc.scales.numel()] = enc.scales.view(torch.uint8)
+            codes = reduced[codes_at + start * itemsize : codes_at + stop * itemsize]
+            codes.copy_(enc.codes.view(torch.uint8))
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")

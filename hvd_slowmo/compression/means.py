@@ -36,11 +36,11 @@ def mean_start(
         flat: this worker's 1-D float32 vector.
         name: a label for the collectives.
         residual: this worker's error-feedback residual, updated in place, or None.
-        out: a buffer of ``codec.sum_numel(n)`` float32 the sparse all-gather may sum into, or
-            None.
+        out: a buffer of ``codec.sum_numel(n)`` float32 the mean is written into (the dense
+            codecs' decoded chunks, the sparse all-gather's sum), or None: a new one.
     """
     if codec.exchange == "dense":
-        return PendingMean(comm, flat, codec.name, name, residual, codec.block)  # type: ignore[attr-defined]
+        return PendingMean(comm, flat, codec.name, name, residual, codec.block, out)  # type: ignore[attr-defined]
     if codec.exchange == "owners":
         return PendingOwnerSparseMean(comm, flat, codec, name, residual)  # type: ignore[arg-type]
     return PendingSparseMean(comm, flat, codec, name, residual, out=out)  # type: ignore[arg-type]

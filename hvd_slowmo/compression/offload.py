@@ -26,7 +26,7 @@ import torch
 from ..comm.base import ByteCounter
 from ..comm.serial import SerialRunner
 
-__all__ = ["CodecJob", "CodecThread"]
+__all__ = ["CodecJob", "CodecThread", "Scratch"]
 
 
 class CodecJob:
@@ -72,6 +72,37 @@ class CodecJob:
         return self._result
 
 
+class Scratch:
+    """Float32 buffers for work that runs one piece at a time (a :class:`CodecThread`'s jobs, or
+    the averages started on the training thread), one per role and device: each user takes a
+    buffer and is done with it before the next one takes it, so every fragment's average shares
+    one, of the largest fragment's size, instead of keeping one of its own (the buffers of all
+    fragments together were a copy of the model per role)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def take(self, role: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The first ``numel`` elements of the ``role`` buffer on ``device`` (made, or made
+        larger, the first time a size needs it; its contents are whatever the last user left).
+
+        Args:
+            role: what the buffer is for (the pseudo-gradient, a sum).
+            numel: the elements needed.
+            device: where.
+        """
+        key = (role, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buffer[:numel]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers kept (for :func:`hvd_slowmo.memory.held_bytes`)."""
+        return list(self._buffers.values())
+
+
 class CodecThread:
     """Runs jobs on one background thread, one after another, in submission order.
 
@@ -83,11 +114,15 @@ class CodecThread:
         counter: the byte counter of the jobs' communicator: a job submitted inside
             :meth:`~hvd_slowmo.comm.base.Communicator.uncounted` runs uncounted too (the pause
             is per thread).
+
+    Attributes:
+        scratch: the buffers its jobs share (:class:`Scratch`): one job at a time.
     """
 
     def __init__(self, counter: ByteCounter) -> None:
         self._counter = counter
         self._runner = SerialRunner("hvd_slowmo-codec")
+        self.scratch = Scratch()
 
     def submit(
         self, fn: Callable[[], Any], devices: AbstractSet[torch.device] = frozenset()

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "SLICE",
     "SparseCodec",
     "pack_bits",
     "packet_nbytes",
@@ -63,6 +64,10 @@ __all__ = [
 
 #: The value widths the codec has.
 BITS = (2, 4, 8)
+#: Float32 elements an encode or decode works on at once (the codecs of :mod:`.codecs` too):
+#: its temporaries (the top-k keys, the quotients, a padded copy of a short last block or
+#: chunk) are bounded by a few times this many, however long the vector.
+SLICE = 1 << 18
 #: The largest chunk: a position in it fits in 16 bits.
 MAX_CHUNK = 1 << 16
 #: How the packets are averaged: one all-gather (the default), or reduced at owners and gathered.
@@ -337,6 +342,36 @@ def sparse_encode_feedback(x: Tensor, codec: SparseCodec, residual: Tensor) -> T
     return packet
 
 
+def _top_k(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor]:
+    """The kept entries of every chunk of ``x`` (zero-padded to whole chunks): their positions
+    in their chunk, by decreasing magnitude (ties: the lower position first), and their values,
+    both of shape ``(chunks, k)``; chosen a slice of chunks at a time (about :data:`SLICE`
+    elements), so the keys and the padded copy of the last chunk stay a slice's size."""
+    c, k = codec.chunk, codec.k
+    n_chunks = _chunks(x.numel(), c)
+    index = torch.empty(n_chunks, k, dtype=torch.int64, device=x.device)
+    kept = torch.empty(n_chunks, k, dtype=x.dtype, device=x.device)
+    reverse = torch.arange(c - 1, -1, -1, device=x.device, dtype=torch.int64)
+    per = max(1, SLICE // c)
+    for first in range(0, n_chunks, per):
+        last = min(n_chunks, first + per)
+        part = x[first * c : last * c]
+        if part.numel() < (last - first) * c:  # the short last chunk, zero-padded
+            part = torch.nn.functional.pad(part, (0, (last - first) * c - part.numel()))
+        rows = part.view(last - first, c)
+        # One int64 key per entry: the magnitude's float32 bits (the sign bit cleared: ordered
+        # like the magnitudes, NaN above inf) times 2^16 plus the reversed position, so no two
+        # keys tie and top-k is deterministic. The mask written straight into int64 (one
+        # pass), then in place (torch.add with an alpha was four times slower here).
+        keys = torch.empty(rows.shape, dtype=torch.int64, device=x.device)
+        torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=keys)
+        keys.bitwise_left_shift_(16).bitwise_or_(reverse)
+        index[first:last] = keys.topk(k, dim=1, sorted=True).indices
+        del keys
+        torch.gather(rows, 1, index[first:last], out=kept[first:last])
+    return index, kept
+
+
 def _encode(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor, Tensor]:
     """The packet of ``x``, and its kept entries: their positions in their chunks and the
     values the packet decodes them to (both of shape ``(chunks, k)``)."""
@@ -349,19 +384,7 @@ def _encode(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor, Tensor]:
     if n_chunks == 0:
         empty = torch.empty(0, k, device=x.device)
         return torch.empty(0, dtype=torch.uint8, device=x.device), empty.long(), empty
-    pad = n_chunks * c - x.numel()
-    rows = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(n_chunks, c)
-    # One int64 key per entry: the magnitude's float32 bits (the sign bit cleared: ordered like
-    # the magnitudes, NaN above inf) times 2^16 plus the reversed position, so no two keys tie
-    # and top-k is deterministic. The mask written straight into int64 (one pass), then in
-    # place (torch.add with an alpha was four times slower here).
-    reverse = torch.arange(c - 1, -1, -1, device=x.device, dtype=torch.int64)
-    keys = torch.empty(rows.shape, dtype=torch.int64, device=x.device)
-    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=keys)
-    keys.bitwise_left_shift_(16).bitwise_or_(reverse)
-    index = keys.topk(k, dim=1, sorted=True).indices
-    del keys
-    kept = rows.gather(1, index)
+    index, kept = _top_k(x, codec)
     size = kept.abs()
     lo = size[:, -1].clone()  # size is overwritten below
     step = (size[:, 0] - lo) / ((1 << (b - 1)) - 1)
