@@ -259,18 +259,18 @@ def test_emulated_time_based_periods_train_the_count_based_run_when_speeds_are_e
     def run(*flags: str) -> dict:
         out = tmp_path / "summary.json"
         argv = ["--threads", "3", "--algo", "localsgd", "--slowmo", "--tau", "4", "--seed", "3"]
-        argv += ["--epoch-steps", "8", "--epochs", "4", "--no-progress", "--emulated-step", "1"]
+        argv += ["--epoch-steps", "8", "--epochs", "2", "--no-progress", "--emulated-step", "1"]
         argv += ["--logdir", str(tmp_path), "--summary-json", str(out), *flags]
         assert common.run_cli(mnist1d_cnn.main, argv) == 0
         return json.loads(out.read_text())
 
     count = run()
     timed = run("--period-seconds", "4")
-    assert timed["steps_all_workers"] == count["steps_all_workers"] == 3 * 32
+    assert timed["steps_all_workers"] == count["steps_all_workers"] == 3 * 16
     assert timed["val_loss"] == count["val_loss"] and timed["train_loss"] == count["train_loss"]
     assert timed["emulated_curve"] == count["emulated_curve"]
-    assert [s for s, _ in count["emulated_curve"]] == [8.0, 16.0, 24.0, 32.0]
+    assert [s for s, _ in count["emulated_curve"]] == [8.0, 16.0]
     slowed = run("--period-seconds", "8", "--slow-factor", "2", "--merge", "samples")
-    # First period 4 steps each, then 7 periods of [8, 8, 4]: 12 + 7 x 20 steps.
-    assert slowed["steps_all_workers"] == 12 + 7 * 20
-    assert [s for s, _ in slowed["emulated_curve"]] == [16.0, 32.0, 48.0, 64.0]
+    # First period 4 steps each, then 3 periods of [8, 8, 4]: 12 + 3 x 20 steps.
+    assert slowed["steps_all_workers"] == 12 + 3 * 20
+    assert [s for s, _ in slowed["emulated_curve"]] == [16.0, 32.0]
