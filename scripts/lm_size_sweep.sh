@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The language model at three sizes (docs/results/regimes.md, issue 40), on CPU thread workers: per
-# size, SlowMo's outer lr x momentum grid at tau 16 on the tuning seeds 100-102, then test seeds
-# 0-2 of AR-AdamW, Local AdamW and Local AdamW + SlowMo (the tuned setting) at tau 16 and 64.
+# size, SlowMo's outer lr x momentum grid at tau 16 on the tuning seeds 100-102 (and the points
+# that bracket its best), then test seeds 0-2 of AR-AdamW, Local AdamW and Local AdamW + SlowMo
+# (the tuned setting) at tau 16 and 64.
 # One size finishes before the next starts. Resumable: every step skips the runs the rows file
 # already holds, so rerunning the script goes on where it stopped.
 #
@@ -18,13 +19,15 @@ JOBS=${1:-2}
 OUT=${OUT:-docs/regime_lm_sizes.jsonl}
 PYTHON=${PYTHON:-python}
 GRID=0.4/0.8,0.4/0.9,0.7/0.8,0.7/0.9,1/0.8,1/0.9
-for size in "64 2 16" "96 3 28" "128 4 40"; do
-    read -r width layers epochs <<<"$size"
+# Per size, the points that bracket the grid's best where it sat on the grid's edge (lowest
+# momentum; largest outer lr at the two smaller sizes).
+for size in "64 2 16 1/0.7,1.3/0.8" "96 3 28 1/0.7,1.3/0.8" "128 4 40 0.7/0.7"; do
+    read -r width layers epochs bracket <<<"$size"
     lm=("$PYTHON" examples/regime_map.py lm --out "$OUT" --jobs "$JOBS")
     lm+=(--logdir "runs/lm_sizes/w$width")
     flags=(-- --width "$width" --layers "$layers" --heads 4 --context 64 --batch-size 16)
     flags+=(--steps-per-epoch 32 --epochs "$epochs" --val-batches 4)
-    "${lm[@]}" --methods local-adamw-slowmo --taus 16 --seed-from 100 --seeds 3 --outer "$GRID" \
-        "${flags[@]}"
+    "${lm[@]}" --methods local-adamw-slowmo --taus 16 --seed-from 100 --seeds 3 \
+        --outer "$GRID,$bracket" "${flags[@]}"
     "${lm[@]}" --taus 16,64 --seeds 3 --outer tuned --tune-tau 16 "${flags[@]}"
 done
