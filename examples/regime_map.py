@@ -244,15 +244,28 @@ def run_lm(args, pool: Executor | None = None) -> None:
             if method in args.methods.split(",")
             and (method, tau, seed, outer, tuple(args.lm_flags)) not in done
         ]
-    pool = pool or ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    run_queue(_lm_run, [(args, *run) for run in todo], args.jobs, pool)
+
+
+def run_queue(fn, calls: list[tuple], jobs: int, pool: Executor | None = None) -> None:
+    """``fn(*call)`` for every call, ``jobs`` at a time, each in a process of its own; a call
+    that raises stops the queue (the running ones finish) and is raised here.
+
+    Args:
+        fn: a module-level function (spawned processes import it).
+        calls: its arguments, one tuple per run.
+        jobs: runs at a time.
+        pool: the executor (default: ``jobs`` spawned processes; tests pass another).
+    """
+    pool = pool or ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     with pool:
-        futures = [pool.submit(_lm_run, args, *run) for run in todo]
+        futures = [pool.submit(fn, *call) for call in calls]
         try:
             for f in futures:
                 f.result()
         except BaseException:
             for f in futures:
-                f.cancel()  # a run that raised stops the queue (the running ones finish)
+                f.cancel()
             raise
 
 

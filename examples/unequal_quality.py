@@ -29,10 +29,9 @@ equal emulated seconds, the time to a target and the paired t-tests against ``co
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,11 +134,7 @@ def run(args: argparse.Namespace, pool: Executor | None = None) -> None:
         for policy in args.policies.split(",")
         if (args.task, policy, seed) not in done
     ]
-    pool = pool or ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-    with pool:
-        futures = [pool.submit(_run, *t, args.out, args.logdir) for t in todo]
-        for f in futures:
-            f.result()
+    regime_map.run_queue(_run, [(*t, args.out, args.logdir) for t in todo], args.jobs, pool)
 
 
 def report(rows: list[dict[str, Any]]) -> str:
