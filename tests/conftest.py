@@ -13,7 +13,9 @@ many repeat one check at another world size or engine.
 - ``./test.sh --tier launches``: only the launches the default tier leaves out (the other world
   sizes and engines, the whole fault matrix, torchrun restarts, the examples, the builds). CI
   runs it after the default tier.
-- ``./test.sh --tier full``: both.
+- ``./test.sh --tier siblings``: the launches CI leaves out (:data:`SIBLING_LAUNCHES`): a check
+  CI runs, repeated at another world size or on the other engine.
+- ``./test.sh --tier full``: all of them.
 
 The tier decides what is collected, never whether a collected test passes: a test left out is
 reported as *deselected* in pytest's closing line, so the count of what ran is always visible.
@@ -64,6 +66,17 @@ DEFAULT_LAUNCHES = (
     "tests/test_quorum_launch.py::test_torchrun_paused_rank_is_left_out_and_resynchronized",
     "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
+# Launches only `--tier siblings` (and `--tier full`) runs, not CI: the same check as a launch CI
+# runs, at another world size or on the other engine, where CI already runs that feature at a
+# world size above 2 and on both engines. Kept out so that CI's whole run fits its 35 minutes.
+SIBLING_LAUNCHES = (
+    "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
+    "tests/test_cuda.py::test_two_islands_on_the_device[cpu-ddp]",
+    "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np4]",
+    "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[allreduce]",
+    "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np4-gloo]",
+    "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
+)
 # In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
 # processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json
 # has the rest). A file, or one test of a file (every parametrization). New tests take the
@@ -79,10 +92,10 @@ SLOW_IN_PROCESS = (
     "tests/test_run_log.py::test_docker_check_reads_what_the_example_prints_now",
     "tests/test_serial.py",
 )
-TIERS = ("fast", "default", "launches", "full")
+TIERS = ("fast", "default", "launches", "siblings", "full")
 #: Each tier's budget in seconds on the 2 cores of the build machine: CI's whole run (lint, the
 #: site, the portability tier, the default and launch tiers) fits in 35 minutes.
-BUDGET_S = {"fast": 180, "default": 600, "launches": 1200, "full": 1800}
+BUDGET_S = {"fast": 180, "default": 600, "launches": 1200, "siblings": 300, "full": 2100}
 #: A test of the fast tier that takes longer than this on 2 cores belongs in the default tier.
 FAST_TEST_S = 10.0
 _STARTED = pytest.StashKey[float]()
@@ -142,6 +155,8 @@ def _in_tier(item: pytest.Item, tier: str) -> bool:
         return True
     if tier == "fast":
         return not is_launch(item) and not is_slow(item)
+    if tier == "siblings" or item.nodeid in SIBLING_LAUNCHES:
+        return tier == "siblings" and item.nodeid in SIBLING_LAUNCHES
     in_default = not is_launch(item) or item.nodeid in DEFAULT_LAUNCHES
     return in_default == (tier == "default")
 
@@ -156,12 +171,16 @@ def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> 
         if "::" in arg
     }
     files = {nodeid.split("::")[0] for nodeid in ids} - picked
-    missing = [n for n in DEFAULT_LAUNCHES if n.split("::")[0] in files and n not in ids]
-    if missing:
-        raise pytest.UsageError(
-            f"tests/conftest.py DEFAULT_LAUNCHES names tests that do not exist: {missing}; "
-            "rename them there"
-        )
+    for listing, names in (
+        ("DEFAULT_LAUNCHES", DEFAULT_LAUNCHES),
+        ("SIBLING_LAUNCHES", SIBLING_LAUNCHES),
+    ):
+        missing = [n for n in names if n.split("::")[0] in files and n not in ids]
+        if missing:
+            raise pytest.UsageError(
+                f"tests/conftest.py {listing} names tests that do not exist: {missing}; "
+                "rename them there"
+            )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

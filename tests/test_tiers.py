@@ -39,10 +39,10 @@ def tiers(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_each_test_runs_in_the_default_or_the_launch_tier_and_fast_is_inside_default(tiers):
+def test_each_test_runs_in_one_of_default_launches_siblings_and_fast_is_inside_default(tiers):
     assert len(tiers) > 500
     for nodeid, names in tiers.items():
-        assert ("default" in names) != ("launches" in names), nodeid
+        assert [t in names for t in ("default", "launches", "siblings")].count(True) == 1, nodeid
         assert "full" in names, nodeid
         assert "fast" not in names or "default" in names, nodeid
     fast = [n for n, names in tiers.items() if "fast" in names]
@@ -67,3 +67,12 @@ def test_every_slow_listing_names_tests_that_exist(tiers):
     for entry in SLOW_IN_PROCESS:
         assert any(n == entry or n.startswith(entry + "::") for n in tiers), entry
         assert not any("fast" in names for n, names in tiers.items() if n.startswith(entry)), entry
+
+
+def test_every_sibling_launch_has_its_check_in_ci(tiers):
+    """A launch left to ``--tier siblings`` repeats a check CI runs: the same test function, in
+    another parametrization, is in the default or the launch tier."""
+    ci = {n.split("[")[0] for n, names in tiers.items() if {"default", "launches"} & set(names)}
+    siblings = [n for n, names in tiers.items() if "siblings" in names]
+    assert siblings
+    assert all("[" in n and n.split("[")[0] in ci for n in siblings), siblings
