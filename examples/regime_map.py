@@ -425,14 +425,17 @@ def lm_tuning(rows: list[dict]) -> tuple[str, dict[int, tuple[float, float]]]:
     Returns:
         (a markdown table, tau -> the chosen (outer lr, momentum)).
     """
-    runs: dict[tuple[int, tuple[float, float]], list[dict]] = {}
+    # A run recorded twice (a sweep restarted while it ran) counts once, its first row: else its
+    # setting would hold more rows than seeds and never be chosen.
+    runs: dict[tuple[int, tuple[float, float]], dict[int, dict]] = {}
     for r in rows:
         outer = lm_outer(r)
         if outer is not None and r["seed"] in TUNING_SEEDS:
-            runs.setdefault((r["tau"], outer), []).append(r)
+            runs.setdefault((r["tau"], outer), {}).setdefault(r["seed"], r)
     lines = ["| tau | outer lr | momentum | seeds | validation loss |", "|---" * 5 + "|"]
     best: dict[int, tuple[float, tuple[float, float]]] = {}
-    for (tau, outer), rs in sorted(runs.items()):
+    for (tau, outer), by_seed in sorted(runs.items()):
+        rs = list(by_seed.values())
         losses = [r["val_loss"] for r in rs]
         ok = len(rs) == len(TUNING_SEEDS) and not any(
             r["diverged"] or not math.isfinite(r["val_loss"]) for r in rs

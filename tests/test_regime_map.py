@@ -190,6 +190,11 @@ def test_lm_outer_settings_are_parsed_and_tuned():
     rows += [row(0.4, 0.8, 0, 1.0)]  # a test seed: not tuning
     table, chosen = regime_map.lm_tuning(rows)
     assert chosen == {64: (1.0, 0.8)}  # lowest mean among the complete, finite settings
+    # A run recorded twice (a restarted sweep) is one seed: its setting is still chosen.
+    twice = [row(1.0, 0.7, s, 2.20) for s in regime_map.TUNING_SEEDS]
+    twice_table, twice_chosen = regime_map.lm_tuning(rows + twice + twice[:1])
+    assert twice_chosen == {64: (1.0, 0.7)}
+    assert "| 64 | 1 | 0.7 | 3 | 2.200 ± 0.000 |" in twice_table
     assert "| 64 | 0.7 | 0.9 | 3 | 2.310 ± 0.010 |" in table
     assert "| 64 | 0.4 | 0.9 | 3 | 2.000 ± 0.000 (incomplete or diverged: not chosen) |" in table
     assert "| 64 | 1 | 0.9 | 1 | 1.000 ± 0.000 (incomplete or diverged: not chosen) |" in table
