@@ -7,6 +7,9 @@ the first call of each kernel compiles it (tens of seconds on a loaded 2-core ma
 file compiles 8 kernels: encode, encode with feedback, the 3-worker reduce and decode, for
 int8 and fp8)."""
 
+import os
+import sys
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -19,6 +22,7 @@ from hvd_slowmo.compression.means import mean_start
 from hvd_slowmo.config import SlowMoConfig
 
 from helpers import PLAIN_SGD, assert_same_models, run_slowmo
+from horovod_launch import ROOT
 
 B = 256
 SIZE = 5 * B + 77  # five whole blocks and a short one
@@ -177,6 +181,25 @@ def test_slowmo_with_compiled_int8_equals_eager_bitwise():
         assert len(snaps) == len(want_snaps) == 2
         for a, b in zip(snaps, want_snaps):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_codec_cost_compiled_rows_run_tiny(capsys):
+    """benchmarks/codec_cost.py's compiled rows, in-process at a tiny size (the kernels above:
+    3 workers, no new compile): positive times, the compile's seconds."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import codec_cost
+
+    result = codec_cost.main(
+        ["--mb", "0.02", "--repeats", "1", "--workers", "3", "--device", "cpu"]
+        + ["--kernels", "compiled"]
+    )
+    rows = {r["codec"]: r for r in result["rows"]}
+    assert sorted(rows) == ["fp8 (compiled)", "int8 (compiled)"]
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["compile_s"] > 0 and r["mean_ms_per_mb"] > 0 and r["encode_ms_per_mb"] > 0
+    assert "int8 (compiled) (compile " in capsys.readouterr().out
 
 
 def test_bad_kernels_are_refused():

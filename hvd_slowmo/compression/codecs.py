@@ -280,12 +280,12 @@ def check_codec(
         return SparseCodec()
     if not isinstance(codec, str):
         raise TypeError(
-            f"{name} must be one of {CODECS}, 'sparse', a DenseCodec(...) or a SparseCodec(...), "
+            f"{name} must be one of {CODECS}, a DenseCodec(...), 'sparse' or a SparseCodec(...), "
             f"got {codec!r}"
         )
     if codec not in CODECS:
         raise ValueError(
-            f"{name} must be one of {CODECS}, 'sparse', a DenseCodec(...) or a SparseCodec(...), "
+            f"{name} must be one of {CODECS}, a DenseCodec(...), 'sparse' or a SparseCodec(...), "
             f"got {codec!r}"
         )
     if codec == "fp8":

@@ -28,7 +28,6 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
 from ..divide import div_
-from . import fused
 from .codecs import (
     BLOCK_SIZE,
     check_kernels,
@@ -40,6 +39,9 @@ from .codecs import (
     encode_rows,
     encoded_nbytes,
 )
+from .fused import decode_rows as fused_decode_rows
+from .fused import encode_rows as fused_encode_rows
+from .fused import reduce as fused_reduce
 
 __all__ = ["PendingMean", "compressed_mean", "reduce_packets"]
 
@@ -135,7 +137,7 @@ class PendingMean:
             runs = _runs(flat, self._sizes)
             residuals = [None] * len(runs) if residual is None else _runs(residual, self._sizes)
             for rows, res, out in zip(runs, residuals, packet_runs):
-                fused.encode_rows(rows, codec, block, out, res)
+                fused_encode_rows(rows, codec, block, out, res)
         else:
             # In place (``flat + residual``, operands in this order: which NaN a sum of two
             # NaNs yields depends on it); the residual becomes what the encoding lost below.
@@ -171,7 +173,7 @@ class PendingMean:
                 result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
             for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
                 if self._fused:
-                    fused.decode_rows(rows, values.shape[1], codec, block, values)
+                    fused_decode_rows(rows, values.shape[1], codec, block, values)
                 else:
                     decode_rows(rows, values.shape[1], codec, block, out=values)
             self._result = result
@@ -182,7 +184,7 @@ class PendingMean:
         chunk the same way), average, encode, and start the all-gather."""
         packets = torch.stack(self._alltoall.wait())
         mine, codec, block = self._sizes[self._comm.rank], self._codec, self._block
-        reduce = fused.reduce if self._fused else reduce_packets
+        reduce = fused_reduce if self._fused else reduce_packets
         reduced = reduce(packets, mine, codec, block)
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
 
