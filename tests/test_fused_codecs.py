@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import hvd_slowmo.compression.codecs as codecs
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import DenseCodec, check_codec, fused
 from hvd_slowmo.compression.codecs import decode_rows, encode_rows, encoded_nbytes
@@ -28,6 +29,13 @@ B = 256
 SIZE = 5 * B + 77  # five whole blocks and a short one
 FUSED = ("int8", "fp8")
 CODE_MAX = {"int8": 127.0, "fp8": 448.0}
+
+
+@pytest.fixture
+def short_slices(monkeypatch):
+    """Slices of 512 elements: the chunks below span several, the eager path's and the fused
+    one's (a last slice of one element joins the one before)."""
+    monkeypatch.setattr(codecs, "SLICE", 512)
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +92,7 @@ def reciprocal_differs(values: torch.Tensor, divisor: float) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("codec", FUSED)
-def test_encode_rows_equals_eager_bitwise(codec, feedback):
+def test_encode_rows_equals_eager_bitwise(short_slices, codec, feedback):
     first = True
     for count, size in [(3, SIZE), (1, 7 * B), (2, 4 * B + 1)]:
         x = rows_with_specials(count, size, seed=count)
@@ -126,7 +134,7 @@ def received(codec: str, m: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", FUSED)
-def test_reduce_equals_eager_bitwise(codec):
+def test_reduce_equals_eager_bitwise(short_slices, codec):
     packets, _ = received(codec)
     want = reduce_packets(packets, SIZE, codec, B)
     got = fused.reduce(packets, SIZE, codec, B)
@@ -150,7 +158,7 @@ def test_decode_rows_equals_eager_bitwise(codec):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", FUSED)
-def test_mean_of_three_workers_equals_eager_bitwise(codec):
+def test_mean_of_three_workers_equals_eager_bitwise(short_slices, codec):
     m, n = 3, 2 * SIZE + 1  # chunks of two lengths: two runs of rows
     vectors = [rows_with_specials(1, n, seed=20 + r)[0] for r in range(m)]
     vectors[2][:B] = torch.randn(B) * 1e-3  # finite everywhere but on rank 0's blocks

@@ -5,8 +5,8 @@ kernels="compiled")``).
 The eager path runs each step of an encode (absolute values, block maxima, scales, quotients,
 rounding, the cast, the decode and the residual's update) as its own torch op, a pass over
 memory each. Here every step of one phase of the exchange (:mod:`.exchange`) is one function
-compiled by ``torch.compile(dynamic=True)`` (inductor: generated C++, one loop nest reading
-each input once):
+compiled by ``torch.compile(dynamic=True)`` (inductor: generated C++), called a slice of
+columns at a time:
 
 * :func:`encode_rows`: each row's contribution (with error feedback ``flat + residual``, the
   residual then less what the codes decode to) into codes and scales;
@@ -14,14 +14,16 @@ each input once):
   count (an IEEE division, as :func:`hvd_slowmo.divide.div_`) and encoded again;
 * :func:`decode_rows`: the gathered packets into the mean's buffer.
 
-Each op is the eager path's, in the same order and with the same operands (which NaN a product
-or a sum of two NaNs yields depends on the order), so the codes, scales, residuals and means
-are bitwise the eager ones (tests/test_fused_codecs.py). A function is compiled once per process
-(per codec and, for the reduce, per workers' count: its sum is unrolled), at its first call:
-tens of seconds, then cached by torch on disk (``/tmp/torchinductor_<user>``), so a later
-process spends seconds. CPU tensors only: :mod:`.exchange` keeps the eager path on a GPU, where
-torch's own kernels are already fast and a Triton kernel's float32 division may not be the
-correctly rounded one the bits depend on.
+Each op is the eager path's, in the same order, so the codes, scales, residuals and means are
+bitwise the eager ones (tests/test_fused_codecs.py); where inductor's C++ picks other bits
+than torch's eager kernels (a NaN's payload and sign, a NaN's int8 code, which of two NaNs a
+product yields) the eager bits are made explicit, as measured on x86 with this torch. A kernel
+is compiled at its first call in a process, and again for another codec, block size, workers'
+count (the reduce's sum is unrolled) or intra-op thread count (dynamo allows 8 per kernel, then
+runs it uncompiled): tens of seconds, then cached by torch on disk
+(``/tmp/torchinductor_<user>``), so a later process spends seconds. CPU tensors only:
+:mod:`.exchange` keeps the eager path on a GPU, where torch's own kernels are already fast and
+a Triton kernel's float32 division may not be the correctly rounded one the bits depend on.
 
 SlowMo's compressed outer exchange (arXiv 1910.00643): the pseudo-gradient's codes.
 """
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .codecs import _CODE_DTYPE, _CODE_MAX, _fp8_values, encoded_nbytes
+from .codecs import _CODE_DTYPE, _CODE_MAX, _fp8_values, column_slices, encoded_nbytes
 
 __all__ = ["decode_rows", "encode_rows", "reduce"]
 
@@ -47,9 +49,9 @@ def _quantize(
     :func:`~.codecs._scaled`'s ops on the blocks, the short last one zero padded; returns what
     the codes decode to, ``(blocks, block)``."""
     n = x.shape[0]
-    blocks = (n + block - 1) // block
+    _, rows = _blocks(n, block)
     code_max = _CODE_MAX[codec]
-    padded = F.pad(x, (0, blocks * block - n)).view(blocks, block)
+    padded = F.pad(x, (0, rows * block - n)).view(rows, block)
     amax = padded.abs().amax(dim=1)
     # Inductor's maximum yields an all-ones NaN for a NaN, torch's eager one the block's NaN
     # (its sign cleared by abs: the quiet NaN 0x7fc00000 for every NaN that arithmetic or
@@ -70,7 +72,10 @@ def _quantize(
     quotient = torch.where(quotient.isnan(), nan, quotient.clamp(-code_max, code_max))
     code = quotient.to(_CODE_DTYPE[codec])
     codes.copy_(code.view(-1)[:n])
-    scales[:blocks].copy_(scale)
+    # All the rows' scales, the padding block's too (0, into the spare scale or the next
+    # slice's first, which its own call writes after): a copy of the blocks alone would compile
+    # again for one block.
+    scales[:rows].copy_(scale)
     # The codes decoded, as the eager path decodes them (not the quotients: a NaN's code).
     return _times(_values(code, table), scale)
 
@@ -87,9 +92,17 @@ def _values(codes: Tensor, table: Tensor | None) -> Tensor:
 def _decoded(codes: Tensor, scales: Tensor, block: int, table: Tensor | None) -> Tensor:
     """The 1-D float32 values of ``codes`` (traced): each code times its block's scale."""
     n = codes.shape[0]
+    _, rows = _blocks(n, block)
+    values = F.pad(_values(codes, table), (0, rows * block - n)).view(rows, block)
+    return _times(values, scales[:rows]).view(-1)[:n]
+
+
+def _blocks(n: Any, block: int) -> tuple[Any, Any]:
+    """The blocks of ``n`` elements (traced), and the rows of the padded matrix they are made
+    into: at least 2, since dynamo compiles again for a matrix of one row (the padding's
+    block has scale 0, or the buffer's spare scale: its values are never written)."""
     blocks = (n + block - 1) // block
-    values = F.pad(_values(codes, table), (0, blocks * block - n)).view(blocks, block)
-    return _times(values, scales[:blocks]).view(-1)[:n]
+    return blocks, torch.sym_max(blocks, 2)
 
 
 def _times(values: Tensor, scales: Tensor) -> Tensor:
@@ -179,6 +192,18 @@ def _call(kernel: Callable[..., None], codec: str, *tensors: Tensor) -> None:
         kernel(*operands, table)
 
 
+def _slices(size: int, block: int) -> list[tuple[int, int]]:
+    """:func:`~.codecs.column_slices` of one row, a last slice of one element joined to the
+    one before (dynamo specializes a size of 1: a compile of its own). The encode and the
+    reduce run a slice at a time: inductor writes a kernel's float32 result (the residual,
+    the mean) into a buffer of its own before the copy into place, so the buffer stays a
+    slice's size, and in the cache."""
+    slices = column_slices(size, 1, block)
+    if len(slices) > 1 and slices[-1][1] - slices[-1][0] == 1:
+        slices[-2:] = [(slices[-2][0], size)]
+    return slices
+
+
 def _scales(count: int, blocks: int, device: torch.device) -> Tensor:
     """A float32 buffer of ``count`` rows of ``blocks`` scales and a spare one: dynamo
     specializes a size of 1, so chunks of one block would compile each kernel again."""
@@ -224,8 +249,13 @@ def encode_rows(
     scales = _scales(count, blocks, rows.device)
     kernel = _kernel("encode", codec, block, residual is not None)
     for r in range(count):
-        operands = (rows[r],) if residual is None else (rows[r], residual[r])
-        _call(kernel, codec, *operands, codes[r], scales[r])
+        for start, stop in _slices(size, block):
+            cols = slice(start, stop)
+            # The slice's blocks and the next scale (the spare one for the last slice).
+            first = start // block
+            its_scales = scales[r, first : first + -(-(stop - start) // block) + 1]
+            operands = (rows[r, cols],) if residual is None else (rows[r, cols], residual[r, cols])
+            _call(kernel, codec, *operands, codes[r, cols], its_scales)
     out[:, : 4 * blocks].copy_(scales[:, :blocks].view(torch.uint8))
 
 
@@ -251,7 +281,10 @@ def reduce(packets: Tensor, size: int, codec: str, block: int) -> Tensor:
     mean_scales = _scales(1, blocks, packets.device)[0]
     kernel = _kernel("reduce", codec, block, workers)
     out_codes = reduced[4 * blocks :].view(codes.dtype)
-    _call(kernel, codec, *codes.unbind(0), *scales.unbind(0), out_codes, mean_scales)
+    for start, stop in _slices(size, block):
+        first, last = start // block, -(-stop // block) + 1  # and the next (spare) scale
+        received = [*codes[:, start:stop].unbind(0), *scales[:, first:last].unbind(0)]
+        _call(kernel, codec, *received, out_codes[start:stop], mean_scales[first:last])
     reduced[: 4 * blocks].copy_(mean_scales[:blocks].view(torch.uint8))
     return reduced
 
