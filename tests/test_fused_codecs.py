@@ -222,3 +222,14 @@ def test_bad_kernels_are_refused():
     assert check_codec(codec) is codec
     config = SlowMoConfig(codec=codec, error_feedback=True)
     assert config.codec is codec and config.summary()["codec"] == "fp8"
+
+
+def test_a_dense_codec_s_block_is_checked_and_kept_in_its_settings():
+    # Another block is other bits: it is in the settings every rank compares and a checkpoint
+    # keeps; the default block leaves the settings as a name (as states saved before).
+    for bad in (0, -256, 2.5, True):
+        with pytest.raises(ValueError, match="block must be a positive int"):
+            DenseCodec("int8", block=bad)
+    assert DenseCodec("int8", block=128).summary() == {"name": "int8", "block": 128}
+    assert SlowMoConfig(codec=DenseCodec("int8", block=128)).summary()["codec"] != "int8"
+    assert DenseCodec("int8", kernels="compiled").summary() == "int8"

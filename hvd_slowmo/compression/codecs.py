@@ -154,6 +154,11 @@ class DenseCodec:
     kernels: str = "eager"
 
     def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(
+                f"DenseCodec: block must be a positive int (elements per scale), got "
+                f"{self.block!r}; the default is {BLOCK_SIZE}"
+            )
         check_kernels(self.kernels, self.name)
 
     def encode(self, x: Tensor) -> Tensor:
@@ -189,11 +194,14 @@ class DenseCodec:
         """
         return numel
 
-    def summary(self) -> str:
-        """The name (what states saved before this class hold). Not ``kernels``: both give
-        the same bits, so a checkpoint, and the check that every rank runs the same codec,
-        hold either way."""
-        return self.name
+    def summary(self) -> "str | dict[str, Any]":
+        """The name (what states saved before this class hold), with the block where it is not
+        :data:`BLOCK_SIZE` (other blocks are other bits). Not ``kernels``: both give the same
+        bits, so a checkpoint, and the check that every rank runs the same codec, hold either
+        way."""
+        if self.block == BLOCK_SIZE:
+            return self.name
+        return {"name": self.name, "block": self.block}
 
 
 def as_codec(spec: Any, device: torch.device | str = "cpu", name: str = "codec") -> Codec:
