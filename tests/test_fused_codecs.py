@@ -233,3 +233,20 @@ def test_a_dense_codec_s_block_is_checked_and_kept_in_its_settings():
     assert DenseCodec("int8", block=128).summary() == {"name": "int8", "block": 128}
     assert SlowMoConfig(codec=DenseCodec("int8", block=128)).summary()["codec"] != "int8"
     assert DenseCodec("int8", kernels="compiled").summary() == "int8"
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_what_a_mean_then_runs():
+    # A 2-worker mean (its reduce is compiled per worker count: new in this file): warm_up
+    # compiles, and the mean after it, on other sizes, compiles nothing.
+    before = counters["stats"]["unique_graphs"]
+    fused.warm_up("int8", workers=2)
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > before, "warm_up compiled nothing"
+    rows = torch.randn(2, 3 * B + 11)
+    packets = torch.empty(2, encoded_nbytes(3 * B + 11, "int8"), dtype=torch.uint8)
+    fused.encode_rows(rows, "int8", B, packets, torch.zeros_like(rows))
+    reduced = fused.reduce(packets, 3 * B + 11, "int8", B)
+    assert torch.equal(reduced, reduce_packets(packets, 3 * B + 11, "int8", B))
+    fused.decode_rows(packets, 3 * B + 11, "int8", B, torch.empty_like(rows))
+    assert counters["stats"]["unique_graphs"] == warmed, "the mean compiled after warm_up"

@@ -36,9 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .codecs import _CODE_DTYPE, _CODE_MAX, _fp8_values, column_slices, encoded_nbytes
+from .codecs import (
+    _CODE_DTYPE,
+    _CODE_MAX,
+    BLOCK_SIZE,
+    _fp8_values,
+    column_slices,
+    encoded_nbytes,
+)
 
-__all__ = ["decode_rows", "encode_rows", "reduce"]
+__all__ = ["decode_rows", "encode_rows", "reduce", "warm_up"]
 
 
 def _quantize(
@@ -310,3 +317,24 @@ def decode_rows(packets: Tensor, size: int, codec: str, block: int, out: Tensor)
     for r in range(packets.shape[0]):
         _call(kernel, codec, codes[r], scales[r], out[r])
     return out
+
+
+def warm_up(codec: str, workers: int, block: int = BLOCK_SIZE, feedback: bool = True) -> None:
+    """Compile now the kernels a mean of ``workers`` workers runs (the encode, with or without
+    error feedback, the reduce, the decode), on a small made-up chunk: the first outer step
+    then does not wait for the compiler (tens of seconds the first time on a machine, seconds
+    from torch's disk cache). Kernels are compiled for the intra-op thread count in force:
+    call it where the training sets it. Not collective.
+
+    Args:
+        codec: ``int8`` or ``fp8``.
+        workers: the workers of the mean (the reduce is compiled per count).
+        block: elements per scale.
+        feedback: the encode with error feedback (else the plain one).
+    """
+    size = 2 * block + 3  # whole blocks and a short one: the shapes of any chunk
+    rows = torch.zeros(workers, size)
+    packets = torch.empty(workers, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+    encode_rows(rows, codec, block, packets, torch.zeros_like(rows) if feedback else None)
+    reduce(packets, size, codec, block)
+    decode_rows(packets, size, codec, block, torch.empty_like(rows))
