@@ -250,3 +250,24 @@ def test_warm_up_compiles_what_a_mean_then_runs():
     assert torch.equal(reduced, reduce_packets(packets, 3 * B + 11, "int8", B))
     fused.decode_rows(packets, 3 * B + 11, "int8", B, torch.empty_like(rows))
     assert counters["stats"]["unique_graphs"] == warmed, "the mean compiled after warm_up"
+
+
+def test_a_compiler_that_fails_leaves_the_eager_kernels_with_a_warning(monkeypatch):
+    # Not slow: nothing compiles. Where torch cannot compile the kernels (seen: torch 2.14 under
+    # ATEN_CPU_CAPABILITY=default), the mean runs the eager path, the same bits, and says so.
+    def broken(*args, **kwargs):
+        raise RuntimeError("C++ compile error: 'at::vec' has not been declared")
+
+    monkeypatch.setattr(fused, "_READY", {})
+    monkeypatch.setattr(fused, "warm_up", broken)
+    n = 3 * B + 7
+    vectors = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+
+    def mean(kernels):
+        codec = DenseCodec("int8", kernels=kernels)
+        return run_threads(3, lambda comm: mean_start(codec, comm, vectors[comm.rank], "t").wait())
+
+    with pytest.warns(RuntimeWarning, match="torch.compile failed here.*eager kernels instead"):
+        got = mean("compiled")
+    assert all(torch.equal(g, w) for g, w in zip(got, mean("eager")))
+    assert list(fused._READY.values()) == [False]  # tried once, not at every mean

@@ -41,6 +41,7 @@ from .codecs import (
 )
 from .fused import decode_rows as fused_decode_rows
 from .fused import encode_rows as fused_encode_rows
+from .fused import ready as fused_ready
 from .fused import reduce as fused_reduce
 
 __all__ = ["PendingMean", "compressed_mean", "reduce_packets"]
@@ -121,7 +122,12 @@ class PendingMean:
         check_kernels(kernels, codec)
         check_transport(comm, codec)
         self._comm, self._codec, self._name, self._block = comm, codec, name, block
-        self._fused = kernels == "compiled" and flat.device.type == "cpu"
+        self._fused = (
+            kernels == "compiled"
+            and flat.device.type == "cpu"
+            and comm.size > 1
+            and fused_ready(codec, comm.size, block, residual is not None)
+        )
         self._out = out
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None

@@ -29,6 +29,7 @@ SlowMo's compressed outer exchange (arXiv 1910.00643): the pseudo-gradient's cod
 """
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,7 @@ from .codecs import (
     encoded_nbytes,
 )
 
-__all__ = ["decode_rows", "encode_rows", "reduce", "warm_up"]
+__all__ = ["decode_rows", "encode_rows", "ready", "reduce", "warm_up"]
 
 
 def _quantize(
@@ -338,3 +339,40 @@ def warm_up(codec: str, workers: int, block: int = BLOCK_SIZE, feedback: bool = 
     encode_rows(rows, codec, block, packets, torch.zeros_like(rows) if feedback else None)
     reduce(packets, size, codec, block)
     decode_rows(packets, size, codec, block, torch.empty_like(rows))
+
+
+#: Whether the kernels of a mean compiled here, by (codec, block, workers, feedback, threads).
+_READY: dict[tuple[str, int, int, bool, int], bool] = {}
+_READY_LOCK = threading.Lock()  # not _LOCK: warm_up's calls take that one
+
+
+def ready(codec: str, workers: int, block: int = BLOCK_SIZE, feedback: bool = True) -> bool:
+    """Whether the fused kernels of a mean run here: :func:`warm_up` once per setting, before
+    any of the mean's data is touched. Where torch cannot compile them (no C++ compiler; torch
+    2.14's inductor under ``ATEN_CPU_CAPABILITY=default`` writes code its own header does not
+    declare), False, with a warning: the eager kernels run instead, the same bits, so training
+    goes on and every rank still agrees whichever path each took.
+
+    Args:
+        codec: ``int8`` or ``fp8``.
+        workers: the workers of the mean.
+        block: elements per scale.
+        feedback: the encode with error feedback.
+    """
+    key = (codec, block, workers, feedback, torch.get_num_threads())
+    with _READY_LOCK:
+        if key not in _READY:
+            try:
+                warm_up(codec, workers, block, feedback)
+                _READY[key] = True
+            except Exception as e:  # any compiler failure: the eager path has the same bits
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"kernels='compiled': torch.compile failed here ({type(e).__name__}: "
+                    f"{first}); the {codec} mean runs the eager kernels instead (the same "
+                    "bits, slower); pass kernels='eager' to silence this",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _READY[key] = False
+        return _READY[key]
