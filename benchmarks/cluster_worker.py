@@ -40,8 +40,6 @@ from cluster_algorithms import ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm
 from cluster_stats import cluster_stamps, pool_repeats, ring_bytes, window_stats
 
 import hvd_slowmo
-from hvd_slowmo.compression import DenseCodec
-from hvd_slowmo.compression.fused import warm_up
 from hvd_slowmo.memory import held_bytes
 
 Step = Callable[[nn.Module], None]
@@ -270,13 +268,6 @@ def _optimizer(
         return PostLocalSGDOptimizer(inner, averager), None, ""
     # BatchNorm running statistics are averaged with the parameters, as in training.
     running_stats = [b for name, b in model.named_buffers() if "running_" in name]
-    options = dict(algo.options)
-    kernels = options.pop("codec_kernels", None)
-    if kernels is not None:
-        # The fused kernels compiled before the timed steps (fused.warm_up), not in the first
-        # window: a compile is once per process, not a cost per outer step.
-        options["codec"] = DenseCodec(options["codec"], kernels=kernels)
-        warm_up(options["codec"].name, hvd.size(), feedback=options.get("error_feedback", False))
     try:
         opt = hvd_slowmo.DistributedOptimizer(
             inner,
@@ -284,7 +275,7 @@ def _optimizer(
             base=algo.base,
             tau=algo.tau,
             model_buffers=running_stats,
-            **options,
+            **algo.options,
         )
     except TypeError as e:
         # A library without the option refuses the keyword before any collective, on every

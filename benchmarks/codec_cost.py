@@ -14,18 +14,12 @@ CPU and, where there is one, on the GPU, the median over repeats of:
   - copy: a plain ``copy_`` of the same float32 bytes, timed beside each codec in the same run,
     and the encode's, the decode's and the mean's cost as multiples of it (the issue's target:
     the mean within 5x of a copy).
-On the CPU, ``int8`` and ``fp8`` also get a row ``"int8 (compiled)"`` (``--kernels``): the
-same three steps by the fused kernels of ``DenseCodec(name, kernels="compiled")``
-(:mod:`hvd_slowmo.compression.fused`), compiled by a first untimed call of each step, whose
-seconds are printed (``compile_s``: tens of seconds the first time on a machine, a few once
-torch's cache in /tmp/torchinductor_<user> holds the kernels); a GPU keeps the eager kernels.
 Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``), the median of
 ``--repeats``; ``uptime`` is printed before and after (timings are only worth reading from a
 quiet machine: a load average near the number of cores means they are not). Printed as a
 Markdown table, and with ``--json PATH`` written as JSON (scripts/gpu_summary.py reads it).
 
 Usage: python benchmarks/codec_cost.py [--mb 64] [--repeats 10] [--workers 4] [--device cpu,cuda]
-                                      [--kernels eager,compiled]
        python benchmarks/codec_cost.py --mb 0.25 --repeats 2   # seconds on a CPU
 """
 
@@ -33,14 +27,13 @@ import argparse
 import json
 import os
 import subprocess
-import time
 from collections.abc import Callable
 
 import torch
 from bench_timing import median_ms  # benchmarks/, beside this script
 
 from hvd_slowmo.comm.base import Communicator
-from hvd_slowmo.compression import CODECS, DenseCodec, as_codec, encoded_nbytes, fused
+from hvd_slowmo.compression import CODECS, as_codec
 from hvd_slowmo.compression.means import mean_start
 
 #: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
@@ -56,23 +49,6 @@ def codec_names() -> list[str]:
     if "sparse" not in names:
         names.append("sparse")
     return names
-
-
-#: A compiled row's label: the codec's name and this.
-COMPILED = " (compiled)"
-
-
-def row_labels(kernels: list[str], device: str) -> list[str]:
-    """The rows of ``device``: with ``"eager"`` every codec of :func:`codec_names`, with
-    ``"compiled"`` on the CPU ``int8`` and ``fp8`` by the fused kernels, each beside its
-    eager row."""
-    labels = []
-    for codec in codec_names():
-        if "eager" in kernels:
-            labels.append(codec)
-        if "compiled" in kernels and device == "cpu" and codec in ("int8", "fp8"):
-            labels.append(codec + COMPILED)
-    return labels
 
 
 class Echo(Communicator):
@@ -115,42 +91,14 @@ def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callabl
     )
 
 
-def _compiled_steps(
-    codec: str, x: torch.Tensor, workers: int
-) -> tuple[Callable, Callable, Callable, int]:
-    """:func:`_steps` by the fused kernels: the encode and decode of ``x`` as one row, and the
-    mean through ``DenseCodec(codec, kernels="compiled")``."""
-    n = x.numel()
-    spec = DenseCodec(codec, kernels="compiled")
-    packet = torch.empty(1, encoded_nbytes(n, codec, spec.block), dtype=torch.uint8)
-    fused.encode_rows(x.view(1, n), codec, spec.block, packet)
-    values = torch.empty(1, n)
-    residual = torch.zeros_like(x)
-    echo = Echo(workers)
-    return (
-        lambda: fused.encode_rows(x.view(1, n), codec, spec.block, packet),
-        lambda: fused.decode_rows(packet, n, codec, spec.block, values),
-        lambda: mean_start(spec, echo, x, "cost", residual).wait(),
-        packet.numel(),
-    )
-
-
-def measure(label: str, device: torch.device, mb: float, repeats: int, workers: int) -> dict:
-    """One row: ms per MB of encode, decode and mean, or the error that stopped it; a
-    compiled row (``"int8 (compiled)"``) also the seconds its first calls took."""
-    row: dict = {"codec": label, "device": device.type}
+def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: int) -> dict:
+    """One row: ms per MB of encode, decode and mean, or the error that stopped it."""
+    row: dict = {"codec": codec, "device": device.type}
     try:
         n = max(1, int(mb * 2**20 / 4))
         g = torch.Generator().manual_seed(0)
         x = torch.randn(n, generator=g).to(device)
-        if label.endswith(COMPILED):
-            t0 = time.perf_counter()  # compiles each step's kernels (the encode's on the way)
-            enc, dec, mean, nbytes = _compiled_steps(label[: -len(COMPILED)], x, workers)
-            dec()
-            mean()
-            row["compile_s"] = time.perf_counter() - t0
-        else:
-            enc, dec, mean, nbytes = _steps(label, x, workers)
+        enc, dec, mean, nbytes = _steps(codec, x, workers)
         per_mb = n * 4 / 2**20
         out = torch.empty_like(x)
         row["encode_ms_per_mb"] = median_ms(enc, repeats, device) / per_mb
@@ -185,11 +133,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--device", default=None, help="comma-separated (default: cpu, and cuda when available)"
     )
-    parser.add_argument(
-        "--kernels",
-        default="eager,compiled",
-        help="comma-separated: eager (every codec), compiled (int8 and fp8 on the CPU as well)",
-    )
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if args.mb <= 0:
@@ -203,13 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
         else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     )
     uptime_before, load_before = _uptime()
-    kernels = args.kernels.split(",")
-    if set(kernels) - {"eager", "compiled"}:
-        parser.error(f"--kernels must name eager and/or compiled, got {args.kernels!r}")
     rows = [
-        measure(label, torch.device(d), args.mb, args.repeats, args.workers)
+        measure(codec, torch.device(d), args.mb, args.repeats, args.workers)
         for d in devices
-        for label in row_labels(kernels, d)
+        for codec in codec_names()
     ]
     uptime_after, load_after = _uptime()
     where = ", ".join(
@@ -243,9 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "error" in r:
             print(f"| {r['codec']} | {r['device']} | n/a: {r['error']} | | | | | | | |")
         else:
-            compiled = f" (compile {r['compile_s']:.1f} s)" if "compile_s" in r else ""
             print(
-                f"| {r['codec']}{compiled} | {r['device']} | {r['encode_ms_per_mb']:.4f} | "
+                f"| {r['codec']} | {r['device']} | {r['encode_ms_per_mb']:.4f} | "
                 f"{r['decode_ms_per_mb']:.4f} | {r['mean_ms_per_mb']:.4f} | "
                 f"{r['copy_ms_per_mb']:.4f} | {r['encode_per_copy']:.1f}x | "
                 f"{r['decode_per_copy']:.1f}x | {r['mean_per_copy']:.1f}x | "

@@ -18,7 +18,7 @@ from torch import Tensor
 from .bases import BASES, resolve_base
 from .buffers import BUFFER_STRATEGIES
 from .comm.base import Communicator
-from .compression.codecs import DenseCodec, check_codec
+from .compression.codecs import check_codec
 from .compression.sparse import SparseCodec
 from .merge import MERGES
 from .period import parse_seconds
@@ -108,10 +108,7 @@ class SlowMoConfig:
             without slow momentum. With ``fragments``, each fragment's average is compressed
             on its own. ``"sparse"`` or a :class:`~hvd_slowmo.compression.sparse.SparseCodec`:
             chunked top-k at 2-8 bits, averaged by an all-gather (docs/sparse.md; ``"sparse"``
-            is stored as ``SparseCodec()``). A
-            :class:`~hvd_slowmo.compression.codecs.DenseCodec` spells a dense codec with its
-            settings: ``DenseCodec("int8", kernels="compiled")`` runs its arithmetic as fused
-            CPU kernels (docs/compression.md). None: the exact average is an allreduce of the
+            is stored as ``SparseCodec()``). None: the exact average is an allreduce of the
             parameters.
         error_feedback: each worker adds what its codes lost to its next pseudo-gradient
             (needs a ``codec``); the residual is per element, so with ``fragments`` each
@@ -178,7 +175,7 @@ class SlowMoConfig:
     outer_optimizer: str | OuterFactory = "heavyball"
     shard_slow_state: bool = False
     overlap: int = 0
-    codec: str | DenseCodec | SparseCodec | None = None
+    codec: str | SparseCodec | None = None
     error_feedback: bool = False
     hierarchical: bool = False
     fragments: int = 1
@@ -568,11 +565,7 @@ class SlowMoConfig:
             "shard_slow_state": self.shard_slow_state,
             "outer_optimizer": outer,
             "overlap": self.overlap,
-            # A codec object by its settings (a DenseCodec by its name: its kernels give the
-            # same bits, so ranks and checkpoints may differ in them).
-            "codec": self.codec
-            if self.codec is None or isinstance(self.codec, str)
-            else self.codec.summary(),
+            "codec": self.codec.summary() if isinstance(self.codec, SparseCodec) else self.codec,
             "error_feedback": self.error_feedback,
             "fragments": self.fragments,
             **({"fragment_modules": self.fragment_modules} if self.fragment_modules else {}),

@@ -24,8 +24,6 @@ from .comm.factory import (
     worker_hierarchy,
 )
 from .comm.hierarchy import Hierarchy
-from .compression.codecs import DenseCodec
-from .compression.sparse import SparseCodec
 from .config import SlowMoConfig, check_same_everywhere, param_names, resolve_codec
 from .consensus import ConsensusView
 from .elastic import is_elastic_launch, register_state_handler
@@ -153,11 +151,8 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
             ``supports_alltoall``). Or ``"sparse"`` /
             :class:`~hvd_slowmo.compression.sparse.SparseCodec` ``(density, bits, chunk,
             ef_decay)``: each worker sends the chunked top-k of its pseudo-gradient at 2-8 bits,
-            averaged by an all-gather (docs/sparse.md). Or
-            :class:`~hvd_slowmo.compression.codecs.DenseCodec` ``("int8", kernels="compiled")``
-            (or ``"fp8"``): the same bits, the arithmetic as fused CPU kernels compiled once
-            per process (docs/compression.md). None: the exact average is an allreduce of the
-            parameters.
+            averaged by an all-gather (docs/sparse.md). None: the exact average is an allreduce
+            of the parameters.
         compression: Horovod's meaning only: ``hvd.Compression.none`` / ``hvd.Compression.fp16``
             casts the payload of the default communicator's allreduces (the parameters' exact
             average without a codec, AR-SGD's gradients). None: no cast. A codec name here
@@ -217,7 +212,7 @@ class DistributedOptimizer(MixedPrecision, ConsensusView, SavedState, WrappedOpt
         average: bool = True,
         model_buffers: Iterable[Tensor] | None = None,
         compression: Any = None,
-        codec: "str | DenseCodec | SparseCodec | None" = None,
+        codec: str | None = None,
         error_feedback: bool = False,
         hierarchical: bool | Hierarchy = False,
         nonfinite: str = "raise",

@@ -13,8 +13,8 @@ many repeat one check at another world size or engine.
 - ``./test.sh --tier launches``: only the launches the default tier leaves out (the other world
   sizes and engines, the whole fault matrix, torchrun restarts, the examples, the builds). CI
   runs it after the default tier.
-- ``./test.sh --tier siblings``: the tests CI leaves out (:data:`SIBLINGS`): a check CI
-  runs, repeated with another parameter (world size, engine, codec).
+- ``./test.sh --tier siblings``: the launches CI leaves out (:data:`SIBLING_LAUNCHES`): a check
+  CI runs, repeated at another world size or on the other engine.
 - ``./test.sh --tier full``: all of them.
 
 The tier decides what is collected, never whether a collected test passes: a test left out is
@@ -64,23 +64,16 @@ DEFAULT_LAUNCHES = (
     "tests/test_quorum_launch.py::test_torchrun_paused_rank_is_left_out_and_resynchronized",
     "tests/test_unequal_launch.py::test_torchrun_matches_the_reference[2]",
 )
-# Tests only `--tier siblings` (and `--tier full`) runs, not CI: the same check as a test CI runs,
-# with another parameter: a launch at another world size or on the other engine (where CI runs
-# that feature at a world size above 2 and on both engines), and the fused kernels of fp8 (CI
-# compiles int8's: a compile costs seconds per kernel). Kept out so that CI's whole run fits its
-# 35 minutes.
-SIBLINGS = (
+# Launches only `--tier siblings` (and `--tier full`) runs, not CI: the same check as a launch CI
+# runs, at another world size or on the other engine, where CI already runs that feature at a
+# world size above 2 and on both engines. Kept out so that CI's whole run fits its 35 minutes.
+SIBLING_LAUNCHES = (
     "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
     "tests/test_cuda.py::test_two_islands_on_the_device[cpu-ddp]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np4]",
     "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[allreduce]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np4-gloo]",
     "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
-    "tests/test_fused_codecs.py::test_encode_rows_equals_eager_bitwise[fp8-plain]",
-    "tests/test_fused_codecs.py::test_encode_rows_equals_eager_bitwise[fp8-feedback]",
-    "tests/test_fused_codecs.py::test_reduce_equals_eager_bitwise[fp8]",
-    "tests/test_fused_codecs.py::test_decode_rows_equals_eager_bitwise[fp8]",
-    "tests/test_fused_codecs.py::test_mean_of_three_workers_equals_eager_bitwise[fp8]",
 )
 # In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
 # processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json
@@ -160,8 +153,8 @@ def _in_tier(item: pytest.Item, tier: str) -> bool:
         return True
     if tier == "fast":
         return not is_launch(item) and not is_slow(item)
-    if tier == "siblings" or item.nodeid in SIBLINGS:
-        return tier == "siblings" and item.nodeid in SIBLINGS
+    if tier == "siblings" or item.nodeid in SIBLING_LAUNCHES:
+        return tier == "siblings" and item.nodeid in SIBLING_LAUNCHES
     in_default = not is_launch(item) or item.nodeid in DEFAULT_LAUNCHES
     return in_default == (tier == "default")
 
@@ -178,7 +171,7 @@ def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> 
     files = {nodeid.split("::")[0] for nodeid in ids} - picked
     for listing, names in (
         ("DEFAULT_LAUNCHES", DEFAULT_LAUNCHES),
-        ("SIBLINGS", SIBLINGS),
+        ("SIBLING_LAUNCHES", SIBLING_LAUNCHES),
     ):
         missing = [n for n in names if n.split("::")[0] in files and n not in ids]
         if missing:

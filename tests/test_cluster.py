@@ -228,7 +228,6 @@ _PEERS = [
     "localsgd_slowmo_stream4_o2_local",
     "localsgd_slowmo_stream4_o2_local_mix",
     "localsgd_slowmo_stream4_int8",
-    "localsgd_slowmo_stream4_int8_fused",
     "localsgd_slowmo_int8_overlap2",
     "localsgd_slowmo_stream4_sparse",
     "localsgd_slowmo_sparse_overlap2",

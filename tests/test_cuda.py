@@ -814,10 +814,6 @@ def test_codec_cost_runs_tiny_on_cpu(tmp_path):
             "2",
             "--device",
             "cpu",
-            # The compiled rows compile kernels for tens of seconds: tests/test_fused_codecs.py
-            # runs them in its own process, where the kernels are compiled already.
-            "--kernels",
-            "eager",
             "--json",
             str(out),
         ],

@@ -70,7 +70,7 @@ def test_every_slow_listing_names_tests_that_exist(tiers):
 
 
 def test_every_sibling_launch_has_its_check_in_ci(tiers):
-    """A test left to ``--tier siblings`` repeats a check CI runs: the same test function, in
+    """A launch left to ``--tier siblings`` repeats a check CI runs: the same test function, in
     another parametrization, is in the default or the launch tier."""
     ci = {n.split("[")[0] for n, names in tiers.items() if {"default", "launches"} & set(names)}
     siblings = [n for n, names in tiers.items() if "siblings" in names]

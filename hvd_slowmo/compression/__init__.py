@@ -7,7 +7,6 @@ its all-gather average (:mod:`.sparse_exchange`); exact inside a node and compre
 from .codecs import (
     BLOCK_SIZE,
     CODECS,
-    KERNELS,
     Codec,
     DenseCodec,
     Encoded,
@@ -28,7 +27,6 @@ __all__ = [
     "Codec",
     "DenseCodec",
     "Encoded",
-    "KERNELS",
     "PendingMean",
     "PendingSparseMean",
     "SparseCodec",

@@ -49,10 +49,8 @@ __all__ = [
     "Codec",
     "DenseCodec",
     "Encoded",
-    "KERNELS",
     "as_codec",
     "check_codec",
-    "check_kernels",
     "check_transport",
     "check_vector",
     "column_slices",
@@ -69,9 +67,6 @@ __all__ = [
 CODECS = ("fp32", "fp16", "bf16", "int8", "fp8")
 #: Elements per scale of the ``int8`` and ``fp8`` codecs (4 bytes of scale per 256 codes: +1.6%).
 BLOCK_SIZE = 256
-#: What runs a dense codec's arithmetic: torch's ops one by one (the reference), or, for
-#: ``int8`` and ``fp8``, fused CPU kernels of the same bits (:mod:`.fused`).
-KERNELS = ("eager", "compiled")
 
 _CODE_DTYPE = {
     "fp32": torch.float32,
@@ -140,26 +135,11 @@ class DenseCodec:
     Args:
         name: one of :data:`CODECS`.
         block: elements per scale of ``int8`` and ``fp8``.
-        kernels: one of :data:`KERNELS`: ``"compiled"`` (``int8``, ``fp8``) runs each phase
-            of the mean as one fused kernel on CPU tensors (compiled once per process by
-            ``torch.compile``; :mod:`.fused`), the same bits as ``"eager"``.
-
-    Raises:
-        ValueError: ``kernels`` not one of :data:`KERNELS`, or ``"compiled"`` with a cast.
     """
 
     name: str
     block: int = BLOCK_SIZE
     exchange: str = "dense"
-    kernels: str = "eager"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(
-                f"DenseCodec: block must be a positive int (elements per scale), got "
-                f"{self.block!r}; the default is {BLOCK_SIZE}"
-            )
-        check_kernels(self.kernels, self.name)
 
     def encode(self, x: Tensor) -> Tensor:
         """:func:`to_bytes` of :func:`encode`.
@@ -194,14 +174,9 @@ class DenseCodec:
         """
         return numel
 
-    def summary(self) -> "str | dict[str, Any]":
-        """The name (what states saved before this class hold), with the block where it is not
-        :data:`BLOCK_SIZE` (other blocks are other bits). Not ``kernels``: both give the same
-        bits, so a checkpoint, and the check that every rank runs the same codec, hold either
-        way."""
-        if self.block == BLOCK_SIZE:
-            return self.name
-        return {"name": self.name, "block": self.block}
+    def summary(self) -> str:
+        """The name (what states saved before this class hold)."""
+        return self.name
 
 
 def as_codec(spec: Any, device: torch.device | str = "cpu", name: str = "codec") -> Codec:
@@ -220,26 +195,6 @@ def as_codec(spec: Any, device: torch.device | str = "cpu", name: str = "codec")
         return spec
     checked = check_codec(spec, device, name)
     return DenseCodec(checked) if isinstance(checked, str) else checked
-
-
-def check_kernels(kernels: Any, codec: Any) -> None:
-    """Refuse ``kernels`` that are not one of :data:`KERNELS`, or ``"compiled"`` for a codec
-    without fused kernels (the casts, already one pass each).
-
-    Args:
-        kernels: the setting.
-        codec: the codec's name.
-
-    Raises:
-        ValueError: naming ``kernels``, its value and the choices.
-    """
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "compiled" and codec not in _CODE_MAX:
-        raise ValueError(
-            f"kernels='compiled' is for the codecs {tuple(_CODE_MAX)}, got codec {codec!r} "
-            "(a cast is one pass already); use kernels='eager'"
-        )
 
 
 def check_transport(comm: "Communicator", codec: object) -> None:
@@ -264,13 +219,12 @@ def check_transport(comm: "Communicator", codec: object) -> None:
 
 def check_codec(
     codec: Any, device: torch.device | str = "cpu", name: str = "codec"
-) -> "str | SparseCodec | DenseCodec":
-    """``codec`` itself, checked to be a codec name (or a :class:`DenseCodec` of one) that
-    works on ``device``; ``"sparse"`` becomes ``SparseCodec()``
-    (:mod:`hvd_slowmo.compression.sparse`).
+) -> "str | SparseCodec":
+    """``codec`` itself, checked to be a codec name that works on ``device``; ``"sparse"``
+    becomes ``SparseCodec()`` (:mod:`hvd_slowmo.compression.sparse`).
 
     Args:
-        codec: one of :data:`CODECS`, a :class:`DenseCodec`, ``"sparse"`` or a
+        codec: one of :data:`CODECS`, ``"sparse"`` or a
             :class:`~hvd_slowmo.compression.sparse.SparseCodec`.
         device: where the codes are made (``fp8`` needs torch's ``float8_e4m3fn`` there).
         name: the argument's name, for the messages.
@@ -281,38 +235,28 @@ def check_codec(
     """
     if isinstance(codec, SparseCodec):
         return codec
-    if isinstance(codec, DenseCodec):
-        check_codec(codec.name, device, name)
-        return codec
     if codec == "sparse":
         return SparseCodec()
     if not isinstance(codec, str):
         raise TypeError(
-            f"{name} must be one of {CODECS}, a DenseCodec(...), 'sparse' or a SparseCodec(...), "
-            f"got {codec!r}"
+            f"{name} must be one of {CODECS}, 'sparse' or a SparseCodec(...), got {codec!r}"
         )
     if codec not in CODECS:
         raise ValueError(
-            f"{name} must be one of {CODECS}, a DenseCodec(...), 'sparse' or a SparseCodec(...), "
-            f"got {codec!r}"
+            f"{name} must be one of {CODECS}, 'sparse' or a SparseCodec(...), got {codec!r}"
         )
     if codec == "fp8":
-        _check_fp8(device, name)
+        dtype = _CODE_DTYPE["fp8"]
+        try:
+            ok = dtype is not None and torch.ones(1, device=device).to(dtype).float().item() == 1.0
+        except (RuntimeError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name}='fp8' needs torch.float8_e4m3fn on {device} (torch {torch.__version__} "
+                "has no working cast there); use 'int8' or 'bf16'"
+            )
     return codec
-
-
-def _check_fp8(device: torch.device | str, name: str) -> None:
-    """Refuse ``fp8`` where torch cannot cast to ``float8_e4m3fn`` on ``device``."""
-    dtype = _CODE_DTYPE["fp8"]
-    try:
-        ok = dtype is not None and torch.ones(1, device=device).to(dtype).float().item() == 1.0
-    except (RuntimeError, TypeError):
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{name}='fp8' needs torch.float8_e4m3fn on {device} (torch {torch.__version__} "
-            "has no working cast there); use 'int8' or 'bf16'"
-        )
 
 
 def check_vector(flat: Tensor, residual: Tensor | None, what: str) -> None:

@@ -18,9 +18,6 @@ Error feedback (optional): each worker keeps the residual of its own contributio
 ``e <- (v + e) - decode(encode(v + e))``, and adds it to its next contribution, so what the
 quantizer dropped is sent later instead of lost. The second rounding (of the reduced chunk) is
 common to all workers and is not fed back.
-
-``kernels="compiled"`` runs the arithmetic of each phase (the encode with its error feedback,
-the reduce, the decode) as one fused kernel on the CPU (:mod:`.fused`), the same bits.
 """
 
 import torch
@@ -30,7 +27,6 @@ from ..comm.base import Communicator, PendingTensors, shard_sizes
 from ..divide import div_
 from .codecs import (
     BLOCK_SIZE,
-    check_kernels,
     check_transport,
     check_vector,
     column_slices,
@@ -39,12 +35,8 @@ from .codecs import (
     encode_rows,
     encoded_nbytes,
 )
-from .fused import decode_rows as fused_decode_rows
-from .fused import encode_rows as fused_encode_rows
-from .fused import ready as fused_ready
-from .fused import reduce as fused_reduce
 
-__all__ = ["PendingMean", "compressed_mean", "reduce_packets"]
+__all__ = ["PendingMean", "compressed_mean"]
 
 
 def _runs(flat: Tensor, sizes: list[int]) -> list[Tensor]:
@@ -69,7 +61,6 @@ def compressed_mean(
     name: str,
     residual: Tensor | None = None,
     block: int = BLOCK_SIZE,
-    kernels: str = "eager",
 ) -> Tensor:
     """The average over all workers of ``flat``, exchanged with ``codec``; identical bits on
     every worker. Collective.
@@ -85,13 +76,11 @@ def compressed_mean(
             to ``flat`` before encoding, and updated in place to what the encoding lost.
             None: no error feedback.
         block: elements per scale of the scaled codecs.
-        kernels: ``"eager"`` (torch's ops) or ``"compiled"`` (``int8``, ``fp8``: fused CPU
-            kernels, :mod:`~hvd_slowmo.compression.fused`; the same bits).
 
     Returns:
         A new 1-D float32 tensor: the decoded average.
     """
-    return PendingMean(comm, flat, codec, name, residual, block, kernels=kernels).wait()
+    return PendingMean(comm, flat, codec, name, residual, block).wait()
 
 
 class PendingMean:
@@ -102,9 +91,6 @@ class PendingMean:
     starts. Arguments as for :func:`compressed_mean`; ``residual`` is updated on construction.
     ``out``: a float32 buffer of ``n`` elements to decode the mean into (the result is it; it
     may be ``flat``'s own, which is not read after construction), None: a new one.
-    ``kernels="compiled"`` runs fused kernels on CPU tensors (:mod:`.fused`) and torch's own
-    ops on a GPU, whose eager kernels are already fast (and a Triton kernel's float32 division
-    may not be correctly rounded, which the bits depend on).
     """
 
     def __init__(
@@ -116,41 +102,26 @@ class PendingMean:
         residual: Tensor | None = None,
         block: int = BLOCK_SIZE,
         out: Tensor | None = None,
-        kernels: str = "eager",
     ) -> None:
         check_vector(flat, residual, "compressed_mean")
-        check_kernels(kernels, codec)
         check_transport(comm, codec)
         self._comm, self._codec, self._name, self._block = comm, codec, name, block
-        self._fused = (
-            kernels == "compiled"
-            and flat.device.type == "cpu"
-            and comm.size > 1
-            and fused_ready(codec, comm.size, block, residual is not None)
-        )
         self._out = out
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
+        # In place (``flat + residual``, operands in this order: which NaN a sum of two NaNs
+        # yields depends on it); the residual becomes what the encoding lost below, run by run.
+        contribution = flat if residual is None else torch.add(flat, residual, out=residual)
         # The chunks come in at most two runs of equal sizes: each run encoded in one pass,
         # its packets written straight into rows of one buffer.
         nbytes = [encoded_nbytes(s, codec, block) for s in self._sizes]
         buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=flat.device)
-        packet_runs = _runs(buffer, nbytes)
-        if self._fused:  # the sum with the residual is the kernel's too
-            runs = _runs(flat, self._sizes)
-            residuals = [None] * len(runs) if residual is None else _runs(residual, self._sizes)
-            for rows, res, out in zip(runs, residuals, packet_runs):
-                fused_encode_rows(rows, codec, block, out, res)
-        else:
-            # In place (``flat + residual``, operands in this order: which NaN a sum of two
-            # NaNs yields depends on it); the residual becomes what the encoding lost below.
-            contribution = flat if residual is None else torch.add(flat, residual, out=residual)
-            feedback = residual is not None  # the rows are the residual's: less what they send
-            for rows, out in zip(_runs(contribution, self._sizes), packet_runs):
-                encode_rows(rows, codec, block, out, decoded=False, feedback=feedback)
+        feedback = residual is not None  # the rows are the residual's: less what they send
+        for rows, out in zip(_runs(contribution, self._sizes), _runs(buffer, nbytes)):
+            encode_rows(rows, codec, block, out, decoded=False, feedback=feedback)
         packets = list(buffer.split(nbytes))
         packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
         self._alltoall = comm.alltoall_flat_start(packets, [packet] * comm.size, f"{name}.a2a")
@@ -178,55 +149,33 @@ class PendingMean:
             if result is None:
                 result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
             for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
-                if self._fused:
-                    fused_decode_rows(rows, values.shape[1], codec, block, values)
-                else:
-                    decode_rows(rows, values.shape[1], codec, block, out=values)
+                decode_rows(rows, values.shape[1], codec, block, out=values)
             self._result = result
         return self._result
 
     def _reduce(self) -> None:
         """Sum this worker's chunk over the workers, in rank order (every worker would sum a
         chunk the same way), average, encode, and start the all-gather."""
+        codec, block, m = self._codec, self._block, self._comm.size
+        mine = self._sizes[self._comm.rank]
         packets = torch.stack(self._alltoall.wait())
-        mine, codec, block = self._sizes[self._comm.rank], self._codec, self._block
-        reduce = fused_reduce if self._fused else reduce_packets
-        reduced = reduce(packets, mine, codec, block)
+        reduced = packets.new_empty(encoded_nbytes(mine, codec, block))
+        codes_at = None  # where the codes start in the packet: after every block's scale
+        # A slice of columns (whole blocks) at a time: the decoded chunks, their sum and its
+        # encode stay a slice's size, with the same bits as the whole chunk's.
+        for start, stop in column_slices(mine, m, block):
+            received = decode_rows(packets, mine, codec, block, columns=(start, stop))
+            # Added one worker after the other, in rank order: the bitwise contract of the sum
+            # (into the first worker's row, which is not needed after).
+            total = received[0]
+            for src in range(1, m):
+                total += received[src]
+            enc = encode(div_(total, m), codec, block)
+            itemsize = enc.codes.element_size()
+            if codes_at is None:
+                codes_at = reduced.numel() - mine * itemsize
+            first = 4 * (start // block) if enc.scales.numel() else 0
+            reduced[first : first + 4 * enc.scales.numel()] = enc.scales.view(torch.uint8)
+            codes = reduced[codes_at + start * itemsize : codes_at + stop * itemsize]
+            codes.copy_(enc.codes.view(torch.uint8))
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
-
-
-def reduce_packets(packets: Tensor, size: int, codec: str, block: int = BLOCK_SIZE) -> Tensor:
-    """The reduced packet of the packets one worker received (the eager path; the fused one:
-    :func:`~hvd_slowmo.compression.fused.reduce`): decoded, summed in rank order, divided by
-    their count, encoded.
-
-    Args:
-        packets: uint8 of shape ``(m, encoded_nbytes(size))``, one per worker in rank order.
-        size: the chunk's elements.
-        codec: its codec.
-        block: elements per scale.
-
-    Returns:
-        A new uint8 packet of ``encoded_nbytes(size)`` bytes.
-    """
-    m = packets.shape[0]
-    reduced = packets.new_empty(encoded_nbytes(size, codec, block))
-    codes_at = None  # where the codes start in the packet: after every block's scale
-    # A slice of columns (whole blocks) at a time: the decoded chunks, their sum and its
-    # encode stay a slice's size, with the same bits as the whole chunk's.
-    for start, stop in column_slices(size, m, block):
-        received = decode_rows(packets, size, codec, block, columns=(start, stop))
-        # Added one worker after the other, in rank order: the bitwise contract of the sum
-        # (into the first worker's row, which is not needed after).
-        total = received[0]
-        for src in range(1, m):
-            total += received[src]
-        enc = encode(div_(total, m), codec, block)
-        itemsize = enc.codes.element_size()
-        if codes_at is None:
-            codes_at = reduced.numel() - size * itemsize
-        first = 4 * (start // block) if enc.scales.numel() else 0
-        reduced[first : first + 4 * enc.scales.numel()] = enc.scales.view(torch.uint8)
-        codes = reduced[codes_at + start * itemsize : codes_at + stop * itemsize]
-        codes.copy_(enc.codes.view(torch.uint8))
-    return reduced

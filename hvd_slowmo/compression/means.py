@@ -7,7 +7,7 @@
 from torch import Tensor
 
 from ..comm.base import Communicator
-from .codecs import Codec, DenseCodec
+from .codecs import Codec
 from .exchange import PendingMean
 from .sparse_exchange import PendingSparseMean
 from .sparse_owners import PendingOwnerSparseMean
@@ -40,8 +40,7 @@ def mean_start(
             codecs' decoded chunks, the sparse all-gather's sum), or None: a new one.
     """
     if codec.exchange == "dense":
-        dense: DenseCodec = codec  # type: ignore[assignment]
-        return PendingMean(comm, flat, dense.name, name, residual, dense.block, out, dense.kernels)
+        return PendingMean(comm, flat, codec.name, name, residual, codec.block, out)  # type: ignore[attr-defined]
     if codec.exchange == "owners":
         return PendingOwnerSparseMean(comm, flat, codec, name, residual)  # type: ignore[arg-type]
     return PendingSparseMean(comm, flat, codec, name, residual, out=out)  # type: ignore[arg-type]
