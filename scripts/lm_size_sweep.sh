@@ -21,8 +21,8 @@ PYTHON=${PYTHON:-python}
 GRID=0.4/0.8,0.4/0.9,0.7/0.8,0.7/0.9,1/0.8,1/0.9
 # Per size, the points that bracket the grid's best where it sat on the grid's edge (lowest
 # momentum; largest outer lr at the two smaller sizes); at 391K the bracket's best (1.0/0.7) is
-# on the new edge, so momentum 0.6 next.
-for size in "64 2 16 1/0.7,1.3/0.8" "96 3 28 1/0.7,1.3/0.8,1/0.6" "128 4 40 0.7/0.7"; do
+# on the new edge, so momentum 0.6 next; at 867K likewise 0.7/0.7 won, so 0.7/0.6.
+for size in "64 2 16 1/0.7,1.3/0.8" "96 3 28 1/0.7,1.3/0.8,1/0.6" "128 4 40 0.7/0.7,0.7/0.6"; do
     read -r width layers epochs bracket <<<"$size"
     lm=("$PYTHON" examples/regime_map.py lm --out "$OUT" --jobs "$JOBS")
     lm+=(--logdir "runs/lm_sizes/w$width")
