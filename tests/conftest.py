@@ -40,7 +40,7 @@ DEFAULT_TIMEOUT_S = 300  # pytest.ini's timeout
 
 # The launches of the default tier: per engine (Horovod over Gloo and MPI, torch.distributed,
 # plain mpirun) and per feature (the exact average, overlap, streaming, the int8 and sparse codecs,
-# gossip, gradient buckets, hierarchy, AMP, sharding, faults, restart, the straggler quorum), the
+# gossip, gradient buckets, AMP, sharding, faults, restart, the straggler quorum), the
 # cheapest test that checks it against its reference across real processes. Their siblings at
 # other world sizes and engines are in the launch tier.
 DEFAULT_LAUNCHES = (
@@ -51,7 +51,6 @@ DEFAULT_LAUNCHES = (
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np2]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[mpi-np2]",
     "tests/test_grad_buckets_horovod.py::test_buckets_equal_the_reference[2]",
-    "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[localsgd-slowmo]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-gloo]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np2-mpi]",
     "tests/test_islands.py::test_two_islands_equal_the_unsharded_run",
@@ -74,6 +73,13 @@ SIBLING_LAUNCHES = (
     "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[allreduce]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np4-gloo]",
     "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
+)
+# In-process tests that run with the builds, in the launch tier: the GPU check's whole runs on
+# faked builds, each waiting on its step budgets (about 20 s each), moved out of the default tier
+# when it took 621 of its 600 s on a quiet machine.
+WITH_THE_BUILDS = (
+    "tests/test_gpu_check.py::test_the_budget_bounds_the_whole_run",
+    "tests/test_gpu_check.py::test_the_nccl_build_and_the_thread_tests_overlap",
 )
 # In-process tests too slow for the fast tier (they start shell scripts, MPI or Horovod
 # processes, or train for seconds): measured in a --tier fast run (tests/data/fast_durations.json
@@ -128,8 +134,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def is_launch(item: pytest.Item) -> bool:
-    """Whether ``item`` starts real processes or is allowed more than the default timeout."""
+    """Whether ``item`` starts real processes, is allowed more than the default timeout, or is
+    listed in :data:`WITH_THE_BUILDS`."""
     if any(item.get_closest_marker(name) for name in MULTI_PROCESS_MARKERS):
+        return True
+    if item.nodeid in WITH_THE_BUILDS:
         return True
     # Only the test's own timeout mark: a module-wide one also covers its fast tests.
     marks = [m for m in item.own_markers if m.name == "timeout" and m.args]
