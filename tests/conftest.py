@@ -169,7 +169,7 @@ def _in_tier(item: pytest.Item, tier: str) -> bool:
 
 
 def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> None:
-    """A renamed test must not leave the default tier silently: every listed launch must exist
+    """A renamed test must not change its tier silently: every listed test must exist
     when its whole file is collected (not when the command line names some of its tests)."""
     ids = {item.nodeid for item in items}
     picked = {
@@ -181,6 +181,7 @@ def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> 
     for listing, names in (
         ("DEFAULT_LAUNCHES", DEFAULT_LAUNCHES),
         ("SIBLING_LAUNCHES", SIBLING_LAUNCHES),
+        ("WITH_THE_BUILDS", WITH_THE_BUILDS),
     ):
         missing = [n for n in names if n.split("::")[0] in files and n not in ids]
         if missing:
