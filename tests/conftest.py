@@ -168,7 +168,7 @@ def _in_tier(item: pytest.Item, tier: str) -> bool:
     return in_default == (tier == "default")
 
 
-def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> None:
+def _check_listings(items: list[pytest.Item], config: pytest.Config) -> None:
     """A renamed test must not change its tier silently: every listed test must exist
     when its whole file is collected (not when the command line names some of its tests)."""
     ids = {item.nodeid for item in items}
@@ -192,7 +192,7 @@ def _check_default_launches(items: list[pytest.Item], config: pytest.Config) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _check_default_launches(items, config)
+    _check_listings(items, config)
     report = config.getoption("--tier-report")
     if report:
         with open(report, "w", encoding="utf-8") as f:
