@@ -70,7 +70,7 @@ SIBLING_LAUNCHES = (
     "tests/test_compression_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
     "tests/test_cuda.py::test_two_islands_on_the_device[cpu-ddp]",
     "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[gloo-np4]",
-    "tests/test_hierarchy_horovod.py::test_two_emulated_nodes[allreduce]",
+    "tests/test_gossip_horovod.py::test_gossip_under_horovodrun[mpi-np4]",
     "tests/test_horovod_core.py::test_ranks_bitwise_equal_and_match_replay[np4-gloo]",
     "tests/test_sparse_horovod.py::test_equals_reference_on_every_rank[np3-mpi]",
 )

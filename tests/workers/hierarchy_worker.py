@@ -1,7 +1,9 @@
 """Worker for tests/test_hierarchy_horovod.py: worker='node' under horovodrun.
 
-Usage: hierarchy_worker.py OUT_DIR BASE
-Writes, per rank, its (cross_rank, local_rank) and its parameters after every step.
+Usage: hierarchy_worker.py OUT_DIR CASE[,CASE...]
+Runs the cases one after the other in the same processes (one start-up; the node and cross-node
+process sets are created once, by the first case, and reused). Writes, per case and rank, its
+(cross_rank, local_rank) and its parameters after every step.
 """
 
 import os
@@ -17,10 +19,8 @@ from hierarchy_cases import CASES, loss, mlp
 from reference import batch
 
 
-def main():
-    out, case = sys.argv[1], sys.argv[2]
-    hvd.init(process_sets="dynamic")
-    torch.set_num_threads(1)
+def run_case(out: str, case: str) -> None:
+    """Train CASES[case] for 7 steps from the shared initial model and save this rank's record."""
     model = mlp()
     opt = hvd_slowmo.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
@@ -49,10 +49,18 @@ def main():
         },
         os.path.join(out, f"{case}.{hvd.rank()}.pt"),
     )
-    # The gathers above run in process sets; a rank that returns first shuts Horovod down at exit,
-    # which fails the other sets' gathers still in flight ("Horovod has been shut down", seen at
-    # load 15 about once in ten runs). Everyone leaves together.
-    hvd.barrier()
+
+
+def main():
+    out, cases = sys.argv[1], sys.argv[2].split(",")
+    hvd.init(process_sets="dynamic")
+    torch.set_num_threads(1)
+    for case in cases:
+        run_case(out, case)
+        # The gathers above run in process sets; a rank that goes on (or returns and shuts Horovod
+        # down at exit) first would fail the other sets' gathers still in flight ("Horovod has
+        # been shut down", seen at load 15 about once in ten runs). Every case ends together.
+        hvd.barrier()
 
 
 if __name__ == "__main__":
