@@ -21,9 +21,9 @@ Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE[,CASE...] [ST
 ``OUT/<case>/rank<r>.json``) and the final parameters to ``OUT/rank<r>.final.pt``. ``CASE``
 names a row of :data:`CASES`; ``MODE`` ``restart`` saves after every step (each rank its own
 file) and kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every
-rank then resumes from the last step all saved), then trains the case again uninterrupted in the
-same processes into ``OUT/uninterrupted`` (the run the resumed one must end equal to, without a
-second launch); ``DEVICE`` ``cuda`` puts every rank on GPU 0 (the ranks share it through Gloo:
+rank then resumes from the last step all saved); before that, the first attempt trains the case
+uninterrupted into ``OUT/uninterrupted`` (the run the resumed one must end equal to, without a
+launch of its own); ``DEVICE`` ``cuda`` puts every rank on GPU 0 (the ranks share it through Gloo:
 scripts/gpu_check.sh's two-process case).
 """
 
@@ -286,11 +286,16 @@ def main(argv: list[str]) -> None:
         where = out if len(cases) == 1 else os.path.join(out, case)
         os.makedirs(where, exist_ok=True)
         if mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies mid-run
-            run(where, case, mesh, steps, device=device, restart_at=steps // 2 + 1)
-            # Only the attempt that finished the resumed run gets here (the first one lost rank 1).
+            # First the uninterrupted run, in the first attempt's fresh processes as in a launch
+            # of its own: where the resumed run must end; the restarted attempt finds it done.
             uninterrupted = os.path.join(where, "uninterrupted")
             os.makedirs(uninterrupted, exist_ok=True)
-            run(uninterrupted, case, mesh, steps, device=device)
+            done: list = [None] * dist.get_world_size()
+            mine = os.path.join(uninterrupted, f"rank{dist.get_rank()}.final.pt")
+            dist.all_gather_object(done, os.path.exists(mine))
+            if not all(done):
+                run(uninterrupted, case, mesh, steps, device=device)
+            run(where, case, mesh, steps, device=device, restart_at=steps // 2 + 1)
         else:
             run(where, case, mesh, steps, device=device)
     dist.destroy_process_group()

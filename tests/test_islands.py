@@ -204,8 +204,8 @@ def test_torchrun_restart_resumes_the_islands_bitwise(tmp_path):
     step 8 of 14 (fragments=3, overlap=2, eager='local': mid-period, a fragment in flight);
     torchrun restarts all four, every rank loads the last step all of them saved (each rank its
     own file: the model's DTensor shards and opt.state_dict()), and the run ends where the
-    uninterrupted one ends, bit for bit (trained afterwards by the same restarted processes: one
-    launch for both)."""
+    uninterrupted one ends, bit for bit (trained first, by the first attempt's fresh processes:
+    one launch for both)."""
     import signal
     import subprocess
     import sys
