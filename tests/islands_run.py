@@ -291,7 +291,7 @@ def main(argv: list[str]) -> None:
             uninterrupted = os.path.join(where, "uninterrupted")
             os.makedirs(uninterrupted, exist_ok=True)
             done: list = [None] * dist.get_world_size()
-            mine = os.path.join(uninterrupted, f"rank{dist.get_rank()}.final.pt")
+            mine = os.path.join(uninterrupted, f"rank{dist.get_rank()}.json")  # written last
             dist.all_gather_object(done, os.path.exists(mine))
             if not all(done):
                 run(uninterrupted, case, mesh, steps, device=device)
