@@ -18,11 +18,13 @@ step landed it checks that its shard equals its peer's bit for bit.
 
 Usage: ``torchrun --nproc-per-node N tests/islands_run.py OUT CASE[,CASE...] [STEPS [MODE
 [DEVICE]]]``: 2 islands of ``N / 2`` ranks; writes ``OUT/rank<r>.json`` (several cases:
-``OUT/<case>/rank<r>.json``). ``CASE`` names a row of
-:data:`CASES`; ``MODE`` ``restart`` saves after every step (each rank its own file) and
-kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every rank then
-resumes from the last step all saved); ``DEVICE`` ``cuda`` puts every rank on GPU 0
-(the ranks share it through Gloo: scripts/gpu_check.sh's two-process case).
+``OUT/<case>/rank<r>.json``) and the final parameters to ``OUT/rank<r>.final.pt``. ``CASE``
+names a row of :data:`CASES`; ``MODE`` ``restart`` saves after every step (each rank its own
+file) and kills rank 1 once before the middle step (under ``torchrun --max-restarts=1`` every
+rank then resumes from the last step all saved); before that, the first attempt trains the case
+uninterrupted into ``OUT/uninterrupted`` (the run the resumed one must end equal to, without a
+launch of its own); ``DEVICE`` ``cuda`` puts every rank on GPU 0 (the ranks share it through Gloo:
+scripts/gpu_check.sh's two-process case).
 """
 
 import datetime
@@ -135,7 +137,7 @@ def run(
     """Train one case on the islands and the reference side by side; write ``OUT/rank<r>.json``."""
     rank = dist.get_rank()
     island = mesh.get_local_rank("islands")
-    peers = TorchDistCommunicator(group=mesh.get_group("islands"))
+    peers = mesh.get_group("islands")  # this rank and its peer in the other island
     try:
         model, island_model, opt, ref_model, ref_opt = build(case, mesh, device)
     except ValueError as e:
@@ -167,10 +169,12 @@ def run(
         record(opt, island_model, ref_opt, ref_model, peers, island, rec, step)
         if restart_at is not None:
             save(island_model, opt, ref_model, ref_opt, f"{out}/ckpt.{step + 1}.rank{rank}.pt")
-    final = [full(p).tolist() for p in island_model.parameters()]
+    # The final parameters as tensors (the restart test compares them bit for bit).
+    final = [full(p).detach().cpu() for p in island_model.parameters()]
+    torch.save(final, os.path.join(out, f"rank{rank}.final.pt"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
-            {**rec, "final": final, "outer_steps": opt.outer_steps,
+            {**rec, "outer_steps": opt.outer_steps,
              "state_bytes": opt_state_bytes(opt), "exchange": opt.exchanges[0].name},
             f,
         )  # fmt: skip
@@ -222,9 +226,21 @@ def record(opt, island_model, ref_opt, ref_model, peers, island, out: dict, step
     if opt.inner_step == 0 and whole:
         same += [hvd_slowmo.islands.local(p) for p in island_model.parameters()]
         landed.append(step)
-    theirs = peers.allgather_object([t.tolist() for t in same])
-    other = theirs[1 - island]
-    bitwise.append(all(torch.equal(t.cpu(), torch.tensor(o)) for t, o in zip(same, other)))
+    bitwise.append(same_bytes_as_peer(same, island, peers))
+
+
+def same_bytes_as_peer(tensors: list[torch.Tensor], island: int, group) -> bool:
+    """Whether these tensors' bytes equal the peer's (the other island's rank with this shard),
+    bit for bit: their raw bytes gathered as one uint8 tensor (the sizes first, so a peer
+    holding other shapes reads as different rather than hanging the gather)."""
+    mine = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for t in tensors])
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()]), group=group)
+    if sizes[0].item() != sizes[1].item():
+        return False
+    gathered = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.equal(gathered[island], gathered[1 - island])
 
 
 def agreed_start(out: str, rank: int) -> int:
@@ -270,6 +286,15 @@ def main(argv: list[str]) -> None:
         where = out if len(cases) == 1 else os.path.join(out, case)
         os.makedirs(where, exist_ok=True)
         if mode == "restart":  # under torchrun --max-restarts=1: rank 1 dies mid-run
+            # First the uninterrupted run, in the first attempt's fresh processes as in a launch
+            # of its own: where the resumed run must end; the restarted attempt finds it done.
+            uninterrupted = os.path.join(where, "uninterrupted")
+            os.makedirs(uninterrupted, exist_ok=True)
+            done: list = [None] * dist.get_world_size()
+            mine = os.path.join(uninterrupted, f"rank{dist.get_rank()}.json")  # written last
+            dist.all_gather_object(done, os.path.exists(mine))
+            if not all(done):
+                run(uninterrupted, case, mesh, steps, device=device)
             run(where, case, mesh, steps, device=device, restart_at=steps // 2 + 1)
         else:
             run(where, case, mesh, steps, device=device)
