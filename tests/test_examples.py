@@ -24,7 +24,7 @@ import torch
 import hvd_slowmo
 from slowmo_lab import report, sweep
 
-from horovod_launch import needs_horovod
+from horovod_launch import horovodrun_command, needs_horovod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def launch(args, timeout=420):
-    cmd = sweep.horovodrun_command(2, "gloo") + [sys.executable] + args
+    cmd = horovodrun_command(2, "gloo", args)
     proc = subprocess.run(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
     )

@@ -143,11 +143,10 @@ def test_exactness_suite_over_gloo(tmp_path, np_):
 
 def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path):
     """Saved at step 5: inside the core run's second outer step, and with the overlapped run's
-    average in flight (boundary 4, lands 6)."""
-    torchrun(2, [WORKER, str(tmp_path), "full"])
+    average in flight (boundary 4, lands 6). The uninterrupted runs share the saving launch."""
     torchrun(2, [WORKER, str(tmp_path), "save", "5"])
     torchrun(2, [WORKER, str(tmp_path), "resume", "5"])
-    full, resumed = load(tmp_path, "full", 2), load(tmp_path, "resume", 2)
+    full, resumed = load(tmp_path, "save", 2), load(tmp_path, "resume", 2)
     for rank in range(2):
         for name in ("sgd-reset", "localsgd-d2-maintain"):
             for key, value in full[rank][name].items():

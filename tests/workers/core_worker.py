@@ -2,7 +2,8 @@
 
 Usage: core_worker.py OUT_DIR MODE [STOP]
   MODE=train:   several configurations; per rank, params after every outer step + final state.
-  MODE=save:    train STOP steps, save a checkpoint per rank.  MODE=resume: load it, finish.
+  MODE=save:    the "sgd-reset" run uninterrupted (final state per rank); then, fresh, STOP
+                steps of it and a checkpoint per rank.  MODE=resume: load it, finish.
   MODE=mismatch: rank-dependent tau; writes the error message.
 """
 
@@ -79,6 +80,10 @@ def main():
             }
         torch.save(result, path)
     elif mode == "save":
+        model, opt = build(CONFIGS["sgd-reset"])
+        train(model, opt, 0, STEPS)
+        torch.save({"final": model.state_dict()}, path)
+        # A separate run saves: saving must not be what makes the resumed run match.
         model, opt = build(CONFIGS["sgd-reset"])
         train(model, opt, 0, int(sys.argv[3]))
         torch.save(

@@ -6,8 +6,8 @@ hierarchy_worker) on the torch.distributed engine, chosen automatically (no Horo
 Usage: torchdist_worker.py OUT_DIR MODE [ARG]
   MODE=train:    core, overlap, sharded and gossip runs; per rank OUT_DIR/train.RANK.pt.
   MODE=core:     the core runs alone (as tests/workers/core_worker.py's).
-  MODE=save:     train ARG steps (overlap: an average in flight), save.  MODE=resume: finish.
-  MODE=full:     the runs of save/resume, uninterrupted.
+  MODE=save:     the checkpointed runs uninterrupted; then, fresh, ARG steps of each (overlap: an
+                 average in flight) and save.  MODE=resume: load and finish them.
   MODE=node:     worker="node" for every case of tests/test_hierarchy.py.
   MODE=comm:     the communicator's collectives on rank-dependent tensors, the configuration
                  mismatch error (rank 1's tau differs), AMP overflows on rank 1.
@@ -184,22 +184,26 @@ def core_runs(result):
 
 
 def checkpoint_runs(mode, stop, out, rank, result):
-    """``save`` after ``stop`` steps, ``resume`` from there, or ``full``: uninterrupted."""
+    """``save``: the uninterrupted run, then a fresh one saved after ``stop`` steps (one launch
+    for both); ``resume``: finish the saved one."""
     for name, cfg, steps in (
         ("sgd-reset", CORE["sgd-reset"], CORE_STEPS),
         ("localsgd-d2-maintain", OVERLAP["localsgd-d2-maintain"], OVERLAP_STEPS),
     ):
-        model, opt = build(cfg)
         ckpt = os.path.join(out, f"ckpt.{name}.{rank}.pt")
+        model, opt = build(cfg)
         if mode == "save":
+            train(model, opt, 0, steps)
+            result[name] = model.state_dict()
+            # A separate run saves: saving must not be what makes the resumed run match.
+            model, opt = build(cfg)
             train(model, opt, 0, stop)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt)
             continue
-        if mode == "resume":
-            state = torch.load(ckpt, weights_only=False)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-        train(model, opt, 0 if mode == "full" else stop, steps)
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        train(model, opt, stop, steps)
         result[name] = model.state_dict()
 
 
@@ -279,8 +283,8 @@ def main():
         result["gossip"] = gossip_checks()
     elif mode == "core":
         core_runs(result)
-    elif mode in ("save", "resume", "full"):
-        checkpoint_runs(mode, int(sys.argv[3]) if mode != "full" else 0, out, rank, result)
+    elif mode in ("save", "resume"):
+        checkpoint_runs(mode, int(sys.argv[3]), out, rank, result)
     elif mode == "node":
         node_runs(rank, result)
     elif mode == "comm":
