@@ -14,6 +14,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvd_slowmo", "hvd_slowmo.*", "slowmo_lab", "slowmo_lab.*"]),
+    # The codecs' C kernels are compiled from their source on first use (native.py).
+    package_data={"hvd_slowmo.compression": ["kernels.c"]},
     python_requires=">=3.11",  # the only version tested
     install_requires=["torch>=2.1"],
     extras_require={

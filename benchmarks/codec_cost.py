@@ -6,7 +6,10 @@ CPU and, where there is one, on the GPU, the median over repeats of:
   - encode: the codec's packet of the whole vector (:meth:`~hvd_slowmo.compression.Codec.encode`);
   - decode: the packet back to float32 (:meth:`~hvd_slowmo.compression.Codec.decode`);
   - mean: one worker's whole share of a compressed mean of ``--workers`` workers with error
-    feedback, run by the library's own average (:meth:`~hvd_slowmo.compression.Codec.mean_start`)
+    feedback, run by the library's own average (:func:`~hvd_slowmo.compression.means.mean_start`,
+    into a buffer kept between means, as the library's averager keeps one; int8 on a CPU runs
+    the C kernels of :mod:`hvd_slowmo.compression.native`, ``HVD_SLOWMO_NATIVE_CODECS=0`` the
+    eager torch path)
     over an echo communicator whose every worker sends what this one sends, so the wire is a
     copy: the error feedback, the encode, (dense codecs) the decode and sum of ``workers``
     chunks, the re-encode and the decode of the gathered chunks, (sparse) the decode and sum
@@ -82,11 +85,14 @@ def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callabl
     spec = as_codec(codec, x.device)
     packet = spec.encode(x)
     residual = torch.zeros_like(x)
+    # The mean lands in a buffer kept from one mean to the next, as the library's averager
+    # keeps one (a new tensor each time would add the first touch of its pages).
+    into = torch.empty(spec.sum_numel(n), dtype=torch.float32, device=x.device)
     echo = Echo(workers)
     return (
         lambda: spec.encode(x),
         lambda: spec.decode(packet, n),
-        lambda: mean_start(spec, echo, x, "cost", residual).wait(),
+        lambda: mean_start(spec, echo, x, "cost", residual, into).wait(),
         packet.numel(),
     )
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hvd_slowmo.compression.exchange as dense_exchange
+import hvd_slowmo.compression.native as native
 import hvd_slowmo.compression.sparse_exchange as sparse_exchange
 from hvd_slowmo.comm.local import ThreadCommunicator, run_threads
 from hvd_slowmo.compression.averager import PseudoGradientAverage
@@ -42,11 +43,19 @@ def test_offloaded_rounds_equal_the_inline_ones_bitwise(codec, m):
 
 
 @pytest.mark.parametrize(
-    "module,function", [(sparse_exchange, "sparse_encode_feedback"), (dense_exchange, "encode")]
+    "module,function,native_codecs",
+    [
+        (sparse_exchange, "sparse_encode_feedback", None),
+        (dense_exchange, "encode_rows", "0"),  # the eager torch path
+        (native, "encode_rows", "1"),  # the C kernels
+    ],
+    ids=["sparse", "dense-eager", "dense-native"],
 )
-def test_start_returns_before_the_encode_has_run(monkeypatch, module, function):
+def test_start_returns_before_the_encode_has_run(monkeypatch, module, function, native_codecs):
     """An instrumented encode that cannot finish until every worker's start has returned (and
     checked that no encode finished): a start that ran the encode itself would never return."""
+    if native_codecs is not None:
+        monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", native_codecs)
     m = 2
     release = threading.Event()
     barrier = threading.Barrier(m, timeout=30)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
 from ..divide import div_
+from . import native
 from .codecs import (
     BLOCK_SIZE,
     check_transport,
@@ -109,19 +110,26 @@ class PendingMean:
         self._out = out
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
+        self._native = native.usable(codec, flat)
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
-        # In place (``flat + residual``, operands in this order: which NaN a sum of two NaNs
-        # yields depends on it); the residual becomes what the encoding lost below, run by run.
-        contribution = flat if residual is None else torch.add(flat, residual, out=residual)
         # The chunks come in at most two runs of equal sizes: each run encoded in one pass,
         # its packets written straight into rows of one buffer.
         nbytes = [encoded_nbytes(s, codec, block) for s in self._sizes]
         buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=flat.device)
         feedback = residual is not None  # the rows are the residual's: less what they send
-        for rows, out in zip(_runs(contribution, self._sizes), _runs(buffer, nbytes)):
-            encode_rows(rows, codec, block, out, decoded=False, feedback=feedback)
+        packet_runs = _runs(buffer, nbytes)
+        if self._native:  # the C kernels add ``flat`` into the residual as they encode
+            rows_of = _runs(flat if residual is None else residual, self._sizes)
+            for rows, source, out in zip(rows_of, _runs(flat, self._sizes), packet_runs):
+                native.encode_rows(codec, rows, block, out, source, feedback)
+        else:
+            # In place (``flat + residual``, operands in this order: which NaN a sum of two
+            # NaNs yields depends on it); the residual becomes what the encoding lost below.
+            contribution = flat if residual is None else torch.add(flat, residual, out=residual)
+            for rows, out in zip(_runs(contribution, self._sizes), packet_runs):
+                encode_rows(rows, codec, block, out, decoded=False, feedback=feedback)
         packets = list(buffer.split(nbytes))
         packet = encoded_nbytes(self._sizes[comm.rank], codec, block)
         self._alltoall = comm.alltoall_flat_start(packets, [packet] * comm.size, f"{name}.a2a")
@@ -149,7 +157,10 @@ class PendingMean:
             if result is None:
                 result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
             for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
-                decode_rows(rows, values.shape[1], codec, block, out=values)
+                if self._native:
+                    native.decode_rows(codec, rows, values.shape[1], block, values)
+                else:
+                    decode_rows(rows, values.shape[1], codec, block, out=values)
             self._result = result
         return self._result
 
@@ -158,6 +169,10 @@ class PendingMean:
         chunk the same way), average, encode, and start the all-gather."""
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
+        if self._native:
+            reduced = native.reduce(codec, self._alltoall.wait(), mine, block)
+            self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
+            return
         packets = torch.stack(self._alltoall.wait())
         reduced = packets.new_empty(encoded_nbytes(mine, codec, block))
         codes_at = None  # where the codes start in the packet: after every block's scale

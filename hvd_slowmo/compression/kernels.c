@@ -1,0 +1,264 @@
+/* The int8 codec's three phases as loops over memory, one pass per phase: the bits of the eager
+ * torch path of hvd_slowmo/compression/codecs.py and exchange.py (see native.py).
+ *
+ * A packet is the scales' bytes (one float32 per block, 4-byte unaligned in general) followed by
+ * the codes (one int8 per element). Block b of a vector of n elements is [b * block,
+ * min(n, (b + 1) * block)). Each function works on the blocks [b0, b1) only, so callers can split
+ * a vector's blocks between threads.
+ *
+ * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
+ * operation the eager path runs (a product and a difference are never fused), in its order. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CODE_MAX 127.0f
+
+/* The bits of |v|: as unsigned integers they order as the magnitudes do, and every NaN's above
+ * infinity's, so the block's largest (an integer maximum, which vectorizes where a float
+ * maximum that keeps NaNs does not) is torch's amax of abs: the largest magnitude, or a NaN of
+ * the block with its sign cleared (of several NaN payloads, the largest). */
+static inline uint32_t abs_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u & 0x7fffffffu;
+}
+
+/* The block's scale from its largest magnitude's bits: absmax / 127, an IEEE division. */
+static inline float scale_of(uint32_t max_bits) {
+    float amax;
+    memcpy(&amax, &max_bits, 4);
+    return amax / CODE_MAX;
+}
+
+/* A zero scale divides by one (its codes are 0); a NaN scale too (its block decodes to NaN
+ * through the scale); an infinite one divides the finite values to zeros. */
+static inline float divisor_of(float scale) { return scale > 0.0f ? scale : 1.0f; }
+
+/* The code of v: round(v / divisor) (to nearest, ties to even) clamped to [-127, 127]. For a
+ * block of finite values (a finite scale), where no quotient is a NaN. */
+static inline int8_t code_of(float v, float divisor) {
+    float q = nearbyintf(v / divisor);
+    q = q < -CODE_MAX ? -CODE_MAX : q;
+    return (int8_t)(int32_t)(q > CODE_MAX ? CODE_MAX : q);
+}
+
+/* code_of for a block with a NaN or an infinity: a NaN quotient becomes code 0, as torch's
+ * conversion does on x86 and ARM. */
+static inline int8_t code_of_any(float v, float divisor) {
+    float q = nearbyintf(v / divisor);
+    q = q < -CODE_MAX ? -CODE_MAX : q;
+    q = q > CODE_MAX ? CODE_MAX : q;
+    return q == q ? (int8_t)(int32_t)q : 0;
+}
+
+/* One block of len values encoded: its codes, and its scale (returned). */
+static float encode_block(const float *restrict v, int64_t len, int8_t *restrict codes) {
+    uint32_t max_bits = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t u = abs_bits(v[i]);
+        max_bits = u > max_bits ? u : max_bits;
+    }
+    float scale = scale_of(max_bits), divisor = divisor_of(scale);
+    if (isfinite(scale)) {
+        for (int64_t i = 0; i < len; i++) codes[i] = code_of(v[i], divisor);
+    } else {
+        for (int64_t i = 0; i < len; i++) codes[i] = code_of_any(v[i], divisor);
+    }
+    return scale;
+}
+
+/* One block encoded with error feedback: r <- x + r, encoded, then r <- r - code * scale (what
+ * the codes lost); returns the scale. Two passes over the block, both in the first cache. */
+static float encode_block_feedback(const float *restrict x, float *restrict r, int64_t len,
+                                   int8_t *restrict codes) {
+    uint32_t max_bits = 0;
+    for (int64_t i = 0; i < len; i++) {
+        r[i] = x[i] + r[i];
+        uint32_t u = abs_bits(r[i]);
+        max_bits = u > max_bits ? u : max_bits;
+    }
+    float scale = scale_of(max_bits), divisor = divisor_of(scale);
+    if (isfinite(scale)) {
+        for (int64_t i = 0; i < len; i++) {
+            float q = nearbyintf(r[i] / divisor);
+            q = q < -CODE_MAX ? -CODE_MAX : q;
+            q = q > CODE_MAX ? CODE_MAX : q;
+            codes[i] = (int8_t)(int32_t)q;
+            /* The code's value as the cast from int8 gives it: + 0 turns a -0 into +0. */
+            r[i] = r[i] - (q + 0.0f) * scale;
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            int8_t c = code_of_any(r[i], divisor);
+            codes[i] = c;
+            r[i] = r[i] - (float)c * scale;
+        }
+    }
+    return scale;
+}
+
+static int64_t block_len(int64_t b, int64_t n, int64_t block) {
+    int64_t start = b * block;
+    return n - start < block ? n - start : block;
+}
+
+static int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+/* The blocks [b0, b1) of x (n elements) encoded into packet. With residual (another buffer
+ * than x): residual <- x + residual first (error feedback), then what the codes lost. */
+void hvd_int8_encode(const float *restrict x, float *restrict residual, int64_t n, int64_t block,
+                     uint8_t *restrict packet, int64_t b0, int64_t b1) {
+    int8_t *codes = (int8_t *)(packet + 4 * num_blocks(n, block));
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t start = b * block, len = block_len(b, n, block);
+        float scale = residual
+                          ? encode_block_feedback(x + start, residual + start, len, codes + start)
+                          : encode_block(x + start, len, codes + start);
+        memcpy(packet + 4 * b, &scale, 4);
+    }
+}
+
+/* The blocks [b0, b1) of packet (n elements) decoded into out (the vector's first element at
+ * out[0]): code * scale. */
+void hvd_int8_decode(const uint8_t *restrict packet, int64_t n, int64_t block,
+                     float *restrict out, int64_t b0, int64_t b1) {
+    const int8_t *codes = (const int8_t *)(packet + 4 * num_blocks(n, block));
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t start = b * block, len = block_len(b, n, block);
+        float scale;
+        memcpy(&scale, packet + 4 * b, 4);
+        for (int64_t i = start; i < start + len; i++) out[i] = (float)codes[i] * scale;
+    }
+}
+
+/* The blocks [b0, b1) of the mean of m packets (n elements each, at packets[0..m)): decoded,
+ * summed in rank order, divided by m, encoded into out. scratch: block floats. */
+void hvd_int8_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block,
+                     uint8_t *restrict out, float *restrict scratch, int64_t b0, int64_t b1) {
+    int64_t codes_at = 4 * num_blocks(n, block);
+    float count = (float)m;
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t start = b * block, len = block_len(b, n, block);
+        for (int64_t w = 0; w < m; w++) {
+            const uint8_t *p = packets[w];
+            const int8_t *codes = (const int8_t *)(p + codes_at) + start;
+            float scale;
+            memcpy(&scale, p + 4 * b, 4);
+            if (w == 0) {
+                for (int64_t i = 0; i < len; i++) scratch[i] = (float)codes[i] * scale;
+            } else {
+                for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] + (float)codes[i] * scale;
+            }
+        }
+        for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] / count;
+        float scale = encode_block(scratch, len, (int8_t *)(out + codes_at) + start);
+        memcpy(out + 4 * b, &scale, 4);
+    }
+}
+
+/* The cast codecs (fp16, bf16): a packet is the codes alone, and [b0, b1) are chunks of block
+ * elements, the threads' shares (a cast has no scales). Each function is the eager path's
+ * cast, its error feedback (r <- x + r, then r - decode(code)) and its reduce (decode, sum in
+ * rank order, divide by m, cast), one pass. */
+
+/* bf16: the upper half of the float32, rounded to nearest, ties to even, as torch's
+ * round_to_nearest_even (a NaN becomes the quiet NaN 0x7fc0; its payload is not promised). */
+static inline uint16_t bf16_of(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return v != v ? (uint16_t)0x7fc0u : (uint16_t)rounded;
+}
+
+static inline float bf16_value(uint16_t c) {
+    uint32_t u = (uint32_t)c << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+#define CAST_CODEC(NAME, CODE, TO, FROM)                                                         \
+    void hvd_##NAME##_encode(const float *restrict x, float *restrict r, int64_t n,              \
+                             int64_t block, uint8_t *restrict packet, int64_t b0, int64_t b1) {  \
+        CODE *restrict codes = (CODE *)packet;                                                   \
+        int64_t i0 = b0 * block, i1 = b1 * block < n ? b1 * block : n;                           \
+        if (r) {                                                                                 \
+            for (int64_t i = i0; i < i1; i++) {                                                  \
+                float v = x[i] + r[i];                                                           \
+                CODE c = TO(v);                                                                  \
+                codes[i] = c;                                                                    \
+                r[i] = v - FROM(c);                                                              \
+            }                                                                                    \
+        } else {                                                                                 \
+            for (int64_t i = i0; i < i1; i++) codes[i] = TO(x[i]);                               \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    void hvd_##NAME##_decode(const uint8_t *restrict packet, int64_t n, int64_t block,           \
+                             float *restrict out, int64_t b0, int64_t b1) {                      \
+        const CODE *restrict codes = (const CODE *)packet;                                       \
+        int64_t i0 = b0 * block, i1 = b1 * block < n ? b1 * block : n;                           \
+        for (int64_t i = i0; i < i1; i++) out[i] = FROM(codes[i]);                               \
+    }                                                                                            \
+                                                                                                 \
+    void hvd_##NAME##_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block, \
+                             uint8_t *restrict out, float *restrict scratch, int64_t b0,         \
+                             int64_t b1) {                                                       \
+        float count = (float)m;                                                                  \
+        CODE *restrict mean = (CODE *)out;                                                       \
+        for (int64_t b = b0; b < b1; b++) {                                                      \
+            int64_t start = b * block, len = block_len(b, n, block);                             \
+            for (int64_t w = 0; w < m; w++) {                                                    \
+                const CODE *restrict codes = (const CODE *)packets[w] + start;                   \
+                if (w == 0) {                                                                    \
+                    for (int64_t i = 0; i < len; i++) scratch[i] = FROM(codes[i]);               \
+                } else {                                                                         \
+                    for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] + FROM(codes[i]);  \
+                }                                                                                \
+            }                                                                                    \
+            for (int64_t i = 0; i < len; i++) mean[start + i] = TO(scratch[i] / count);          \
+        }                                                                                        \
+    }
+
+CAST_CODEC(bf16, uint16_t, bf16_of, bf16_value)
+
+/* fp16 by float arithmetic on bits, branch-free so that it vectorizes, and exactly IEEE's cast
+ * (to nearest, ties to even; overflow to infinity; subnormal halves), as torch's own. */
+static inline float float_of_bits(uint32_t u) {
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static inline uint32_t bits_of_float(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+static inline uint16_t fp16_of(float v) {
+    uint32_t u = bits_of_float(v), twice = u + u, sign = u & 0x80000000u;
+    /* |v| scaled up then down by powers of two: a value beyond the half range overflows to
+     * infinity on the way up, and the rest comes back unchanged. */
+    float magnitude = (fabsf(v) * 0x1.0p+112f) * 0x1.0p-110f;
+    /* Adding 2^(e + 13) (e: v's exponent, at least the smallest normal half's) leaves exactly
+     * the half's mantissa bits in the sum's low bits, rounded by the float addition itself. */
+    uint32_t exponent = twice & 0xff000000u;
+    exponent = exponent < 0x71000000u ? 0x71000000u : exponent;
+    uint32_t sum = bits_of_float(float_of_bits((exponent >> 1) + 0x07800000u) + magnitude);
+    uint32_t half = ((sum >> 13) & 0x7c00u) + (sum & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (twice > 0xff000000u ? 0x7e00u : half));
+}
+
+static inline float fp16_value(uint16_t c) {
+    uint32_t w = (uint32_t)c << 16, sign = w & 0x80000000u, twice = w + w;
+    /* A normal half: its exponent rebiased by a shift and a product by 2^-112. */
+    float normal = float_of_bits((twice >> 4) + 0x70000000u) * 0x1.0p-112f;
+    /* A subnormal half: its mantissa as the low bits of 0.5's, less 0.5. */
+    float subnormal = float_of_bits((twice >> 17) | 0x3f000000u) - 0.5f;
+    return float_of_bits(sign |
+                         (twice < 0x08000000u ? bits_of_float(subnormal) : bits_of_float(normal)));
+}
+
+CAST_CODEC(fp16, uint16_t, fp16_of, fp16_value)

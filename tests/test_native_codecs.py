@@ -1,0 +1,192 @@
+"""The C kernels of the int8, fp16 and bf16 codecs (hvd_slowmo.compression.native): bitwise the
+eager torch path for every phase (encode with and without error feedback, reduce, decode) on
+awkward inputs, the compressed mean of both paths against the hand-written reference, the
+threads' split, and the fallback where no compiler works."""
+
+import warnings
+
+import pytest
+import torch
+from reference_compression import reference_compressed_mean, worker_vector
+
+import hvd_slowmo.compression.native as native
+from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.compression import compressed_mean, encoded_nbytes
+from hvd_slowmo.compression.codecs import decode_rows, encode, encode_rows, to_bytes
+from hvd_slowmo.divide import div_
+
+
+def awkward(n: int, seed: int) -> torch.Tensor:
+    """Values over 90 decades (infinities, blocks whose scale underflows to 0, halves' and
+    bf16's overflows and subnormals among them), a zero block, exact ties of the rounding (a
+    block of absmax 127 has scale 1: x.5 values round to even), and signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-45, 45, n)[torch.randperm(n, generator=g)]
+    x[: min(n, 300)] = 0.0
+    if n > 600:
+        x[300:556] = torch.arange(256) / 2 - 64.25  # ties: k + 0.5 ... and quarters
+        x[300] = 127.0
+        x[400] = -0.0
+    return x
+
+
+def eager_reduce(codec: str, packets: torch.Tensor, size: int, block: int) -> torch.Tensor:
+    """The eager path's reduce of ``packets`` (m rows): decode, sum in order, divide, encode."""
+    received = decode_rows(packets, size, codec, block)
+    total = received[0]
+    for src in range(1, packets.shape[0]):
+        total += received[src]
+    return to_bytes(encode(div_(total, packets.shape[0]), codec, block))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, except that a NaN equals any NaN: which NaN an operation on two NaNs yields
+    differs between torch's own kernels (its vectorized sub is a fused multiply-add, its
+    ATEN_CPU_CAPABILITY=default one is not), so the eager path promises no payload either."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a.masked_fill(nan, 0).view(torch.int32), b.masked_fill(nan, 0).view(torch.int32)
+    )
+
+
+def same_packets(codec: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal packets: int8's bytes (a NaN quotient is code 0 on every path), a cast's codes as
+    :func:`same` compares them (torch's own casts give a NaN other bits with and without its
+    vectorized kernels: bf16 0xffff and 0x7fc0 here)."""
+    if codec == "int8":
+        return torch.equal(a, b)
+    dtype = torch.float16 if codec == "fp16" else torch.bfloat16
+    return same(a.view(dtype).float(), b.view(dtype).float())
+
+
+#: (codec, block): int8's scales over blocks of 1, 3, 256 and 1000 elements; the casts have none.
+CASES = [("int8", 1), ("int8", 3), ("int8", 256), ("int8", 1000), ("fp16", 256), ("bf16", 256)]
+IDS = [f"{c}-b{b}" for c, b in CASES]
+
+
+@pytest.mark.parametrize("codec,block", CASES, ids=IDS)
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+def test_encode_equals_the_eager_path_bitwise(codec, block, feedback):
+    count, size = 3, 2 * 1000 + 7  # short last blocks
+    rows = awkward(count * size, seed=block).view(count, size)
+    residual = 1e-3 * awkward(count * size, seed=block + 1).view(count, size)
+    out = torch.empty(count, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+    want_out = torch.empty_like(out)
+    if feedback:
+        got_res, want_res = residual.clone(), torch.add(rows, residual)
+        native.encode_rows(codec, got_res, block, out, rows, feedback=True)
+        encode_rows(want_res, codec, block, want_out, decoded=False, feedback=True)
+        assert same(got_res, want_res), "residuals differ"
+    else:
+        native.encode_rows(codec, rows, block, out)
+        encode_rows(rows, codec, block, want_out, decoded=False)
+    assert same_packets(codec, out, want_out), "packets differ"
+
+
+@pytest.mark.parametrize("codec,block", CASES, ids=IDS)
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_reduce_and_decode_equal_the_eager_path_bitwise(codec, block, m):
+    size = 1000 + 7
+    values = awkward(m * size, seed=m).view(m, size)
+    packets, _ = encode_rows(values, codec, block, decoded=False)
+    got = native.reduce(codec, list(packets), size, block)
+    assert same_packets(codec, got, eager_reduce(codec, packets, size, block))
+    out = torch.empty(m, size)
+    native.decode_rows(codec, packets, size, block, out)
+    assert same(out, decode_rows(packets, size, codec, block))
+
+
+def test_non_finite_blocks_keep_the_eager_bits():
+    """A NaN or an infinity makes its block's scale NaN or infinite: the codes, the residual
+    and the decode take the eager path's bits (NaNs: as :func:`same` says)."""
+    x = torch.randn(4 * 256)
+    x[5], x[300], x[700], x[701], x[900] = float("nan"), float("inf"), float("-inf"), 1.0, 3.0
+    x[901] = float("nan")
+    rows, residual = x.view(1, -1), torch.zeros(1, x.numel())
+    out = torch.empty(1, encoded_nbytes(x.numel(), "int8"), dtype=torch.uint8)
+    want_out, want_res = torch.empty_like(out), rows.clone()
+    native.encode_rows("int8", residual, 256, out, rows, feedback=True)
+    encode_rows(want_res, "int8", 256, want_out, decoded=False, feedback=True)
+    assert torch.equal(out, want_out) and same(residual, want_res)
+    decoded = torch.empty(1, x.numel())
+    native.decode_rows("int8", out, x.numel(), 256, decoded)
+    assert decoded.isnan().all()  # every block held a non-finite value
+    assert same(decoded, decode_rows(want_out, x.numel(), "int8", 256))
+
+
+@pytest.mark.parametrize("path", ["0", "1"], ids=["eager", "native"])
+@pytest.mark.parametrize("m", [2, 3, 5])
+@pytest.mark.parametrize("codec", native.CODECS)
+def test_both_paths_equal_the_reference_on_every_worker(monkeypatch, codec, path, m):
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", path)
+    n = 4 * 256 * m + 3 * m + 1  # uneven chunks, short blocks
+
+    def fn(comm):
+        residual = 0.1 * worker_vector(comm.rank, n, seed=1)
+        out = compressed_mean(comm, worker_vector(comm.rank, n), codec, "t", residual)
+        return out, residual
+
+    got = run_threads(m, fn)
+    residuals = [0.1 * worker_vector(r, n, seed=1) for r in range(m)]
+    want, want_res, _ = reference_compressed_mean(
+        [worker_vector(r, n) for r in range(m)], codec, 256, residuals
+    )
+    for rank, (out, residual) in enumerate(got):
+        assert torch.equal(out, want[rank]), f"rank {rank}: mean differs from the reference"
+        assert torch.equal(residual, want_res[rank]), f"rank {rank}: residual differs"
+
+
+@pytest.mark.parametrize("codec", native.CODECS)
+def test_threads_split_the_work_without_changing_a_bit(monkeypatch, codec):
+    size, block = 50 * 256 + 9, 256
+    rows = awkward(2 * size, seed=7).view(2, size)
+    outs = []
+    for threads, least in ((1, 1 << 30), (2, 1), (3, 1)):
+        monkeypatch.setattr(native, "_MIN_PER_THREAD", least)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = torch.empty(2, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+            native.encode_rows(codec, rows, block, out)
+            decoded = native.decode_rows(codec, out, size, block, torch.empty(2, size))
+            outs.append((out, native.reduce(codec, list(out), size, block), decoded))
+        finally:
+            torch.set_num_threads(previous)
+    for got in outs[1:]:
+        assert all(same(a.view(-1).float(), b.view(-1).float()) for a, b in zip(got, outs[0]))
+
+
+def test_switched_off_and_other_devices_or_codecs_take_the_eager_path(monkeypatch):
+    x = torch.zeros(4)
+    assert native.usable("int8", x)
+    assert native.usable("fp16", x) and native.usable("bf16", x)
+    assert not native.usable("fp8", x) and not native.usable("sparse", x)
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
+    assert not native.usable("int8", x)
+
+
+def test_no_compiler_warns_once_and_the_eager_path_gives_the_same_mean(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_TRIED", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HVD_SLOWMO_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert not native.usable("int8", torch.zeros(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning
+        assert not native.usable("int8", torch.zeros(1))
+        got = run_threads(
+            3, lambda comm: compressed_mean(comm, worker_vector(comm.rank, 999), "int8", "t")
+        )
+    want, _, _ = reference_compressed_mean([worker_vector(r, 999) for r in range(3)], "int8", 256)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_the_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("HVD_SLOWMO_CACHE", str(tmp_path))
+    first = native._build()
+    stamp = first.stat().st_mtime_ns
+    assert native._build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    monkeypatch.setattr(native, "_cpu_features", lambda: "another machine")
+    assert native._build() != first  # a build per kind of CPU
