@@ -26,7 +26,8 @@ node, ``M = P / G`` nodes; a byte count is what the communicator counts
   inside the node (``DistributedOptimizer(hierarchical=True)``,
   :mod:`hvd_slowmo.exchange.hierarchical`; with ``fragments=1`` only).
 
-Time: a phase on the slow link takes ``egress / bandwidth + rounds * latency``, where ``egress``
+Time: a phase on the slow link takes ``egress / bandwidth + rounds * latency`` (an
+all-to-all's ``egress / bandwidth`` times its slowdown, below), where ``egress``
 is what leaves one node (a ring over node-ordered ranks sends one rank's share across each node
 boundary; an all-to-all sends every rank's messages to other nodes; the ``G`` shards of a
 hierarchical exchange share the node's link); a phase inside the node takes the rank's bytes
@@ -45,7 +46,9 @@ among ``M - 1`` destinations, so what arrives at a node's link is bursty (the in
 dispersion of ``M - 1`` paced streams, each split as if at random among ``M - 1``
 destinations, merged at one: ``(M-2)/(M-1)``, 0 for two nodes, towards 1, Poisson-like, for
 many), and a link with a finite queue loses throughput to bursts. One constant, fitted on one
-emulated-cluster row and checked on the others (docs/planner.md, Calibration).
+emulated-cluster row and checked on the others (docs/planner.md, Calibration). A prediction
+whose all-to-all crosses more nodes than the calibration had, on a link loaded above
+:data:`ALLTOALL_LOAD_LIMIT`, carries a warning: there the slowdown's form decides the time.
 """
 
 import argparse
