@@ -26,7 +26,8 @@ node, ``M = P / G`` nodes; a byte count is what the communicator counts
   inside the node (``DistributedOptimizer(hierarchical=True)``,
   :mod:`hvd_slowmo.exchange.hierarchical`; with ``fragments=1`` only).
 
-Time: a phase on the slow link takes ``egress / bandwidth + rounds * latency``, where ``egress``
+Time: a phase on the slow link takes ``egress / bandwidth + rounds * latency`` (an
+all-to-all's ``egress / bandwidth`` times its slowdown, below), where ``egress``
 is what leaves one node (a ring over node-ordered ranks sends one rank's share across each node
 boundary; an all-to-all sends every rank's messages to other nodes; the ``G`` shards of a
 hierarchical exchange share the node's link); a phase inside the node takes the rank's bytes
@@ -36,11 +37,18 @@ period's ``W`` seconds (wire, latency, codec) is hidden behind the compute: with
 fragments each in flight ``d`` steps of ``step_time``, the exposed time is ``F max(0, W/F - d
 step_time)``; the time per iteration is ``step_time + exposed / tau``.
 
-The wire runs at the link's nominal rate in this model. On the emulated cluster a ring did,
-within about 7% (about what TCP's headers and acknowledgements take); the int8 exchange, whose
-first collective is an all-to-all, moved about 60% of the rate. So a prediction whose
-all-to-all loads the slow link above :data:`ALLTOALL_LOAD_LIMIT` carries a warning: it is
-outside the calibrated regime (docs/planner.md, Calibration).
+A ring runs at the link's nominal rate in this model (on the emulated cluster it did, within
+about 7%: what TCP's headers and acknowledgements take). An all-to-all across ``M`` nodes takes
+``1 + ALLTOALL_CONTENTION * (M-2)/(M-1)`` times its bytes' nominal time
+(:func:`alltoall_slowdown`): a ring's one flow into a node arrives already paced to the rate by
+its sender's link, where the all-to-all's ``M - 1`` senders each split their paced stream
+among ``M - 1`` destinations, so what arrives at a node's link is bursty (the index of
+dispersion of ``M - 1`` paced streams, each split as if at random among ``M - 1``
+destinations, merged at one: ``(M-2)/(M-1)``, 0 for two nodes, towards 1, Poisson-like, for
+many), and a link with a finite queue loses throughput to bursts. One constant, fitted on one
+emulated-cluster row and checked on the others (docs/planner.md, Calibration). A prediction
+whose all-to-all crosses more nodes than the calibration had, on a link loaded above
+:data:`ALLTOALL_LOAD_LIMIT`, carries a warning: there the slowdown's form decides the time.
 """
 
 import argparse
@@ -51,6 +59,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ALLTOALL_CALIBRATED_NODES",
+    "ALLTOALL_CONTENTION",
     "ALLTOALL_LOAD_LIMIT",
     "CODEC_MS_PER_MB",
     "Cluster",
@@ -59,6 +69,7 @@ __all__ = [
     "Prediction",
     "Setting",
     "Traffic",
+    "alltoall_slowdown",
     "calibration_rows",
     "default_settings",
     "exchange_traffic",
@@ -86,13 +97,22 @@ CODEC_MS_PER_MB: dict[str, float] = {
     "sparse": 4.61,
     "sparse-owners": 4.61,  # not measured: the all-gather form's figure
 }
+#: ``c`` of an all-to-all's slowdown on the slow link, ``1 + c (M-2)/(M-1)`` times its bytes'
+#: nominal time across ``M`` nodes (:func:`alltoall_slowdown`). Fitted by
+#: ``benchmarks/plan_calibration.py`` on one row of the emulated cluster, int8 streamed on 4
+#: hosts at 10 Mbit/s (measured 1594 ms per iteration: 1.699), and held out on its 26 other
+#: rows, among them int8 at 8 hosts, 10 Mbit/s, the one other row it changes: 7.6% under
+#: (docs/planner.md, Calibration). At 4 hosts the all-to-all takes 2.13x, at 8 hosts 2.46x.
+ALLTOALL_CONTENTION = 1.7
+#: The most nodes an all-to-all crossed in the calibration of :data:`ALLTOALL_CONTENTION`.
+ALLTOALL_CALIBRATED_NODES = 8
 #: The link load (a period's bytes on the slow link at its nominal rate, over the period's
-#: compute) above which a prediction with an all-to-all on that link is outside the calibrated
-#: regime. On the emulated cluster (docs/planner.md, Calibration) every all-to-all row up to a
-#: load of 0.11 was within 10%, the one at 0.97 was 34% under. There the streamed int8 exchange
-#: took 1.64x its bytes' nominal time, and without overlap (five rates) 1.36x plus a fixed
-#: 1.25 s, where fp32's ring took 1.07x: past a load of 1 / 1.64 = 0.61 the int8 exchange alone
-#: fills the link. Half the link keeps a margin below that.
+#: compute) above which the all-to-all's slowdown decides whether an int8 exchange hides
+#: (streamed across ``M`` nodes, one worker each, the all-to-all is half its bytes: at
+#: ``1 + c`` times their time the exchange fills the compute from a load of
+#: ``2 / (2 + c) = 0.54``). A prediction with an all-to-all across more than
+#: :data:`ALLTOALL_CALIBRATED_NODES` nodes on a link loaded above it carries a warning: it
+#: rests on the slowdown's form beyond the calibrated nodes.
 ALLTOALL_LOAD_LIMIT = 0.5
 #: Float32 copies of the model the base optimizer keeps, by name.
 OPTIMIZER_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -300,6 +320,11 @@ class Phase:
     link_bytes: float
     rounds: int
 
+    @property
+    def all_to_all(self) -> bool:
+        """Whether every worker sends to every other at once (an all-to-all)."""
+        return self.name.startswith("all-to-all")
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -416,18 +441,51 @@ def outer_traffic(setting: Setting, params: int, cluster: Cluster) -> Traffic:
     return total
 
 
-def exchange_seconds(traffic: Traffic, cluster: Cluster, codec_ms_per_mb: float) -> float:
-    """Seconds of wire, latency and codec arithmetic of ``traffic``, one after the other.
+def alltoall_slowdown(nodes: int, contention: float = ALLTOALL_CONTENTION) -> float:
+    """How many times its bytes' nominal time an all-to-all across ``nodes`` takes on the
+    slow link: ``1 + contention (M-2)/(M-1)``.
+
+    ``(M-2)/(M-1)`` is the burstiness (index of dispersion) of what reaches one node's link:
+    ``M - 1`` senders, each paced to the rate by its own link and splitting its stream among
+    ``M - 1`` destinations. Two nodes exchange one paced flow each way, as a ring does: no
+    slowdown.
+
+    Args:
+        nodes: ``M``, the nodes the all-to-all crosses.
+        contention: the throughput a fully bursty arrival (Poisson-like) costs, as a multiple
+            of the bytes' nominal time (default :data:`ALLTOALL_CONTENTION`, fitted).
+
+    Raises:
+        ValueError: ``nodes`` below 1 or a negative ``contention``.
+    """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")
+    if not contention >= 0:
+        raise ValueError(f"contention must be >= 0 (0: no slowdown), got {contention!r}")
+    return 1.0 + contention * max(0, nodes - 2) / max(1, nodes - 1)
+
+
+def exchange_seconds(
+    traffic: Traffic,
+    cluster: Cluster,
+    codec_ms_per_mb: float,
+    alltoall_contention: float = ALLTOALL_CONTENTION,
+) -> float:
+    """Seconds of wire, latency and codec arithmetic of ``traffic``, one after the other; an
+    all-to-all on the slow link at :func:`alltoall_slowdown` times its bytes' time.
 
     Args:
         traffic: from :func:`exchange_traffic` or :func:`outer_traffic`.
         cluster: the links.
         codec_ms_per_mb: the codec's cost per MB of float32 it encodes.
+        alltoall_contention: as for :func:`alltoall_slowdown`.
     """
     seconds = codec_ms_per_mb * 1e-3 * 4 * traffic.encoded_floats / _MIB
+    slowdown = alltoall_slowdown(cluster.nodes, alltoall_contention)
     for p in traffic.phases:
         if p.link == "cross":
-            seconds += 8 * p.link_bytes / cluster.link_bits_per_s + p.rounds * cluster.latency_s
+            wire = 8 * p.link_bytes / cluster.link_bits_per_s
+            seconds += wire * (slowdown if p.all_to_all else 1.0) + p.rounds * cluster.latency_s
         else:
             seconds += (
                 8 * p.link_bytes / cluster.intra_bits_per_s + p.rounds * cluster.intra_latency_s
@@ -494,8 +552,9 @@ class Prediction:
         link_load: the period's bytes on the slow link at its nominal rate, over the period's
             compute (``tau * step_time``); above 1 the link cannot carry them in the compute's
             time.
-        warning: why the prediction is outside the calibrated regime (an all-to-all on a link
-            loaded above :data:`ALLTOALL_LOAD_LIMIT`), or empty.
+        warning: why the prediction is outside the calibrated regime (an all-to-all across
+            more than :data:`ALLTOALL_CALIBRATED_NODES` nodes on a link loaded above
+            :data:`ALLTOALL_LOAD_LIMIT`), or empty.
     """
 
     setting: Setting
@@ -518,6 +577,7 @@ def predict(
     codec_ms_per_mb: Mapping[str, float] | None = None,
     optimizer: str = "adam",
     codec_hidden: bool = True,
+    alltoall_contention: float = ALLTOALL_CONTENTION,
 ) -> Prediction:
     """The time per iteration, utilization, bytes and memory of one setting.
 
@@ -532,6 +592,8 @@ def predict(
         codec_hidden: whether overlap hides the codec's arithmetic as it hides the wire (a
             codec on its own thread or stream); False where it takes its time from the
             compute (training on a CPU whose cores the codec shares).
+        alltoall_contention: an all-to-all's slowdown on the slow link
+            (:func:`alltoall_slowdown`; default :data:`ALLTOALL_CONTENTION`).
 
     Raises:
         ValueError: a bad tau, fragments or overlap (SlowMo's own limits), a non-positive
@@ -555,7 +617,7 @@ def predict(
             f"{setting.codec}=1.0), known: {sorted(costs)}"
         )
     traffic = outer_traffic(setting, params, cluster)
-    wire = exchange_seconds(traffic, cluster, costs[setting.codec])
+    wire = exchange_seconds(traffic, cluster, costs[setting.codec], alltoall_contention)
     codec = exchange_seconds(
         Traffic(0, 0, (), traffic.encoded_floats), cluster, costs[setting.codec]
     )
@@ -566,12 +628,13 @@ def predict(
     cross = [p for p in traffic.phases if p.link == "cross"]
     load = 8 * sum(p.link_bytes for p in cross) / cluster.link_bits_per_s / (tau * step_time_s)
     warning = ""
-    if load > ALLTOALL_LOAD_LIMIT and any(p.name.startswith("all-to-all") for p in cross):
+    beyond = cluster.nodes > ALLTOALL_CALIBRATED_NODES
+    if beyond and load > ALLTOALL_LOAD_LIMIT and any(p.all_to_all for p in cross):
         warning = (
-            f"its all-to-all loads the slow link to {100 * load:.0f}% of the compute's time "
-            f"(above {100 * ALLTOALL_LOAD_LIMIT:.0f}%): outside the calibrated regime; on the "
-            "emulated cluster an all-to-all moved about 60% of the link's rate, where the model "
-            "assumes all of it, so this setting may be much slower than predicted"
+            f"its all-to-all crosses {cluster.nodes} nodes on a slow link loaded to "
+            f"{100 * load:.0f}% of the compute's time (above {100 * ALLTOALL_LOAD_LIMIT:.0f}%): "
+            "outside the calibrated regime; its slowdown, fitted up to "
+            f"{ALLTOALL_CALIBRATED_NODES} nodes, decides the time here and may be off"
         )
     return Prediction(
         setting,
@@ -675,6 +738,7 @@ def calibration_rows(
     latency_s: float = 0.0,
     link_efficiency: float = 1.0,
     codec_hidden: bool = True,
+    alltoall_contention: float = ALLTOALL_CONTENTION,
 ) -> list[tuple[Measured, Prediction]]:
     """Each measured row with the model's prediction, one host per node.
 
@@ -687,6 +751,7 @@ def calibration_rows(
             link_efficiency``.
         codec_hidden: as for :func:`predict` (False: the codec shares the compute's cores, as
             on the emulated cluster's CPU).
+        alltoall_contention: as for :func:`predict`.
     """
     if not 0 < link_efficiency <= 1:
         raise ValueError(f"link_efficiency must be in (0, 1], got {link_efficiency!r}")
@@ -697,7 +762,7 @@ def calibration_rows(
         setting = Setting(r.codec, False, r.fragments, r.overlap)
         p = predict(
             setting, r.params, r.compute_ms / 1e3, r.tau, cluster, codec_ms_per_mb,
-            codec_hidden=codec_hidden,
+            codec_hidden=codec_hidden, alltoall_contention=alltoall_contention,
         )  # fmt: skip
         out.append((r, p))
     return out
@@ -709,6 +774,7 @@ def print_calibration(
     latency_s: float = 0.0,
     link_efficiency: float = 1.0,
     codec_hidden: bool = True,
+    alltoall_contention: float = ALLTOALL_CONTENTION,
     file=None,
 ) -> float:
     """Print predicted against measured ms per iteration as a Markdown table, with each row's
@@ -721,6 +787,7 @@ def print_calibration(
         latency_s: the links' latency.
         link_efficiency: as for :func:`calibration_rows`.
         codec_hidden: as for :func:`predict`.
+        alltoall_contention: as for :func:`predict`.
         file: where to print (default stdout).
     """
     out = file or sys.stdout
@@ -728,7 +795,9 @@ def print_calibration(
           "measured ms | error |", file=out)  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|", file=out)
     worst = 0.0
-    predictions = calibration_rows(rows, codec_ms_per_mb, latency_s, link_efficiency, codec_hidden)
+    predictions = calibration_rows(
+        rows, codec_ms_per_mb, latency_s, link_efficiency, codec_hidden, alltoall_contention
+    )
     for r, p in predictions:
         predicted = 1e3 * p.iteration_s
         error = predicted / r.measured_ms - 1
@@ -780,6 +849,7 @@ def report(
     step_time_s: float,
     cluster: Cluster,
     codec_ms_per_mb: Mapping[str, float] | None = None,
+    alltoall_contention: float = ALLTOALL_CONTENTION,
 ) -> str:
     """The planner's printout: one row per setting, the recommendation and its memory.
 
@@ -789,6 +859,8 @@ def report(
         step_time_s: one base step's compute.
         cluster: the workers and links.
         codec_ms_per_mb: the codecs' cost used (printed; default :data:`CODEC_MS_PER_MB`).
+        alltoall_contention: the all-to-all contention used (printed, with its slowdown across
+            the cluster's nodes; default :data:`ALLTOALL_CONTENTION`).
     """
     costs = CODEC_MS_PER_MB if codec_ms_per_mb is None else codec_ms_per_mb
     used = ", ".join(f"{k} {v:g}" for k, v in costs.items() if k != "fp32")
@@ -802,6 +874,15 @@ def report(
             " (the default: a CPU measurement; on GPUs pass --codec-cost)"
             if costs is CODEC_MS_PER_MB or dict(costs) == CODEC_MS_PER_MB
             else ""
+        ),
+        f"all-to-all across {cluster.nodes} nodes: "
+        f"{alltoall_slowdown(cluster.nodes, alltoall_contention):.2f}x its bytes' time "
+        f"(contention {alltoall_contention:g}"
+        + (
+            ": the default, fitted on the emulated cluster's shaped links; on other links pass "
+            "--alltoall-contention)"
+            if alltoall_contention == ALLTOALL_CONTENTION
+            else ")"
         ),
         "",
         "| setting | tau | ms / iteration | utilization | link load | sent / worker / outer "
@@ -821,11 +902,12 @@ def report(
     lines.append("")
     if any(p.warning for p in predictions):
         lines.append(
-            f"(!) Outside the calibrated regime: an all-to-all on a link loaded above "
+            f"(!) Outside the calibrated regime: an all-to-all across more than "
+            f"{ALLTOALL_CALIBRATED_NODES} nodes on a link loaded above "
             f"{100 * ALLTOALL_LOAD_LIMIT:.0f}% (link load: the period's bytes on the slow link at "
-            "its rate, over the period's compute). On the emulated cluster an all-to-all moved "
-            "about 60% of the link's rate where the model assumes all of it: these rows may be "
-            "much slower than predicted, and are recommended only where no other runs."
+            "its rate, over the period's compute). The model's all-to-all slowdown was fitted "
+            f"on the emulated cluster up to {ALLTOALL_CALIBRATED_NODES} nodes, and here it "
+            "decides the time: these rows are recommended only where no other runs."
         )
     lines += [
         f"Recommended: {best.setting.label}, tau={best.tau}: {best.iteration_s * 1e3:.0f} ms per "
@@ -863,6 +945,14 @@ def main(argv: Sequence[str] | None = None) -> str:
         help="ms per MB of float32 per codec, e.g. int8=0.05,sparse=0.2, or one number for "
         "all (default: this project's CPU measurement, hvd_slowmo.plan.CODEC_MS_PER_MB)",
     )
+    parser.add_argument(
+        "--alltoall-contention",
+        type=float,
+        default=ALLTOALL_CONTENTION,
+        help="an all-to-all across M nodes takes 1 + C (M-2)/(M-1) times its bytes' time; 0: "
+        "at the link's rate, as a ring (default: the emulated cluster's fit, "
+        f"{ALLTOALL_CONTENTION:g})",
+    )
     args = parser.parse_args(argv)
     params = parse_count(args.params, "--params")
     step = parse_duration(args.step_time, "--step-time")
@@ -880,12 +970,19 @@ def main(argv: Sequence[str] | None = None) -> str:
         parse_rate(args.intra_link, "--intra-link"),
     )
     costs = _codec_costs(args.codec_cost)
+    if not args.alltoall_contention >= 0:
+        raise ValueError(
+            f"--alltoall-contention={args.alltoall_contention} must be >= 0 (0: an all-to-all "
+            "at the link's rate)"
+        )
     predictions = [
-        predict(s, params, step, tau, cluster, costs, args.optimizer)
+        predict(
+            s, params, step, tau, cluster, costs, args.optimizer, True, args.alltoall_contention
+        )
         for tau in args.tau
         for s in default_settings(tau, cluster.per_node)
     ]
-    text = report(predictions, params, step, cluster, costs)
+    text = report(predictions, params, step, cluster, costs, args.alltoall_contention)
     print(text)
     return text
 
