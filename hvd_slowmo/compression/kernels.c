@@ -7,10 +7,21 @@
  * a vector's blocks between threads.
  *
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
- * operation the eager path runs (a product and a difference are never fused), in its order. */
+ * operation the eager path runs (a product and a difference are never fused), in its order.
+ *
+ * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, at the end) split
+ * their blocks between OpenMP threads. Built with -fopenmp, this library names libgomp.so.1, which
+ * torch's wheels load first: one OpenMP runtime, whose idle threads do not spin beside ours. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+static int omp_thread(void) { return omp_get_thread_num(); }
+#else /* a compiler without OpenMP: the pragmas are ignored, one thread runs every block */
+static int omp_thread(void) { return 0; }
+#endif
 
 #define CODE_MAX 127.0f
 
@@ -107,8 +118,8 @@ static int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / b
 
 /* The blocks [b0, b1) of x (n elements) encoded into packet. With residual (another buffer
  * than x): residual <- x + residual first (error feedback), then what the codes lost. */
-void hvd_int8_encode(const float *restrict x, float *restrict residual, int64_t n, int64_t block,
-                     uint8_t *restrict packet, int64_t b0, int64_t b1) {
+static void int8_encode(const float *restrict x, float *restrict residual, int64_t n, int64_t block,
+                       uint8_t *restrict packet, int64_t b0, int64_t b1) {
     int8_t *codes = (int8_t *)(packet + 4 * num_blocks(n, block));
     for (int64_t b = b0; b < b1; b++) {
         int64_t start = b * block, len = block_len(b, n, block);
@@ -121,7 +132,7 @@ void hvd_int8_encode(const float *restrict x, float *restrict residual, int64_t 
 
 /* The blocks [b0, b1) of packet (n elements) decoded into out (the vector's first element at
  * out[0]): code * scale. */
-void hvd_int8_decode(const uint8_t *restrict packet, int64_t n, int64_t block,
+static void int8_decode(const uint8_t *restrict packet, int64_t n, int64_t block,
                      float *restrict out, int64_t b0, int64_t b1) {
     const int8_t *codes = (const int8_t *)(packet + 4 * num_blocks(n, block));
     for (int64_t b = b0; b < b1; b++) {
@@ -134,7 +145,7 @@ void hvd_int8_decode(const uint8_t *restrict packet, int64_t n, int64_t block,
 
 /* The blocks [b0, b1) of the mean of m packets (n elements each, at packets[0..m)): decoded,
  * summed in rank order, divided by m, encoded into out. scratch: block floats. */
-void hvd_int8_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block,
+static void int8_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block,
                      uint8_t *restrict out, float *restrict scratch, int64_t b0, int64_t b1) {
     int64_t codes_at = 4 * num_blocks(n, block);
     float count = (float)m;
@@ -179,7 +190,7 @@ static inline float bf16_value(uint16_t c) {
 }
 
 #define CAST_CODEC(NAME, CODE, TO, FROM)                                                         \
-    void hvd_##NAME##_encode(const float *restrict x, float *restrict r, int64_t n,              \
+    static void NAME##_encode(const float *restrict x, float *restrict r, int64_t n,              \
                              int64_t block, uint8_t *restrict packet, int64_t b0, int64_t b1) {  \
         CODE *restrict codes = (CODE *)packet;                                                   \
         int64_t i0 = b0 * block, i1 = b1 * block < n ? b1 * block : n;                           \
@@ -195,14 +206,14 @@ static inline float bf16_value(uint16_t c) {
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
-    void hvd_##NAME##_decode(const uint8_t *restrict packet, int64_t n, int64_t block,           \
+    static void NAME##_decode(const uint8_t *restrict packet, int64_t n, int64_t block,           \
                              float *restrict out, int64_t b0, int64_t b1) {                      \
         const CODE *restrict codes = (const CODE *)packet;                                       \
         int64_t i0 = b0 * block, i1 = b1 * block < n ? b1 * block : n;                           \
         for (int64_t i = i0; i < i1; i++) out[i] = FROM(codes[i]);                               \
     }                                                                                            \
                                                                                                  \
-    void hvd_##NAME##_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block, \
+    static void NAME##_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block, \
                              uint8_t *restrict out, float *restrict scratch, int64_t b0,         \
                              int64_t b1) {                                                       \
         float count = (float)m;                                                                  \
@@ -262,3 +273,47 @@ static inline float fp16_value(uint16_t c) {
 }
 
 CAST_CODEC(fp16, uint16_t, fp16_of, fp16_value)
+
+/* The exported phases: every block of every row, split between `threads` OpenMP threads (one
+ * block is one iteration: blocks are independent, so the split changes no bit). Rows are
+ * contiguous: row k of the values at x + k * size, of the packets at out + k * stride. */
+#define ROWS_DRIVERS(NAME)                                                                       \
+    void hvd_##NAME##_encode_rows(const float *x, float *r, int64_t count, int64_t size,         \
+                                  int64_t unit, uint8_t *out, int64_t stride, int threads) {     \
+        int64_t units = num_blocks(size, unit), total = count * units;                           \
+        (void)threads; /* unused without OpenMP */                                               \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        for (int64_t k = 0; k < total; k++) {                                                    \
+            int64_t row = k / units, u = k % units;                                              \
+            NAME##_encode(x + row * size, r ? r + row * size : NULL, size, unit,                 \
+                          out + row * stride, u, u + 1);                                         \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    void hvd_##NAME##_decode_rows(const uint8_t *packets, int64_t stride, int64_t count,         \
+                                  int64_t size, int64_t unit, float *out, int threads) {         \
+        int64_t units = num_blocks(size, unit), total = count * units;                           \
+        (void)threads;                                                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        for (int64_t k = 0; k < total; k++) {                                                    \
+            int64_t row = k / units, u = k % units;                                              \
+            NAME##_decode(packets + row * stride, size, unit, out + row * size, u, u + 1);       \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* scratch: unit floats per thread. */                                                       \
+    void hvd_##NAME##_reduce(const uint8_t *const *packets, int64_t m, int64_t size,             \
+                             int64_t unit, uint8_t *out, float *scratch, int threads) {          \
+        int64_t units = num_blocks(size, unit);                                                  \
+        (void)threads;                                                                           \
+        _Pragma("omp parallel num_threads(threads)") {                                           \
+            float *mine = scratch + unit * omp_thread();                                         \
+            _Pragma("omp for schedule(static)")                                                  \
+            for (int64_t u = 0; u < units; u++)                                                  \
+                NAME##_reduce(packets, m, size, unit, out, mine, u, u + 1);                      \
+        }                                                                                        \
+    }
+
+ROWS_DRIVERS(int8)
+ROWS_DRIVERS(fp16)
+ROWS_DRIVERS(bf16)

@@ -42,9 +42,6 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +55,14 @@ CODECS = ("int8", "fp16", "bf16")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
-#: Elements below which a phase runs on the calling thread alone (a thread's hand-off costs
-#: more than it saves).
+#: Tried in turn: the first the compiler takes is built.
+_VARIANTS: tuple[list[str], ...] = (
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    ["-march=native"],
+    [],
+)
+#: Elements below which a phase runs on one thread (a parallel region costs more than it saves).
 _MIN_PER_THREAD = 65536
 #: The casts' unit of work (they have no blocks): a thread's share is a whole number of them.
 _CAST_UNIT = 256
@@ -67,18 +70,6 @@ _CAST_UNIT = 256
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
-#: The threads that run the shares of a phase beside the caller's, and their count.
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-
-
-def _forget_pool() -> None:
-    """A forked child has none of its parent's threads: it makes its own pool."""
-    global _POOL, _POOL_SIZE
-    _POOL, _POOL_SIZE = None, 0
-
-
-os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _cpu_features() -> str:
@@ -116,7 +107,8 @@ def _build() -> Path:
     cache = Path(os.environ.get("HVD_SLOWMO_CACHE", Path.home() / ".cache" / "hvd_slowmo"))
     cache.mkdir(parents=True, exist_ok=True)
     last: subprocess.CalledProcessError | None = None
-    for flags in (_FLAGS + ["-march=native"], _FLAGS):
+    for extra in _VARIANTS:
+        flags = _FLAGS + extra
         key = "\0".join([_SOURCE.read_text(), cc, version, *flags, _cpu_features()])
         path = cache / f"kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         if path.exists():
@@ -146,14 +138,15 @@ def _load() -> ctypes.CDLL | None:
                     stacklevel=3,
                 )
                 return None
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
             for codec in CODECS:
                 encode, decode, reduce_ = (
-                    getattr(lib, f"hvd_{codec}_{phase}") for phase in ("encode", "decode", "reduce")
+                    getattr(lib, f"hvd_{codec}_{phase}")
+                    for phase in ("encode_rows", "decode_rows", "reduce")
                 )
-                encode.argtypes = [p, p, i64, i64, p, i64, i64]
-                decode.argtypes = [p, i64, i64, p, i64, i64]
-                reduce_.argtypes = [p, i64, i64, i64, p, p, i64, i64]
+                encode.argtypes = [p, p, i64, i64, i64, p, i64, i32]
+                decode.argtypes = [p, i64, i64, i64, i64, p, i32]
+                reduce_.argtypes = [p, i64, i64, i64, p, p, i32]
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
             _LIB = lib
@@ -176,26 +169,9 @@ def usable(codec: str, t: Tensor) -> bool:
     return _load() is not None
 
 
-def _run(work: Callable[[int, int], None], units: int, unit: int) -> None:
-    """``work(u0, u1)`` over the units ``[0, units)`` of ``unit`` elements, split between
-    torch's intra-op thread count of threads (the caller's thread takes the first share)."""
-    global _POOL, _POOL_SIZE
-    threads = max(1, min(torch.get_num_threads(), units * unit // _MIN_PER_THREAD))
-    if threads == 1:
-        work(0, units)
-        return
-    with _LOCK:
-        if _POOL is None or _POOL_SIZE < threads - 1:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL = ThreadPoolExecutor(threads - 1, thread_name_prefix="hvd_slowmo-codec")
-            _POOL_SIZE = threads - 1
-        pool = _POOL
-    bounds = [units * k // threads for k in range(threads + 1)]
-    futures = [pool.submit(work, bounds[k], bounds[k + 1]) for k in range(1, threads)]
-    work(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+def _threads(elements: int) -> int:
+    """Threads for a phase over ``elements``: torch's intra-op count, one for a small phase."""
+    return max(1, min(torch.get_num_threads(), elements // _MIN_PER_THREAD))
 
 
 def _kernel(codec: str, phase: str) -> Any:
@@ -210,9 +186,11 @@ def _unit(codec: str, block: int) -> int:
     return block if codec == "int8" else _CAST_UNIT
 
 
-def _check(t: Tensor, dtype: torch.dtype, what: str) -> None:
+def _rows(t: Tensor, dtype: torch.dtype, what: str) -> int:
+    """The row stride of ``t``, a CPU matrix of ``dtype`` with contiguous rows."""
     assert t.dtype == dtype and t.device.type == "cpu", f"{what}: {t.dtype} on {t.device}"
-    assert t.dim() == 1 or t.stride(-1) == 1, f"{what}: rows must be contiguous"
+    assert t.dim() == 2 and t.stride(1) == 1, f"{what}: rows must be contiguous"
+    return t.stride(0)
 
 
 def encode_rows(
@@ -228,23 +206,26 @@ def encode_rows(
 
     Args:
         codec: one of :data:`CODECS`.
-        rows: float32 ``(count, size)``: the values, or with ``feedback`` the residual's rows,
-            which are set in place to ``source + rows`` less what the packets decode to.
+        rows: float32 ``(count, size)``, rows packed one after the other: the values, or with
+            ``feedback`` the residual's rows, which are set in place to ``source + rows`` less
+            what the packets decode to.
         block: elements per scale (int8); the blocks restart at every row.
-        out: uint8 ``(count, encoded_nbytes(size))``, the packets' rows.
-        source: with ``feedback``, the values whose rows are added to the residual's first
-            (``source + residual``, in this order; another buffer than ``rows``); None:
+        out: uint8 ``(count, encoded_nbytes(size))`` with contiguous rows, the packets.
+        source: with ``feedback``, the values added to the residual's rows first (``source +
+            residual``, in this order; rows packed as ``rows``', another buffer); None:
             ``rows`` hold the values.
         feedback: error feedback on ``rows`` (the residual).
     """
-    kernel, unit = _kernel(codec, "encode"), _unit(codec, block)
     count, size = rows.shape
-    _check(rows, torch.float32, "rows")
-    _check(out, torch.uint8, "out")
-    for r in range(count):
-        res = rows[r].data_ptr() if feedback else None
-        x = (source[r] if source is not None else rows[r]).data_ptr()
-        _run(partial(kernel, x, res, size, unit, out[r].data_ptr()), -(-size // unit), unit)
+    assert _rows(rows, torch.float32, "rows") == size, "rows: packed one after the other"
+    values = source if source is not None else rows
+    assert _rows(values, torch.float32, "source") == size and values.shape == rows.shape
+    stride = _rows(out, torch.uint8, "out")
+    residual = rows.data_ptr() if feedback else None
+    _kernel(codec, "encode_rows")(
+        values.data_ptr(), residual, count, size, _unit(codec, block), out.data_ptr(), stride,
+        _threads(count * size),
+    )  # fmt: skip
 
 
 def reduce(codec: str, packets: list[Tensor], size: int, block: int) -> Tensor:
@@ -261,19 +242,16 @@ def reduce(codec: str, packets: list[Tensor], size: int, block: int) -> Tensor:
     Returns:
         A new uint8 packet.
     """
-    kernel, unit = _kernel(codec, "reduce"), _unit(codec, block)
+    unit, m = _unit(codec, block), len(packets)
     for p in packets:
-        _check(p, torch.uint8, "packets")
-    m = len(packets)
+        assert p.dtype == torch.uint8 and p.device.type == "cpu" and p.is_contiguous()
     reduced = packets[0].new_empty(packets[0].numel())
+    threads = _threads(m * size)
+    scratch = torch.empty(threads * unit, dtype=torch.float32)  # one unit's sum a thread
     pointers = (ctypes.c_void_p * m)(*(p.data_ptr() for p in packets))
-    out = reduced.data_ptr()
-
-    def work(u0: int, u1: int) -> None:
-        scratch = torch.empty(unit, dtype=torch.float32)  # one unit's sum, per thread
-        kernel(pointers, m, size, unit, out, scratch.data_ptr(), u0, u1)
-
-    _run(work, -(-size // unit), unit)
+    _kernel(codec, "reduce")(
+        pointers, m, size, unit, reduced.data_ptr(), scratch.data_ptr(), threads
+    )
     return reduced
 
 
@@ -283,18 +261,20 @@ def decode_rows(codec: str, packets: Tensor, size: int, block: int, out: Tensor)
 
     Args:
         codec: one of :data:`CODECS`.
-        packets: uint8 ``(count, encoded_nbytes(size))``.
+        packets: uint8 ``(count, encoded_nbytes(size))`` with contiguous rows.
         size: each vector's length.
         block: elements per scale (int8).
-        out: float32 ``(count, size)`` (rows of a larger buffer, e.g.).
+        out: float32 ``(count, size)``, rows packed one after the other (rows of a larger
+            buffer, e.g.).
 
     Returns:
         ``out``.
     """
-    kernel, unit = _kernel(codec, "decode"), _unit(codec, block)
-    _check(packets, torch.uint8, "packets")
-    _check(out, torch.float32, "out")
-    for r in range(packets.shape[0]):
-        work = partial(kernel, packets[r].data_ptr(), size, unit, out[r].data_ptr())
-        _run(work, -(-size // unit), unit)
+    stride = _rows(packets, torch.uint8, "packets")
+    count = packets.shape[0]
+    assert _rows(out, torch.float32, "out") == size and out.shape[0] == count
+    _kernel(codec, "decode_rows")(
+        packets.data_ptr(), stride, count, size, _unit(codec, block), out.data_ptr(),
+        _threads(count * size),
+    )  # fmt: skip
     return out
