@@ -49,18 +49,31 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def same_packets(codec: str, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal packets: int8's bytes (a NaN quotient is code 0 on every path), a cast's codes as
-    :func:`same` compares them (torch's own casts give a NaN other bits with and without its
-    vectorized kernels: bf16 0xffff and 0x7fc0 here)."""
+def same_packets(codec: str, a: torch.Tensor, b: torch.Tensor, size: int, block: int) -> bool:
+    """Equal packets: int8's bytes (a NaN quotient is code 0 on every path); fp8's scales and
+    the casts' codes as :func:`same` compares them, fp8's codes by what they decode to (torch's
+    own casts give a NaN other bits with and without its vectorized kernels: bf16 0xffff and
+    0x7fc0 here; a NaN code's sign)."""
     if codec == "int8":
         return torch.equal(a, b)
-    dtype = torch.float16 if codec == "fp16" else torch.bfloat16
-    return same(a.view(dtype).float(), b.view(dtype).float())
+    width = encoded_nbytes(size, codec, block)
+    a, b = a.reshape(-1, width), b.reshape(-1, width)
+    if codec == "fp8":
+        blocks = -(-size // block)
+        scales_a = (
+            a[:, : 4 * blocks].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        )
+        scales_b = (
+            b[:, : 4 * blocks].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        )
+        if not same(scales_a, scales_b):
+            return False
+    return same(decode_rows(a, size, codec, block), decode_rows(b, size, codec, block))
 
 
-#: (codec, block): int8's scales over blocks of 1, 3, 256 and 1000 elements; the casts have none.
-CASES = [("int8", 1), ("int8", 3), ("int8", 256), ("int8", 1000), ("fp16", 256), ("bf16", 256)]
+#: (codec, block): the scaled codecs' blocks of 1 to 1000 elements; the casts have none.
+CASES = [("int8", 1), ("int8", 3), ("int8", 256), ("int8", 1000), ("fp8", 3), ("fp8", 256)]
+CASES += [("fp16", 256), ("bf16", 256)]
 IDS = [f"{c}-b{b}" for c, b in CASES]
 
 
@@ -80,7 +93,7 @@ def test_encode_equals_the_eager_path_bitwise(codec, block, feedback):
     else:
         native.encode_rows(codec, rows, block, out)
         encode_rows(rows, codec, block, want_out, decoded=False)
-    assert same_packets(codec, out, want_out), "packets differ"
+    assert same_packets(codec, out, want_out, size, block), "packets differ"
 
 
 @pytest.mark.parametrize("codec,block", CASES, ids=IDS)
@@ -90,7 +103,7 @@ def test_reduce_and_decode_equal_the_eager_path_bitwise(codec, block, m):
     values = awkward(m * size, seed=m).view(m, size)
     packets, _ = encode_rows(values, codec, block, decoded=False)
     got = native.reduce(codec, list(packets), size, block)
-    assert same_packets(codec, got, eager_reduce(codec, packets, size, block))
+    assert same_packets(codec, got, eager_reduce(codec, packets, size, block), size, block)
     out = torch.empty(m, size)
     native.decode_rows(codec, packets, size, block, out)
     assert same(out, decode_rows(packets, size, codec, block))
@@ -159,8 +172,8 @@ def test_threads_split_the_work_without_changing_a_bit(monkeypatch, codec):
 def test_switched_off_and_other_devices_or_codecs_take_the_eager_path(monkeypatch):
     x = torch.zeros(4)
     assert native.usable("int8", x)
-    assert native.usable("fp16", x) and native.usable("bf16", x)
-    assert not native.usable("fp8", x) and not native.usable("sparse", x)
+    assert all(native.usable(codec, x) for codec in ("fp8", "fp16", "bf16"))
+    assert not native.usable("sparse", x) and not native.usable("fp32", x)
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
     assert not native.usable("int8", x)
 
@@ -190,3 +203,22 @@ def test_the_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
     monkeypatch.setattr(native, "_cpu_features", lambda: "another machine")
     assert native._build() != first  # a build per kind of CPU
+
+
+def test_fp8_rounds_every_tie_and_its_neighbours_as_torch_casts():
+    """Every float8_e4m3fn value, every midpoint between two neighbours (a tie: to even), one
+    ulp either side of it, and random values, in blocks whose scale is 1 (each block holds 448,
+    so each value is its own quotient): the C cast's codes are torch's."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite() & (codes >= 0)].unique()  # 0 .. 448, subnormals included
+    ties = (values[1:] + values[:-1]) / 2
+    near = torch.cat([ties, ties.nextafter(ties + 1), ties.nextafter(ties - 1), values])
+    near = torch.cat([near, -near, (torch.rand(50_000) - 0.5) * 896])
+    blocks = -(-near.numel() // 255)
+    rest = torch.zeros(blocks * 255)
+    rest[: near.numel()] = near
+    x = torch.cat([torch.full((blocks, 1), 448.0), rest.view(blocks, 255)], dim=1).view(1, -1)
+    got = torch.empty(1, encoded_nbytes(x.numel(), "fp8"), dtype=torch.uint8)
+    native.encode_rows("fp8", x, 256, got)
+    want, _ = encode_rows(x, "fp8", 256, decoded=False)
+    assert torch.equal(got, want)

@@ -23,7 +23,8 @@ static int omp_thread(void) { return omp_get_thread_num(); }
 static int omp_thread(void) { return 0; }
 #endif
 
-#define CODE_MAX 127.0f
+#define INT8_MAX_CODE 127.0f
+#define FP8_MAX_CODE 448.0f
 
 /* The bits of |v|: as unsigned integers they order as the magnitudes do, and every NaN's above
  * infinity's, so the block's largest (an integer maximum, which vectorizes where a float
@@ -35,78 +36,78 @@ static inline uint32_t abs_bits(float v) {
     return u & 0x7fffffffu;
 }
 
-/* The block's scale from its largest magnitude's bits: absmax / 127, an IEEE division. */
-static inline float scale_of(uint32_t max_bits) {
+/* The block's scale from its largest magnitude's bits: absmax / 127 (or 448), an IEEE
+ * division. */
+static inline float scale_of(uint32_t max_bits, float code_max) {
     float amax;
     memcpy(&amax, &max_bits, 4);
-    return amax / CODE_MAX;
+    return amax / code_max;
 }
 
 /* A zero scale divides by one (its codes are 0); a NaN scale too (its block decodes to NaN
  * through the scale); an infinite one divides the finite values to zeros. */
 static inline float divisor_of(float scale) { return scale > 0.0f ? scale : 1.0f; }
 
-/* The code of v: round(v / divisor) (to nearest, ties to even) clamped to [-127, 127]. For a
- * block of finite values (a finite scale), where no quotient is a NaN. */
-static inline int8_t code_of(float v, float divisor) {
+/* int8's code of v: round(v / divisor) (to nearest, ties to even) clamped to [-127, 127]. For
+ * a block of finite values (a finite scale), where no quotient is a NaN. */
+static inline int8_t int8_code(float v, float divisor) {
     float q = nearbyintf(v / divisor);
-    q = q < -CODE_MAX ? -CODE_MAX : q;
-    return (int8_t)(int32_t)(q > CODE_MAX ? CODE_MAX : q);
+    q = q < -INT8_MAX_CODE ? -INT8_MAX_CODE : q;
+    return (int8_t)(int32_t)(q > INT8_MAX_CODE ? INT8_MAX_CODE : q);
 }
 
-/* code_of for a block with a NaN or an infinity: a NaN quotient becomes code 0, as torch's
+/* int8_code for a block with a NaN or an infinity: a NaN quotient becomes code 0, as torch's
  * conversion does on x86 and ARM. */
-static inline int8_t code_of_any(float v, float divisor) {
+static inline int8_t int8_code_any(float v, float divisor) {
     float q = nearbyintf(v / divisor);
-    q = q < -CODE_MAX ? -CODE_MAX : q;
-    q = q > CODE_MAX ? CODE_MAX : q;
+    q = q < -INT8_MAX_CODE ? -INT8_MAX_CODE : q;
+    q = q > INT8_MAX_CODE ? INT8_MAX_CODE : q;
     return q == q ? (int8_t)(int32_t)q : 0;
 }
 
-/* One block of len values encoded: its codes, and its scale (returned). */
-static float encode_block(const float *restrict v, int64_t len, int8_t *restrict codes) {
-    uint32_t max_bits = 0;
-    for (int64_t i = 0; i < len; i++) {
-        uint32_t u = abs_bits(v[i]);
-        max_bits = u > max_bits ? u : max_bits;
-    }
-    float scale = scale_of(max_bits), divisor = divisor_of(scale);
-    if (isfinite(scale)) {
-        for (int64_t i = 0; i < len; i++) codes[i] = code_of(v[i], divisor);
-    } else {
-        for (int64_t i = 0; i < len; i++) codes[i] = code_of_any(v[i], divisor);
-    }
-    return scale;
+static inline float int8_value(int8_t c) { return (float)c; }
+
+static inline float float_of_bits(uint32_t u) {
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
 }
 
-/* One block encoded with error feedback: r <- x + r, encoded, then r <- r - code * scale (what
- * the codes lost); returns the scale. Two passes over the block, both in the first cache. */
-static float encode_block_feedback(const float *restrict x, float *restrict r, int64_t len,
-                                   int8_t *restrict codes) {
-    uint32_t max_bits = 0;
-    for (int64_t i = 0; i < len; i++) {
-        r[i] = x[i] + r[i];
-        uint32_t u = abs_bits(r[i]);
-        max_bits = u > max_bits ? u : max_bits;
-    }
-    float scale = scale_of(max_bits), divisor = divisor_of(scale);
-    if (isfinite(scale)) {
-        for (int64_t i = 0; i < len; i++) {
-            float q = nearbyintf(r[i] / divisor);
-            q = q < -CODE_MAX ? -CODE_MAX : q;
-            q = q > CODE_MAX ? CODE_MAX : q;
-            codes[i] = (int8_t)(int32_t)q;
-            /* The code's value as the cast from int8 gives it: + 0 turns a -0 into +0. */
-            r[i] = r[i] - (q + 0.0f) * scale;
-        }
-    } else {
-        for (int64_t i = 0; i < len; i++) {
-            int8_t c = code_of_any(r[i], divisor);
-            codes[i] = c;
-            r[i] = r[i] - (float)c * scale;
-        }
-    }
-    return scale;
+static inline uint32_t bits_of_float(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+/* float8_e4m3fn (bias 7, 3 mantissa bits, no infinities, NaN S.1111.111, largest 448) of v,
+ * rounded to nearest, ties to even, as torch's cast: magnitudes from 480 up and NaNs become
+ * NaN, those under 2^-6 (the smallest normal) subnormal codes. Branch-free, to vectorize. */
+static inline uint8_t fp8_of(float v) {
+    uint32_t u = bits_of_float(v), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    /* Subnormal: adding 2^14 leaves the code in the sum's low bits, rounded by the addition. */
+    const uint32_t subnormal_bias = 141u << 23;
+    uint32_t sub = bits_of_float(float_of_bits(a) + float_of_bits(subnormal_bias)) - subnormal_bias;
+    /* Normal: rebias the exponent (127 to 7) and round the 20 dropped bits to even. */
+    uint32_t odd = (a >> 20) & 1u;
+    uint32_t normal = (a + 0xc4000000u + 0x7ffffu + odd) >> 20; /* 0xc4000000: (7 - 127) << 23 */
+    uint32_t code = a >= (1087u << 20) ? 0x7fu : (a < (121u << 23) ? sub : normal);
+    return (uint8_t)(code | sign);
+}
+
+/* The float32 value of a float8_e4m3fn code (exact; S.1111.111 is a NaN): its 7 bits placed as
+ * a float32's exponent and mantissa read 2^-120 times the value (a subnormal code a float32
+ * subnormal), so one product by 2^120 rebiases every code. Branch-free, to vectorize. */
+static inline float fp8_value(uint8_t c) {
+    float magnitude = float_of_bits((uint32_t)(c & 0x7fu) << 20) * 0x1.0p+120f;
+    uint32_t bits = (c & 0x7fu) == 0x7fu ? 0x7fc00000u : bits_of_float(magnitude);
+    return float_of_bits(bits | (uint32_t)(c & 0x80u) << 24);
+}
+
+/* fp8's code of v: v / divisor clamped to [-448, 448], cast (a NaN stays a NaN code). */
+static inline uint8_t fp8_code(float v, float divisor) {
+    float q = v / divisor;
+    q = q < -FP8_MAX_CODE ? -FP8_MAX_CODE : q;
+    return fp8_of(q > FP8_MAX_CODE ? FP8_MAX_CODE : q);
 }
 
 static int64_t block_len(int64_t b, int64_t n, int64_t block) {
@@ -116,57 +117,97 @@ static int64_t block_len(int64_t b, int64_t n, int64_t block) {
 
 static int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
-/* The blocks [b0, b1) of x (n elements) encoded into packet. With residual (another buffer
- * than x): residual <- x + residual first (error feedback), then what the codes lost. */
-static void int8_encode(const float *restrict x, float *restrict residual, int64_t n, int64_t block,
-                       uint8_t *restrict packet, int64_t b0, int64_t b1) {
-    int8_t *codes = (int8_t *)(packet + 4 * num_blocks(n, block));
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t start = b * block, len = block_len(b, n, block);
-        float scale = residual
-                          ? encode_block_feedback(x + start, residual + start, len, codes + start)
-                          : encode_block(x + start, len, codes + start);
-        memcpy(packet + 4 * b, &scale, 4);
+/* A scaled codec (int8, fp8): codes of type CODE, scale absmax / MAX per block, code and
+ * value functions NAME##_code (a finite block), CODE_ANY (any block), NAME##_value. A packet is
+ * the blocks' scales (4-byte unaligned in general), then the codes.
+ *
+ * NAME##_block: one block's codes and scale (returned). With feedback (fb), x + r into r
+ * first, and r - value(code) * scale after: what the codes lost. */
+#define SCALED_CODEC(NAME, CODE, MAX, CODE_ANY)                                                  \
+    static float NAME##_block(const float *restrict x, float *restrict r, int64_t len,          \
+                              CODE *restrict codes) {                                            \
+        uint32_t max_bits = 0;                                                                   \
+        const float *v = x;                                                                      \
+        if (r) {                                                                                 \
+            for (int64_t i = 0; i < len; i++) {                                                  \
+                r[i] = x[i] + r[i];                                                              \
+                uint32_t u = abs_bits(r[i]);                                                     \
+                max_bits = u > max_bits ? u : max_bits;                                          \
+            }                                                                                    \
+            v = r;                                                                               \
+        } else {                                                                                 \
+            for (int64_t i = 0; i < len; i++) {                                                  \
+                uint32_t u = abs_bits(x[i]);                                                     \
+                max_bits = u > max_bits ? u : max_bits;                                          \
+            }                                                                                    \
+        }                                                                                        \
+        float scale = scale_of(max_bits, MAX), divisor = divisor_of(scale);                      \
+        if (isfinite(scale)) {                                                                   \
+            for (int64_t i = 0; i < len; i++) codes[i] = NAME##_code(v[i], divisor);             \
+        } else {                                                                                 \
+            for (int64_t i = 0; i < len; i++) codes[i] = CODE_ANY(v[i], divisor);                \
+        }                                                                                        \
+        if (r) {                                                                                 \
+            for (int64_t i = 0; i < len; i++) r[i] = r[i] - NAME##_value(codes[i]) * scale;      \
+        }                                                                                        \
+        return scale;                                                                            \
+    }                                                                                            \
+                                                                                                 \
+    /* The blocks [b0, b1) of x (n elements) encoded into packet; with residual (another        \
+     * buffer than x), error feedback. */                                                        \
+    static void NAME##_encode(const float *restrict x, float *restrict residual, int64_t n,     \
+                              int64_t block, uint8_t *restrict packet, int64_t b0, int64_t b1) { \
+        CODE *codes = (CODE *)(packet + 4 * num_blocks(n, block));                               \
+        for (int64_t b = b0; b < b1; b++) {                                                      \
+            int64_t start = b * block;                                                           \
+            float scale = NAME##_block(x + start, residual ? residual + start : NULL,            \
+                                       block_len(b, n, block), codes + start);                   \
+            memcpy(packet + 4 * b, &scale, 4);                                                   \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* The blocks [b0, b1) of packet (n elements) decoded into out: value(code) * scale. */     \
+    static void NAME##_decode(const uint8_t *restrict packet, int64_t n, int64_t block,         \
+                              float *restrict out, int64_t b0, int64_t b1) {                     \
+        const CODE *restrict codes = (const CODE *)(packet + 4 * num_blocks(n, block));          \
+        for (int64_t b = b0; b < b1; b++) {                                                      \
+            int64_t start = b * block, len = block_len(b, n, block);                             \
+            float scale;                                                                         \
+            memcpy(&scale, packet + 4 * b, 4);                                                   \
+            for (int64_t i = start; i < start + len; i++)                                        \
+                out[i] = NAME##_value(codes[i]) * scale;                                         \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* The blocks [b0, b1) of the mean of m packets (n elements each, at packets[0..m)):        \
+     * decoded, summed in rank order, divided by m, encoded into out. scratch: block floats. */  \
+    static void NAME##_reduce(const uint8_t *const *packets, int64_t m, int64_t n,              \
+                              int64_t block, uint8_t *restrict out, float *restrict scratch,     \
+                              int64_t b0, int64_t b1) {                                          \
+        int64_t codes_at = 4 * num_blocks(n, block);                                             \
+        float count = (float)m;                                                                  \
+        for (int64_t b = b0; b < b1; b++) {                                                      \
+            int64_t start = b * block, len = block_len(b, n, block);                             \
+            for (int64_t w = 0; w < m; w++) {                                                    \
+                const CODE *restrict codes = (const CODE *)(packets[w] + codes_at) + start;      \
+                float scale;                                                                     \
+                memcpy(&scale, packets[w] + 4 * b, 4);                                           \
+                if (w == 0) {                                                                    \
+                    for (int64_t i = 0; i < len; i++) scratch[i] = NAME##_value(codes[i]) * scale; \
+                } else {                                                                         \
+                    for (int64_t i = 0; i < len; i++)                                            \
+                        scratch[i] = scratch[i] + NAME##_value(codes[i]) * scale;                \
+                }                                                                                \
+            }                                                                                    \
+            for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] / count;                   \
+            float scale = NAME##_block(scratch, NULL, len, (CODE *)(out + codes_at) + start);    \
+            memcpy(out + 4 * b, &scale, 4);                                                      \
+        }                                                                                        \
     }
-}
 
-/* The blocks [b0, b1) of packet (n elements) decoded into out (the vector's first element at
- * out[0]): code * scale. */
-static void int8_decode(const uint8_t *restrict packet, int64_t n, int64_t block,
-                     float *restrict out, int64_t b0, int64_t b1) {
-    const int8_t *codes = (const int8_t *)(packet + 4 * num_blocks(n, block));
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t start = b * block, len = block_len(b, n, block);
-        float scale;
-        memcpy(&scale, packet + 4 * b, 4);
-        for (int64_t i = start; i < start + len; i++) out[i] = (float)codes[i] * scale;
-    }
-}
-
-/* The blocks [b0, b1) of the mean of m packets (n elements each, at packets[0..m)): decoded,
- * summed in rank order, divided by m, encoded into out. scratch: block floats. */
-static void int8_reduce(const uint8_t *const *packets, int64_t m, int64_t n, int64_t block,
-                     uint8_t *restrict out, float *restrict scratch, int64_t b0, int64_t b1) {
-    int64_t codes_at = 4 * num_blocks(n, block);
-    float count = (float)m;
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t start = b * block, len = block_len(b, n, block);
-        for (int64_t w = 0; w < m; w++) {
-            const uint8_t *p = packets[w];
-            const int8_t *codes = (const int8_t *)(p + codes_at) + start;
-            float scale;
-            memcpy(&scale, p + 4 * b, 4);
-            if (w == 0) {
-                for (int64_t i = 0; i < len; i++) scratch[i] = (float)codes[i] * scale;
-            } else {
-                for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] + (float)codes[i] * scale;
-            }
-        }
-        for (int64_t i = 0; i < len; i++) scratch[i] = scratch[i] / count;
-        float scale = encode_block(scratch, len, (int8_t *)(out + codes_at) + start);
-        memcpy(out + 4 * b, &scale, 4);
-    }
-}
+SCALED_CODEC(int8, int8_t, INT8_MAX_CODE, int8_code_any)
+/* fp8's code keeps a NaN quotient a NaN code: one code function for every block. */
+SCALED_CODEC(fp8, uint8_t, FP8_MAX_CODE, fp8_code)
 
 /* The cast codecs (fp16, bf16): a packet is the codes alone, and [b0, b1) are chunks of block
  * elements, the threads' shares (a cast has no scales). Each function is the eager path's
@@ -236,17 +277,6 @@ CAST_CODEC(bf16, uint16_t, bf16_of, bf16_value)
 
 /* fp16 by float arithmetic on bits, branch-free so that it vectorizes, and exactly IEEE's cast
  * (to nearest, ties to even; overflow to infinity; subnormal halves), as torch's own. */
-static inline float float_of_bits(uint32_t u) {
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
-
-static inline uint32_t bits_of_float(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
 
 static inline uint16_t fp16_of(float v) {
     uint32_t u = bits_of_float(v), twice = u + u, sign = u & 0x80000000u;
@@ -317,3 +347,4 @@ CAST_CODEC(fp16, uint16_t, fp16_of, fp16_value)
 ROWS_DRIVERS(int8)
 ROWS_DRIVERS(fp16)
 ROWS_DRIVERS(bf16)
+ROWS_DRIVERS(fp8)

@@ -1,4 +1,4 @@
-"""The int8, fp16 and bf16 codecs' encode, reduce and decode as C loops (``kernels.c``), one
+"""The int8, fp8, fp16 and bf16 codecs' encode, reduce and decode as C loops (``kernels.c``), one
 pass over memory each: the bits of the eager torch path, several times faster on a CPU.
 
 The eager path (:mod:`.codecs`, :mod:`.exchange`) runs each step of an encode (the error
@@ -24,8 +24,8 @@ else ``cc``), ``-march=native`` where the compiler takes it, into ``$HVD_SLOWMO_
 features: a machine compiles it once (about a second), and a home shared by unlike machines
 keeps one build per kind. Where no compiler works, a ``RuntimeWarning`` says so once and the
 eager path runs: the same bits. ``HVD_SLOWMO_NATIVE_CODECS=0`` keeps the eager path. CPU
-tensors only: on a GPU the eager path's kernels are already at memory speed. fp8 and the sparse
-codec keep their eager paths.
+tensors only: on a GPU the eager path's kernels are already at memory speed. The sparse
+codec keeps its eager path.
 
 The work of a phase is split between ``torch.get_num_threads()`` threads (ctypes releases the
 GIL while C runs), as torch's own ops split theirs.
@@ -51,7 +51,7 @@ from torch import Tensor
 __all__ = ["CODECS", "decode_rows", "encode_rows", "reduce", "usable"]
 
 #: The codecs with C kernels.
-CODECS = ("int8", "fp16", "bf16")
+CODECS = ("int8", "fp8", "fp16", "bf16")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
@@ -182,8 +182,9 @@ def _kernel(codec: str, phase: str) -> Any:
 
 
 def _unit(codec: str, block: int) -> int:
-    """Elements per unit of work: int8's scale block, the casts' :data:`_CAST_UNIT`."""
-    return block if codec == "int8" else _CAST_UNIT
+    """Elements per unit of work: a scaled codec's block (int8, fp8), the casts'
+    :data:`_CAST_UNIT`."""
+    return block if codec in ("int8", "fp8") else _CAST_UNIT
 
 
 def _rows(t: Tensor, dtype: torch.dtype, what: str) -> int:
