@@ -25,7 +25,6 @@ from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
 from ..divide import div_
-from . import native
 from .codecs import (
     BLOCK_SIZE,
     check_transport,
@@ -36,6 +35,10 @@ from .codecs import (
     encode_rows,
     encoded_nbytes,
 )
+from .native import decode_rows as native_decode_rows
+from .native import encode_rows as native_encode_rows
+from .native import reduce as native_reduce
+from .native import usable as native_usable
 
 __all__ = ["PendingMean", "compressed_mean"]
 
@@ -110,7 +113,7 @@ class PendingMean:
         self._out = out
         self._sizes = shard_sizes(flat.numel(), comm.size)
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
-        self._native = native.usable(codec, flat)
+        self._native = native_usable(codec, flat)
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
@@ -123,7 +126,7 @@ class PendingMean:
         if self._native:  # the C kernels add ``flat`` into the residual as they encode
             rows_of = _runs(flat if residual is None else residual, self._sizes)
             for rows, source, out in zip(rows_of, _runs(flat, self._sizes), packet_runs):
-                native.encode_rows(codec, rows, block, out, source, feedback)
+                native_encode_rows(codec, rows, block, out, source, feedback)
         else:
             # In place (``flat + residual``, operands in this order: which NaN a sum of two
             # NaNs yields depends on it); the residual becomes what the encoding lost below.
@@ -158,7 +161,7 @@ class PendingMean:
                 result = torch.empty(sum(sizes), dtype=torch.float32, device=gathered.device)
             for rows, values in zip(_runs(gathered, nbytes), _runs(result, sizes)):
                 if self._native:
-                    native.decode_rows(codec, rows, values.shape[1], block, values)
+                    native_decode_rows(codec, rows, values.shape[1], block, values)
                 else:
                     decode_rows(rows, values.shape[1], codec, block, out=values)
             self._result = result
@@ -170,7 +173,7 @@ class PendingMean:
         codec, block, m = self._codec, self._block, self._comm.size
         mine = self._sizes[self._comm.rank]
         if self._native:
-            reduced = native.reduce(codec, self._alltoall.wait(), mine, block)
+            reduced = native_reduce(codec, self._alltoall.wait(), mine, block)
             self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
             return
         packets = torch.stack(self._alltoall.wait())
