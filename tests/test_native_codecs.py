@@ -173,7 +173,8 @@ def test_switched_off_and_other_devices_or_codecs_take_the_eager_path(monkeypatc
     x = torch.zeros(4)
     assert native.usable("int8", x)
     assert all(native.usable(codec, x) for codec in ("fp8", "fp16", "bf16"))
-    assert not native.usable("sparse", x) and not native.usable("fp32", x)
+    assert native.usable("sparse", x)  # its top-k
+    assert not native.usable("fp32", x) and not native.usable("int8", torch.zeros(4, device="meta"))
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
     assert not native.usable("int8", x)
 
@@ -222,3 +223,32 @@ def test_fp8_rounds_every_tie_and_its_neighbours_as_torch_casts():
     native.encode_rows("fp8", x, 256, got)
     want, _ = encode_rows(x, "fp8", 256, decoded=False)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "chunk,density", [(4096, 0.02), (7, 0.5), (64, 1.0), (65536, 0.001), (2, 0.5)]
+)
+@pytest.mark.parametrize("layout", ["random", "increasing", "on-the-sample"])
+def test_sparse_top_k_equals_torch_topk_of_the_keys(monkeypatch, chunk, density, layout):
+    """The C choice (a sampled threshold, then a heap) keeps the lists of the eager topk:
+    magnitude ties (broken by position), NaN, infinities, signed zeros, a short last chunk;
+    magnitudes increasing along each chunk (every entry displaces one); and the large entries
+    on exactly the sampled positions, so that fewer than k pass the threshold and every key
+    is a candidate (the fallback)."""
+    from hvd_slowmo.compression.sparse import SparseCodec, _top_k
+
+    n = 3 * chunk + chunk // 3 + 1
+    g = torch.Generator().manual_seed(chunk)
+    x = torch.randn(n, generator=g)
+    if layout == "increasing":
+        x = torch.linspace(-1, 1, n).abs() * torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
+    elif layout == "on-the-sample":
+        x = 1e-3 * x
+        x[::16] = torch.arange(x[::16].numel(), dtype=torch.float32) + 1
+    x[::7] = x[::7].round()
+    x[min(3, n - 1)], x[min(11, n - 1)], x[n // 2] = float("nan"), -float("inf"), -0.0
+    codec = SparseCodec(density=density, chunk=chunk)
+    got = native.top_k(x, chunk, codec.k)
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
+    want = _top_k(x, codec)
+    assert torch.equal(got[0], want[0]) and same(got[1], want[1])

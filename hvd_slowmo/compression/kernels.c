@@ -348,3 +348,101 @@ ROWS_DRIVERS(int8)
 ROWS_DRIVERS(fp16)
 ROWS_DRIVERS(bf16)
 ROWS_DRIVERS(fp8)
+
+/* The sparse codec's choice: in each chunk of `chunk` elements of x (n elements, the last chunk
+ * zero-padded), the k entries of the largest keys, key = |x|'s bits (sign cleared: ordered as
+ * the magnitudes, NaN above infinity) * 2^16 + (chunk - 1 - position). No two keys tie, so the
+ * k largest, in decreasing order, are one list: torch's topk(sorted=True) of the same keys
+ * (hvd_slowmo/compression/sparse.py). Writes each chunk's k positions (index, int64) and values
+ * (kept). scratch: 2 * chunk keys per thread.
+ *
+ * Per chunk: a threshold from a sample of the keys (every 16th: the key of rank about 2k/16
+ * among them, or the least), then the keys at or above it, gathered without a branch; when at
+ * least k pass, the k largest of the chunk are among them (the k-th largest is at or above
+ * the threshold), else every key is a candidate. The candidates go through a min-heap of k
+ * keys, then leave it in decreasing order. */
+static void sift_down(uint64_t *heap, int64_t size, int64_t i) {
+    for (;;) {
+        int64_t least = i, left = 2 * i + 1, right = left + 1;
+        if (left < size && heap[left] < heap[least]) least = left;
+        if (right < size && heap[right] < heap[least]) least = right;
+        if (least == i) return;
+        uint64_t t = heap[i];
+        heap[i] = heap[least];
+        heap[least] = t;
+        i = least;
+    }
+}
+
+static void sift_up(uint64_t *heap, int64_t i) {
+    while (i > 0 && heap[(i - 1) / 2] > heap[i]) {
+        uint64_t t = heap[i];
+        heap[i] = heap[(i - 1) / 2];
+        heap[(i - 1) / 2] = t;
+        i = (i - 1) / 2;
+    }
+}
+
+/* heap[0, k) becomes the k largest of keys[0, n) (n >= k), the least at heap[0]. */
+static void heap_largest(const uint64_t *keys, int64_t n, int64_t k, uint64_t *heap) {
+    for (int64_t i = 0; i < k; i++) {
+        heap[i] = keys[i];
+        sift_up(heap, i);
+    }
+    for (int64_t i = k; i < n; i++) {
+        if (keys[i] > heap[0]) {
+            heap[0] = keys[i];
+            sift_down(heap, k, 0);
+        }
+    }
+}
+
+#define SAMPLE_STRIDE 16
+
+static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k, uint64_t *keys,
+                        int64_t *index, float *kept) {
+    uint64_t *candidates = keys + chunk;
+    for (int64_t i = 0; i < chunk; i++) {
+        uint64_t bits = i < len ? abs_bits(row[i]) : 0u;
+        keys[i] = bits << 16 | (uint64_t)(chunk - 1 - i);
+    }
+    int64_t samples = chunk / SAMPLE_STRIDE, want = 2 * k / SAMPLE_STRIDE + 1, count = chunk;
+    const uint64_t *pool = keys;
+    if (samples >= 2 * want && want >= 1) {
+        for (int64_t s = 0; s < samples; s++) candidates[s] = keys[s * SAMPLE_STRIDE];
+        heap_largest(candidates, samples, want, candidates + samples);
+        uint64_t threshold = candidates[samples]; /* the want-th largest sample */
+        int64_t passed = 0;
+        for (int64_t i = 0; i < chunk; i++) {
+            candidates[passed] = keys[i];
+            passed += keys[i] >= threshold;
+        }
+        if (passed >= k) {
+            pool = candidates;
+            count = passed;
+        }
+    }
+    uint64_t *heap = keys == pool ? candidates : keys; /* whichever buffer pool is not */
+    heap_largest(pool, count, k, heap);
+    for (int64_t s = k; s > 0; s--) { /* the least key last: decreasing order */
+        uint64_t key = heap[0];
+        heap[0] = heap[s - 1];
+        sift_down(heap, s - 1, 0);
+        int64_t position = chunk - 1 - (int64_t)(key & 0xffffu);
+        index[s - 1] = position;
+        kept[s - 1] = position < len ? row[position] : 0.0f;
+    }
+}
+
+void hvd_top_k(const float *x, int64_t n, int64_t chunk, int64_t k, int64_t *index, float *kept,
+               uint64_t *scratch, int threads) {
+    int64_t chunks = num_blocks(n, chunk);
+    (void)threads;
+    _Pragma("omp parallel num_threads(threads)") {
+        uint64_t *keys = scratch + 2 * chunk * omp_thread();
+        _Pragma("omp for schedule(static)") for (int64_t j = 0; j < chunks; j++) {
+            int64_t len = n - j * chunk < chunk ? n - j * chunk : chunk;
+            top_k_chunk(x + j * chunk, len, chunk, k, keys, index + j * k, kept + j * k);
+        }
+    }
+}

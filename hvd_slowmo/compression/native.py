@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CODECS", "decode_rows", "encode_rows", "reduce", "usable"]
+__all__ = ["CODECS", "decode_rows", "encode_rows", "reduce", "top_k", "usable"]
 
 #: The codecs with C kernels.
 CODECS = ("int8", "fp8", "fp16", "bf16")
@@ -149,20 +149,22 @@ def _load() -> ctypes.CDLL | None:
                 reduce_.argtypes = [p, i64, i64, i64, p, p, i32]
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
+            lib.hvd_top_k.argtypes = [p, i64, i64, i64, p, p, p, i32]
+            lib.hvd_top_k.restype = None
             _LIB = lib
     return _LIB
 
 
 def usable(codec: str, t: Tensor) -> bool:
     """Whether the C kernels run ``codec``'s phases on ``t``'s device here: one of
-    :data:`CODECS` on a CPU, not turned off by ``HVD_SLOWMO_NATIVE_CODECS=0``, and the library
-    built.
+    :data:`CODECS` (or ``"sparse"``, whose top-k :func:`top_k` chooses) on a CPU, not turned
+    off by ``HVD_SLOWMO_NATIVE_CODECS=0``, and the library built.
 
     Args:
         codec: the codec's name.
         t: a tensor of the mean (its device decides).
     """
-    if codec not in CODECS or t.device.type != "cpu":
+    if (codec not in CODECS and codec != "sparse") or t.device.type != "cpu":
         return False
     if os.environ.get("HVD_SLOWMO_NATIVE_CODECS", "1") == "0":
         return False
@@ -176,9 +178,15 @@ def _threads(elements: int) -> int:
 
 def _kernel(codec: str, phase: str) -> Any:
     """The C function of ``codec``'s ``phase``."""
+    assert codec in CODECS
+    return _kernel_named(f"hvd_{codec}_{phase}")
+
+
+def _kernel_named(name: str) -> Any:
+    """The C function ``name`` of the library."""
     lib = _load()
-    assert lib is not None and codec in CODECS, "usable() first"
-    return getattr(lib, f"hvd_{codec}_{phase}")
+    assert lib is not None, "usable() first"
+    return getattr(lib, name)
 
 
 def _unit(codec: str, block: int) -> int:
@@ -279,3 +287,29 @@ def decode_rows(codec: str, packets: Tensor, size: int, block: int, out: Tensor)
         _threads(count * size),
     )  # fmt: skip
     return out
+
+
+def top_k(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
+    """The sparse codec's kept entries of every chunk of ``x`` (the last zero-padded): their
+    positions in their chunk, by decreasing magnitude (ties: the lower position first), and
+    their values, both ``(chunks, k)``; the same lists as the eager ``topk`` of the codec's
+    tie-free keys (:func:`~.sparse._top_k`), through a sampled threshold and a min-heap of
+    ``k`` keys per chunk.
+
+    Args:
+        x: contiguous 1-D float32 on the CPU.
+        chunk: elements per chunk (at most 2^16: the keys' low 16 bits are the position).
+        k: entries kept per chunk, ``1 <= k <= chunk``.
+    """
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+    assert 1 <= k <= chunk <= 1 << 16
+    chunks = -(-x.numel() // chunk)
+    index = torch.empty(chunks, k, dtype=torch.int64)
+    kept = torch.empty(chunks, k, dtype=torch.float32)
+    threads = _threads(x.numel())
+    scratch = torch.empty(threads * 2 * chunk, dtype=torch.int64)  # keys, candidates a thread
+    _kernel_named("hvd_top_k")(
+        x.data_ptr(), x.numel(), chunk, k, index.data_ptr(), kept.data_ptr(),
+        scratch.data_ptr(), threads,
+    )  # fmt: skip
+    return index, kept

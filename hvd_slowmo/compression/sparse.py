@@ -47,6 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .native import top_k as native_top_k
+from .native import usable as native_usable
+
 __all__ = [
     "SLICE",
     "SparseCodec",
@@ -348,6 +351,8 @@ def _top_k(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor]:
     both of shape ``(chunks, k)``; chosen a slice of chunks at a time (about :data:`SLICE`
     elements), so the keys and the padded copy of the last chunk stay a slice's size."""
     c, k = codec.chunk, codec.k
+    if native_usable("sparse", x) and x.is_contiguous():  # the same lists, by a heap in C
+        return native_top_k(x, c, k)
     n_chunks = _chunks(x.numel(), c)
     index = torch.empty(n_chunks, k, dtype=torch.int64, device=x.device)
     kept = torch.empty(n_chunks, k, dtype=x.dtype, device=x.device)
