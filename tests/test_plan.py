@@ -271,13 +271,13 @@ def test_command_line_prints_every_setting_and_a_recommendation(capsys):
     # The flat int8 rows' all-to-all crosses 8 nodes: 1 + 1.7 * 6/7 = 2.46 times its bytes'
     # time, said in the header; 8 nodes are calibrated, so no row is marked.
     assert "all-to-all across 8 nodes: 2.46x its bytes' time (contention 1.7: the default" in text
-    assert "| int8, no overlap | 12 | 3164 | 37.9% | 59% |" in text
+    assert "| int8, no overlap | 12 | 3143 | 38.2% | 59% |" in text
     assert "(!)" not in text
     # The hierarchical rows with fragments are predicted (here they are the fastest), never
     # recommended: the optimizer's hierarchical exchange takes the whole model. The one without
     # fragments that wins is recommended, with the arguments that ask for it: hierarchical
     # sparse, whose all-gather is a ring (hierarchical int8's all-to-all across the 8 nodes is
-    # 2.46x slower than its bytes: 84.7% against 90.4%).
+    # 2.46x slower than its bytes: 84.9% against 97.7%).
     (line,) = [t for t in text.splitlines() if t.startswith("Recommended: ")]
     assert line.startswith("Recommended: hier sparse, fragments=1, overlap=1, tau=12:")
     assert (
@@ -287,7 +287,7 @@ def test_command_line_prints_every_setting_and_a_recommendation(capsys):
     # Without the slowdown the all-to-all runs at the link's rate: int8 as the model had it.
     plain = main([*args, "--alltoall-contention", "0"])
     assert "all-to-all across 8 nodes: 1.00x its bytes' time (contention 0)" in plain
-    assert "| int8, no overlap | 12 | 2266 | 53.0% | 59% |" in plain
+    assert "| int8, no overlap | 12 | 2245 | 53.5% | 59% |" in plain
     # 16 nodes on the same link: past the calibrated nodes, the loaded all-to-all rows are
     # marked, and explained.
     wide = main(args[:4] + ["--workers", "128"] + args[6:])
