@@ -24,11 +24,17 @@ else ``cc``), ``-march=native`` where the compiler takes it, into ``$HVD_SLOWMO_
 features: a machine compiles it once (about a second), and a home shared by unlike machines
 keeps one build per kind. Where no compiler works, a ``RuntimeWarning`` says so once and the
 eager path runs: the same bits. ``HVD_SLOWMO_NATIVE_CODECS=0`` keeps the eager path. CPU
-tensors only: on a GPU the eager path's kernels are already at memory speed. The sparse
-codec keeps its eager path.
+tensors only: on a GPU the eager path's kernels are already at memory speed.
 
-The work of a phase is split between ``torch.get_num_threads()`` threads (ctypes releases the
-GIL while C runs), as torch's own ops split theirs.
+The sparse codec's top-k (:func:`top_k`) is chosen here too; the rest of that codec stays
+torch op by op.
+
+The blocks of a phase are split between ``torch.get_num_threads()`` OpenMP threads, as torch's
+own ops split theirs (ctypes releases the GIL while C runs). Built with ``-fopenmp`` (where the
+compiler has it), the library names ``libgomp.so.1``, the runtime torch's wheels have already
+loaded: so both share one OpenMP runtime. With a thread pool of its own, torch's idle threads,
+spinning after its last op, took the cores from the pool's, and the mean ran slower on 2
+threads than on 1.
 
 SlowMo's compressed outer exchange (arXiv 1910.00643): the pseudo-gradient's codes.
 """
@@ -132,7 +138,7 @@ def _load() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(_build()))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 warnings.warn(
-                    f"hvd_slowmo: the int8 codec's C kernels could not be built ({e}); the eager "
+                    f"hvd_slowmo: the codecs' C kernels could not be built ({e}); the eager "
                     "torch path runs instead (the same bits, slower on a CPU)",
                     RuntimeWarning,
                     stacklevel=3,

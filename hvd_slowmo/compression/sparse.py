@@ -351,7 +351,7 @@ def _top_k(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor]:
     both of shape ``(chunks, k)``; chosen a slice of chunks at a time (about :data:`SLICE`
     elements), so the keys and the padded copy of the last chunk stay a slice's size."""
     c, k = codec.chunk, codec.k
-    if native_usable("sparse", x) and x.is_contiguous():  # the same lists, by a heap in C
+    if native_usable("sparse", x) and x.is_contiguous():  # the same lists, chosen in C
         return native_top_k(x, c, k)
     n_chunks = _chunks(x.numel(), c)
     index = torch.empty(n_chunks, k, dtype=torch.int64, device=x.device)
