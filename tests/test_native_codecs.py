@@ -252,3 +252,18 @@ def test_sparse_top_k_equals_torch_topk_of_the_keys(monkeypatch, chunk, density,
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
     want = _top_k(x, codec)
     assert torch.equal(got[0], want[0]) and same(got[1], want[1])
+
+
+def test_fp8_decodes_every_code_as_torch_casts():
+    """Every one of the 256 codes (subnormals, both zeros, both NaNs) in a block of scale 1, also
+    with subnormal floats flushed to zero (the C decode makes none on the way)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    packet = torch.cat([torch.ones(1).view(torch.uint8), codes]).view(1, -1)
+    want = decode_rows(packet, 256, "fp8", 256)
+    for flush in (False, True):
+        torch.set_flush_denormal(flush)
+        try:
+            got = native.decode_rows("fp8", packet, 256, 256, torch.empty(1, 256))
+        finally:
+            torch.set_flush_denormal(False)
+        assert same(got, want), f"flush_denormal={flush}"

@@ -1,15 +1,16 @@
-/* The int8 codec's three phases as loops over memory, one pass per phase: the bits of the eager
- * torch path of hvd_slowmo/compression/codecs.py and exchange.py (see native.py).
+/* The codecs' arithmetic on the CPU as loops over memory, one pass per phase of the compressed
+ * mean (see native.py, which builds and loads this file): the bits of the eager torch path of
+ * hvd_slowmo/compression/codecs.py, exchange.py and sparse.py.
  *
- * A packet is the scales' bytes (one float32 per block, 4-byte unaligned in general) followed by
- * the codes (one int8 per element). Block b of a vector of n elements is [b * block,
- * min(n, (b + 1) * block)). Each function works on the blocks [b0, b1) only, so callers can split
- * a vector's blocks between threads.
+ * Scaled codecs (int8, fp8): a packet is the scales' bytes (one float32 per block, 4-byte
+ * unaligned in general), then the codes (one byte per element); block b of a vector of n
+ * elements is [b * block, min(n, (b + 1) * block)). Casts (fp16, bf16): a packet is the codes.
+ * The sparse codec: its top-k only (hvd_top_k, at the end).
  *
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
  * operation the eager path runs (a product and a difference are never fused), in its order.
  *
- * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, at the end) split
+ * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_top_k) split
  * their blocks between OpenMP threads. Built with -fopenmp, this library names libgomp.so.1, which
  * torch's wheels load first: one OpenMP runtime, whose idle threads do not spin beside ours. */
 #include <math.h>
@@ -94,12 +95,15 @@ static inline uint8_t fp8_of(float v) {
     return (uint8_t)(code | sign);
 }
 
-/* The float32 value of a float8_e4m3fn code (exact; S.1111.111 is a NaN): its 7 bits placed as
- * a float32's exponent and mantissa read 2^-120 times the value (a subnormal code a float32
- * subnormal), so one product by 2^120 rebiases every code. Branch-free, to vectorize. */
+/* The float32 value of a float8_e4m3fn code (exact; S.1111.111 is a NaN), with no float32
+ * subnormal on the way (so flushing those to zero changes nothing): a normal code's exponent
+ * rebiased (7 to 127) beside its mantissa; a subnormal one, m * 2^-9, as (1 + m/8) 2^-6 less
+ * 2^-6. Integer selects and one exact difference: it vectorizes. */
 static inline float fp8_value(uint8_t c) {
-    float magnitude = float_of_bits((uint32_t)(c & 0x7fu) << 20) * 0x1.0p+120f;
-    uint32_t bits = (c & 0x7fu) == 0x7fu ? 0x7fc00000u : bits_of_float(magnitude);
+    uint32_t e = (c >> 3) & 0xfu, m = c & 7u, subnormal = e == 0;
+    float value = float_of_bits((e + subnormal + 120u) << 23 | m << 20) -
+                  float_of_bits(subnormal * 0x3c800000u); /* 2^-6, or +0 */
+    uint32_t bits = (c & 0x7fu) == 0x7fu ? 0x7fc00000u : bits_of_float(value);
     return float_of_bits(bits | (uint32_t)(c & 0x80u) << 24);
 }
 
