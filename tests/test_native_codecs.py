@@ -150,6 +150,20 @@ def test_both_paths_equal_the_reference_on_every_worker(monkeypatch, codec, path
 
 
 @pytest.mark.parametrize("codec", native.CODECS)
+@pytest.mark.parametrize("n", [0, 2, 4])
+def test_fewer_elements_than_workers_leave_chunks_empty(codec, n):
+    """5 workers, 0 to 4 elements: some chunks (and so packets) are empty."""
+
+    def fn(comm):
+        return compressed_mean(comm, worker_vector(comm.rank, n), codec, "t", torch.zeros(n))
+
+    want, _, _ = reference_compressed_mean(
+        [worker_vector(r, n) for r in range(5)], codec, 256, [torch.zeros(n)] * 5
+    )
+    assert all(torch.equal(g, w) for g, w in zip(run_threads(5, fn), want))
+
+
+@pytest.mark.parametrize("codec", native.CODECS)
 def test_threads_split_the_work_without_changing_a_bit(monkeypatch, codec):
     size, block = 50 * 256 + 9, 256
     rows = awkward(2 * size, seed=7).view(2, size)

@@ -232,6 +232,8 @@ def encode_rows(
         feedback: error feedback on ``rows`` (the residual).
     """
     count, size = rows.shape
+    if count * size == 0:  # empty chunks (fewer elements than workers): no packet bytes
+        return
     assert _rows(rows, torch.float32, "rows") == size, "rows: packed one after the other"
     values = source if source is not None else rows
     assert _rows(values, torch.float32, "source") == size and values.shape == rows.shape
@@ -258,6 +260,8 @@ def reduce(codec: str, packets: list[Tensor], size: int, block: int) -> Tensor:
         A new uint8 packet.
     """
     unit, m = _unit(codec, block), len(packets)
+    if size == 0:
+        return packets[0].new_empty(0)
     for p in packets:
         assert p.dtype == torch.uint8 and p.device.type == "cpu" and p.is_contiguous()
     reduced = packets[0].new_empty(packets[0].numel())
@@ -285,8 +289,10 @@ def decode_rows(codec: str, packets: Tensor, size: int, block: int, out: Tensor)
     Returns:
         ``out``.
     """
-    stride = _rows(packets, torch.uint8, "packets")
     count = packets.shape[0]
+    if count * size == 0:
+        return out
+    stride = _rows(packets, torch.uint8, "packets")
     assert _rows(out, torch.float32, "out") == size and out.shape[0] == count
     _kernel(codec, "decode_rows")(
         packets.data_ptr(), stride, count, size, _unit(codec, block), out.data_ptr(),
