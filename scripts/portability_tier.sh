@@ -35,6 +35,7 @@ TIER=(
   tests/test_consensus.py
   tests/test_finite.py
   tests/test_topology.py
+  tests/test_native_codecs.py
 )
 
 export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY-default}
