@@ -131,6 +131,8 @@ def _build() -> Path:
 def _load() -> ctypes.CDLL | None:
     """The library, built and loaded once per process; None where it cannot be (warned once)."""
     global _LIB, _TRIED
+    if _TRIED:  # every mean asks: no lock once the answer is known
+        return _LIB
     with _LOCK:
         if not _TRIED:
             _TRIED = True
