@@ -187,7 +187,7 @@ def test_switched_off_and_other_devices_or_codecs_take_the_eager_path(monkeypatc
     x = torch.zeros(4)
     assert native.usable("int8", x)
     assert all(native.usable(codec, x) for codec in ("fp8", "fp16", "bf16"))
-    assert native.usable("sparse", x)  # its top-k
+    assert native.usable("sparse", x)  # its encode and sum
     assert not native.usable("fp32", x) and not native.usable("int8", torch.zeros(4, device="meta"))
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
     assert not native.usable("int8", x)
@@ -240,16 +240,18 @@ def test_fp8_rounds_every_tie_and_its_neighbours_as_torch_casts():
 
 
 @pytest.mark.parametrize(
-    "chunk,density", [(4096, 0.02), (7, 0.5), (64, 1.0), (65536, 0.001), (2, 0.5)]
+    "chunk,density,bits",
+    [(4096, 0.02, 2), (7, 0.5, 4), (64, 1.0, 8), (65536, 0.001, 2), (2, 0.5, 2)],
 )
 @pytest.mark.parametrize("layout", ["random", "increasing", "on-the-sample"])
-def test_sparse_top_k_equals_torch_topk_of_the_keys(monkeypatch, chunk, density, layout):
-    """The C choice (a sampled threshold, then a heap) keeps the lists of the eager topk:
-    magnitude ties (broken by position), NaN, infinities, signed zeros, a short last chunk;
-    magnitudes increasing along each chunk (every entry displaces one); and the large entries
-    on exactly the sampled positions, so that fewer than k pass the threshold and every key
-    is a candidate (the fallback)."""
-    from hvd_slowmo.compression.sparse import SparseCodec, _top_k
+def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits, layout):
+    """The C encode keeps the entries of the eager ``topk`` of the codec's keys and packs them
+    into the same bytes, and its error feedback leaves the same residual: magnitude ties (broken
+    by position), NaN, infinities, signed zeros, a short last chunk, positions of more and fewer
+    than 8 bits; magnitudes increasing along each chunk (every entry displaces one); and the
+    large entries on exactly the sampled positions, so that fewer than k pass the threshold and
+    every key is a candidate (the fallback)."""
+    from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode, sparse_encode_feedback
 
     n = 3 * chunk + chunk // 3 + 1
     g = torch.Generator().manual_seed(chunk)
@@ -261,11 +263,61 @@ def test_sparse_top_k_equals_torch_topk_of_the_keys(monkeypatch, chunk, density,
         x[::16] = torch.arange(x[::16].numel(), dtype=torch.float32) + 1
     x[::7] = x[::7].round()
     x[min(3, n - 1)], x[min(11, n - 1)], x[n // 2] = float("nan"), -float("inf"), -0.0
-    codec = SparseCodec(density=density, chunk=chunk)
-    got = native.top_k(x, chunk, codec.k)
+    codec = SparseCodec(density=density, bits=bits, chunk=chunk)
+    got, got_residual = sparse_encode(x, codec), x.clone()
+    got_fed = sparse_encode_feedback(got_residual, codec, got_residual)
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
-    want = _top_k(x, codec)
-    assert torch.equal(got[0], want[0]) and same(got[1], want[1])
+    want, want_residual = sparse_encode(x, codec), x.clone()
+    want_fed = sparse_encode_feedback(want_residual, codec, want_residual)
+    assert torch.equal(got, want) and torch.equal(got_fed, want_fed)
+    assert same(got_residual, want_residual)
+
+
+@pytest.mark.parametrize("path", ["0", "1"], ids=["eager", "native"])
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_sparse_mean_of_both_paths_equals_the_reference(monkeypatch, path, m):
+    """The all-gather sparse mean with decayed error feedback (the C encode and sum, or the
+    eager ones) against the hand-written reference: every worker's mean and residual."""
+    from reference_sparse import sparse_mean as reference_sparse_mean
+    from reference_sparse import vector
+
+    from hvd_slowmo.compression.sparse import SparseCodec
+    from hvd_slowmo.compression.sparse_exchange import sparse_mean
+
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", path)
+    n, codec = 5 * 64 + 13, SparseCodec(density=0.1, bits=4, chunk=64, ef_decay=0.95)
+
+    def fn(comm):
+        residual = 0.1 * vector(comm.rank, n, seed=1)
+        return sparse_mean(comm, vector(comm.rank, n), codec, "t", residual), residual
+
+    residuals = [0.1 * vector(r, n, seed=1) for r in range(m)]
+    want, want_res, _ = reference_sparse_mean(
+        [vector(r, n) for r in range(m)], 0.1, 4, 64, residuals, 0.95
+    )
+    for rank, (out, residual) in enumerate(run_threads(m, fn)):
+        assert torch.equal(out, want[rank]), f"rank {rank}: mean differs from the reference"
+        assert torch.equal(residual, want_res[rank]), f"rank {rank}: residual differs"
+
+
+def test_sparse_threads_split_the_work_without_changing_a_bit(monkeypatch):
+    from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode_feedback, sparse_sum
+
+    n, codec = 37 * 512 + 5, SparseCodec(density=0.05, bits=2, chunk=512)
+    outs = []
+    for threads, least in ((1, 1 << 30), (2, 1), (3, 1)):
+        monkeypatch.setattr(native, "_MIN_PER_THREAD", least)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            residual = awkward(n, seed=3)
+            packet = sparse_encode_feedback(residual, codec, residual)
+            outs.append((packet, residual, sparse_sum(torch.stack([packet] * 3), n, codec)))
+        finally:
+            torch.set_num_threads(previous)
+    for got in outs[1:]:
+        assert torch.equal(got[0], outs[0][0])
+        assert same(got[1], outs[0][1]) and same(got[2], outs[0][2])
 
 
 def test_fp8_decodes_every_code_as_torch_casts():

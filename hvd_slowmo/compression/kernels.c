@@ -5,12 +5,13 @@
  * Scaled codecs (int8, fp8): a packet is the scales' bytes (one float32 per block, 4-byte
  * unaligned in general), then the codes (one byte per element); block b of a vector of n
  * elements is [b * block, min(n, (b + 1) * block)). Casts (fp16, bf16): a packet is the codes.
- * The sparse codec: its top-k only (hvd_top_k, at the end).
+ * The sparse codec (at the end): its encode, error feedback included (hvd_sparse_encode), and the
+ * sum of its packets (hvd_sparse_sum).
  *
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
  * operation the eager path runs (a product and a difference are never fused), in its order.
  *
- * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_top_k) split
+ * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_sparse_*) split
  * their blocks between OpenMP threads. Built with -fopenmp, this library names libgomp.so.1, which
  * torch's wheels load first: one OpenMP runtime, whose idle threads do not spin beside ours. */
 #include <math.h>
@@ -438,15 +439,153 @@ static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k,
     }
 }
 
-void hvd_top_k(const float *x, int64_t n, int64_t chunk, int64_t k, int64_t *index, float *kept,
-               uint64_t *scratch, int threads) {
-    int64_t chunks = num_blocks(n, chunk);
-    (void)threads;
-    _Pragma("omp parallel num_threads(threads)") {
-        uint64_t *keys = scratch + 2 * chunk * omp_thread();
-        _Pragma("omp for schedule(static)") for (int64_t j = 0; j < chunks; j++) {
-            int64_t len = n - j * chunk < chunk ? n - j * chunk : chunk;
-            top_k_chunk(x + j * chunk, len, chunk, k, keys, index + j * k, kept + j * k);
+/* Bits [e * width, (e + 1) * width) of a little-endian bit stream (bit t is bit t % 8 of byte
+ * t / 8: sparse.py's pack_bits), width <= 8. */
+static inline uint32_t stream_bits(const uint8_t *stream, int64_t e, int width) {
+    int64_t t = e * width;
+    const uint8_t *at = stream + (t >> 3);
+    uint32_t v = at[0];
+    if ((t & 7) + width > 8) v |= (uint32_t)at[1] << 8; /* the value runs into the next byte */
+    return (v >> (t & 7)) & ((1u << width) - 1u);
+}
+
+/* A sparse packet's layout (sparse.py: every chunk's lo, then every chunk's step, float32; the
+ * positions, their low bytes first where they take more than 8 bits; the codes). */
+typedef struct {
+    int64_t chunks, k, chunk;
+    int bits, index_bits;
+    int64_t index_at, codes_at; /* byte offsets in the packet */
+} SparseLayout;
+
+static SparseLayout sparse_layout(int64_t n, int64_t chunk, int64_t k, int bits, int index_bits) {
+    SparseLayout s = {num_blocks(n, chunk), k, chunk, bits, index_bits, 0, 0};
+    int64_t entries = s.chunks * k;
+    s.index_at = 8 * s.chunks;
+    int64_t index_bytes = index_bits <= 8 ? (entries * index_bits + 7) / 8
+                                          : entries + (entries * (index_bits - 8) + 7) / 8;
+    s.codes_at = s.index_at + index_bytes;
+    return s;
+}
+
+/* Entry e's position in its chunk. */
+static inline int64_t sparse_position(const uint8_t *packet, const SparseLayout *s, int64_t e) {
+    const uint8_t *index = packet + s->index_at;
+    if (s->index_bits <= 8) return stream_bits(index, e, s->index_bits);
+    int64_t entries = s->chunks * s->k;
+    return (int64_t)index[e] | (int64_t)stream_bits(index + entries, e, s->index_bits - 8) << 8;
+}
+
+/* Adds chunk j of every packet (m, in order) into out[j * chunk, (j + 1) * chunk): decoded as
+ * sparse.py's _decode_rows (|v| = lo + q * step, one rounding each, then the sign) and added
+ * as index_add_ does, one float32 add per entry, the packets in rank order. */
+static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
+                             const SparseLayout *s, int64_t j, float *out) {
+    float *dst = out + j * s->chunk;
+    memset(dst, 0, (size_t)s->chunk * sizeof(float));
+    uint32_t magnitude = (1u << (s->bits - 1)) - 1u;
+    for (int64_t r = 0; r < m; r++) {
+        const uint8_t *packet = packets + r * stride;
+        float lo, step;
+        memcpy(&lo, packet + 4 * j, 4);
+        memcpy(&step, packet + 4 * (s->chunks + j), 4);
+        for (int64_t e = j * s->k; e < (j + 1) * s->k; e++) {
+            uint32_t code = stream_bits(packet + s->codes_at, e, s->bits);
+            float size = (float)(code & magnitude) * step + lo;
+            dst[sparse_position(packet, s, e)] += code >> (s->bits - 1) ? -size : size;
         }
     }
+}
+
+/* The sum of m sparse packets (rows `stride` bytes apart) of vectors of n elements into out
+ * (whole chunks: num_blocks(n, chunk) * chunk floats), every element's adds in rank order from
+ * +0.0: the bits of sparse.py's sparse_sum. */
+void hvd_sparse_sum(const uint8_t *packets, int64_t stride, int64_t m, int64_t n, int64_t chunk,
+                    int64_t k, int bits, int index_bits, float *out, int threads) {
+    SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
+    (void)threads;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t j = 0; j < s.chunks; j++) sparse_sum_chunk(packets, stride, m, &s, j, out);
+}
+
+/* Chunk j's kept entries quantized as sparse.py's _encode: lo = the least kept magnitude,
+ * step = (the largest - lo) / levels, each magnitude's level round((|v| - lo) / step) (step 0 or
+ * NaN: divided by 1; a NaN level 0, clamped to [0, levels]), its code the level with the sign
+ * (v < 0) above it; decoded = lo + level * step, one rounding each, then the sign. */
+static void sparse_quantize(const float *kept, int64_t k, int bits, float *lo_out,
+                            float *step_out, uint8_t *codes, float *decoded) {
+    float levels = (float)((1 << (bits - 1)) - 1);
+    float lo = fabsf(kept[k - 1]), step = (fabsf(kept[0]) - lo) / levels;
+    float divisor = step > 0.0f ? step : 1.0f;
+    for (int64_t i = 0; i < k; i++) {
+        float level = nearbyintf((fabsf(kept[i]) - lo) / divisor);
+        level = level == level ? level : 0.0f;
+        level = level < 0.0f ? 0.0f : (level > levels ? levels : level);
+        int negative = kept[i] < 0.0f;
+        codes[i] = (uint8_t)((uint32_t)level | (uint32_t)negative << (bits - 1));
+        float size = level * step + lo;
+        decoded[i] = negative ? -size : size;
+    }
+    *lo_out = lo;
+    *step_out = step;
+}
+
+/* Eight values, `width` bits each (taken from v16 >> shift, or v8), packed into `width` bytes of
+ * the stream at group g: groups write disjoint bytes, so threads pack them in any order. The
+ * bits past the last value are zeros, as pack_bits pads; bytes past out_bytes are not written. */
+static void pack_group(const uint16_t *v16, const uint8_t *v8, int shift, int width,
+                       int64_t entries, int64_t g, uint8_t *out, int64_t out_bytes) {
+    uint64_t acc = 0, mask = (1u << width) - 1u;
+    for (int64_t i = 0; i < 8 && 8 * g + i < entries; i++) {
+        uint64_t v = v16 ? (uint64_t)(v16[8 * g + i] >> shift) : v8[8 * g + i];
+        acc |= (v & mask) << (i * width);
+    }
+    for (int64_t b = 0; b < width && g * width + b < out_bytes; b++)
+        out[g * width + b] = (uint8_t)(acc >> (8 * b));
+}
+
+/* The sparse codec's packet of x (n > 0 elements; sparse.py's sparse_encode) into packet
+ * (packet_nbytes bytes): per chunk the top-k (top_k_chunk), lo and step, then the positions and
+ * codes packed into their bit streams. With residual (which may be x itself), the decoded kept
+ * entries inside the vector are subtracted from it (sparse_encode_feedback). scratch: per thread
+ * 2 * chunk + 2 * k 8-byte words; positions (uint16) and codes (uint8): chunks * k each. */
+void hvd_sparse_encode(const float *x, float *residual, int64_t n, int64_t chunk, int64_t k,
+                       int bits, int index_bits, uint8_t *packet, uint16_t *positions,
+                       uint8_t *codes, uint64_t *scratch, int64_t packet_bytes, int threads) {
+    SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
+    int64_t entries = s.chunks * k;
+    (void)threads;
+    _Pragma("omp parallel num_threads(threads)") {
+        uint64_t *keys = scratch + (2 * chunk + 2 * k) * omp_thread();
+        int64_t *index = (int64_t *)(keys + 2 * chunk);
+        float *kept = (float *)(index + k), *decoded = kept + k;
+        _Pragma("omp for schedule(static)") for (int64_t j = 0; j < s.chunks; j++) {
+            int64_t len = n - j * chunk < chunk ? n - j * chunk : chunk;
+            float lo, step;
+            top_k_chunk(x + j * chunk, len, chunk, k, keys, index, kept);
+            sparse_quantize(kept, k, bits, &lo, &step, codes + j * k, decoded);
+            memcpy(packet + 4 * j, &lo, 4);
+            memcpy(packet + 4 * (s.chunks + j), &step, 4);
+            for (int64_t i = 0; i < k; i++) {
+                positions[j * k + i] = (uint16_t)index[i];
+                if (residual && index[i] < len) residual[j * chunk + index[i]] -= decoded[i];
+            }
+        }
+        /* The streams, eight entries (whole bytes) at a time. */
+        uint8_t *at = packet + s.index_at;
+        int64_t groups = (entries + 7) / 8, low = index_bits > 8 ? 8 : index_bits;
+        if (index_bits > 8) { /* the low bytes, then the high bits' stream */
+            _Pragma("omp for schedule(static)") for (int64_t e = 0; e < entries; e++)
+                at[e] = (uint8_t)positions[e];
+            at += entries;
+            low = index_bits - 8;
+        }
+        int shift = index_bits > 8 ? 8 : 0;
+        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {
+            pack_group(positions, NULL, shift, (int)low, entries, g, at, (entries * low + 7) / 8);
+            pack_group(NULL, codes, 0, bits, entries, g, packet + s.codes_at,
+                       (entries * bits + 7) / 8);
+        }
+    }
+    int64_t end = s.codes_at + (entries * bits + 7) / 8;
+    memset(packet + end, 0, (size_t)(packet_bytes - end)); /* the padding to 4 bytes */
 }

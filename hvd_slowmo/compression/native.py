@@ -26,8 +26,9 @@ keeps one build per kind. Where no compiler works, a ``RuntimeWarning`` says so 
 eager path runs: the same bits. ``HVD_SLOWMO_NATIVE_CODECS=0`` keeps the eager path. CPU
 tensors only: on a GPU the eager path's kernels are already at memory speed.
 
-The sparse codec's top-k (:func:`top_k`) is chosen here too; the rest of that codec stays
-torch op by op.
+The sparse codec's encode, error feedback included (:func:`sparse_encode`: the top-k, the
+quantization, the packing), and the sum of the gathered packets (:func:`sparse_sum`) run here
+too.
 
 The blocks of a phase are split between ``torch.get_num_threads()`` OpenMP threads, as torch's
 own ops split theirs (ctypes releases the GIL while C runs). Built with ``-fopenmp`` (where the
@@ -54,7 +55,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CODECS", "decode_rows", "encode_rows", "reduce", "top_k", "usable"]
+__all__ = [
+    "CODECS",
+    "decode_rows",
+    "encode_rows",
+    "reduce",
+    "sparse_encode",
+    "sparse_sum",
+    "usable",
+]
 
 #: The codecs with C kernels.
 CODECS = ("int8", "fp8", "fp16", "bf16")
@@ -157,15 +166,17 @@ def _load() -> ctypes.CDLL | None:
                 reduce_.argtypes = [p, i64, i64, i64, p, p, i32]
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
-            lib.hvd_top_k.argtypes = [p, i64, i64, i64, p, p, p, i32]
-            lib.hvd_top_k.restype = None
+            lib.hvd_sparse_encode.argtypes = [p, p, i64, i64, i64, i32, i32, p, p, p, p, i64, i32]
+            lib.hvd_sparse_sum.argtypes = [p, i64, i64, i64, i64, i64, i32, i32, p, i32]
+            for fn in (lib.hvd_sparse_encode, lib.hvd_sparse_sum):
+                fn.restype = None
             _LIB = lib
     return _LIB
 
 
 def usable(codec: str, t: Tensor) -> bool:
     """Whether the C kernels run ``codec``'s phases on ``t``'s device here: one of
-    :data:`CODECS` (or ``"sparse"``, whose top-k :func:`top_k` chooses) on a CPU, not turned
+    :data:`CODECS` (or ``"sparse"``: :func:`sparse_encode`, :func:`sparse_sum`) on a CPU, not turned
     off by ``HVD_SLOWMO_NATIVE_CODECS=0``, and the library built.
 
     Args:
@@ -303,27 +314,68 @@ def decode_rows(codec: str, packets: Tensor, size: int, block: int, out: Tensor)
     return out
 
 
-def top_k(x: Tensor, chunk: int, k: int) -> tuple[Tensor, Tensor]:
-    """The sparse codec's kept entries of every chunk of ``x`` (the last zero-padded): their
-    positions in their chunk, by decreasing magnitude (ties: the lower position first), and
-    their values, both ``(chunks, k)``; the same lists as the eager ``topk`` of the codec's
-    tie-free keys (:func:`~.sparse._top_k`), through a sampled threshold and a min-heap of
-    ``k`` keys per chunk.
+def sparse_sum(
+    packets: Tensor, numel: int, chunk: int, k: int, bits: int, index_bits: int, out: Tensor
+) -> Tensor:
+    """The sum of sparse packets, decoded and added in row order into ``out`` (zeroed here, a
+    chunk at a time): the bits of :func:`~.sparse.sparse_sum`'s ``index_add_``.
 
     Args:
-        x: contiguous 1-D float32 on the CPU.
+        packets: uint8 ``(m, nbytes)`` with contiguous rows, one packet each.
+        numel: the encoded vectors' length.
+        chunk: elements per chunk.
+        k: entries kept per chunk.
+        bits: bits per code.
+        index_bits: bits per position.
+        out: contiguous float32 of ``ceil(numel / chunk) * chunk`` elements.
+
+    Returns:
+        ``out``.
+    """
+    stride = _rows(packets, torch.uint8, "packets")
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert out.numel() == -(-numel // chunk) * chunk
+    if numel:
+        _kernel_named("hvd_sparse_sum")(
+            packets.data_ptr(), stride, packets.shape[0], numel, chunk, k, bits, index_bits,
+            out.data_ptr(), _threads(packets.shape[0] * numel),
+        )  # fmt: skip
+    return out
+
+
+def sparse_encode(
+    x: Tensor, chunk: int, k: int, bits: int, index_bits: int, nbytes: int,
+    residual: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """The sparse codec's packet of ``x``: per chunk the ``k`` entries of the largest magnitudes
+    (through a sampled threshold and a min-heap of ``k`` keys; the lists of the eager ``topk``
+    of the codec's tie-free keys), their lo and step, positions and codes; the bits of
+    :func:`~.sparse.sparse_encode`. With ``residual``, what the packet decodes to is subtracted
+    from it in place (:func:`~.sparse.sparse_encode_feedback`).
+
+    Args:
+        x: contiguous 1-D float32 on the CPU, at least one element.
         chunk: elements per chunk (at most 2^16: the keys' low 16 bits are the position).
         k: entries kept per chunk, ``1 <= k <= chunk``.
+        bits: bits per code.
+        index_bits: bits per position.
+        nbytes: the packet's bytes (:func:`~.sparse.packet_nbytes`).
+        residual: contiguous float32 of ``x``'s shape (``x`` itself, or another), or None.
     """
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
-    assert 1 <= k <= chunk <= 1 << 16
-    chunks = -(-x.numel() // chunk)
-    index = torch.empty(chunks, k, dtype=torch.int64)
-    kept = torch.empty(chunks, k, dtype=torch.float32)
+    assert 1 <= k <= chunk <= 1 << 16 and x.numel() > 0
+    if residual is not None:
+        assert residual.dtype == torch.float32 and residual.is_contiguous()
+        assert residual.shape == x.shape
+    entries = -(-x.numel() // chunk) * k
+    packet = torch.empty(nbytes, dtype=torch.uint8)
+    positions = torch.empty(entries, dtype=torch.int16)
+    codes = torch.empty(entries, dtype=torch.uint8)
     threads = _threads(x.numel())
-    scratch = torch.empty(threads * 2 * chunk, dtype=torch.int64)  # keys, candidates a thread
-    _kernel_named("hvd_top_k")(
-        x.data_ptr(), x.numel(), chunk, k, index.data_ptr(), kept.data_ptr(),
-        scratch.data_ptr(), threads,
+    scratch = torch.empty(threads * (2 * chunk + 2 * k), dtype=torch.int64)  # a thread's keys
+    _kernel_named("hvd_sparse_encode")(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), x.numel(), chunk, k,
+        bits, index_bits, packet.data_ptr(), positions.data_ptr(), codes.data_ptr(),
+        scratch.data_ptr(), nbytes, threads,
     )  # fmt: skip
-    return index, kept
+    return packet

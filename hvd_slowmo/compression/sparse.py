@@ -47,7 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .native import top_k as native_top_k
+from .native import sparse_encode as native_sparse_encode
+from .native import sparse_sum as native_sparse_sum
 from .native import usable as native_usable
 
 __all__ = [
@@ -313,7 +314,25 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
         x: the vector (float32, 1-D, any length including 0).
         codec: the settings.
     """
+    if _native(x):  # the same bits, in C
+        return _native_encode(x, codec)
     return _encode(x, codec)[0]
+
+
+def _native(x: Tensor, residual: Tensor | None = None) -> bool:
+    """Whether the C encode (:mod:`.native`) takes ``x`` (and ``residual``)."""
+    ok = x.dtype == torch.float32 and x.dim() == 1 and x.numel() > 0 and x.is_contiguous()
+    if residual is not None:
+        ok = ok and residual.dtype == torch.float32 and residual.is_contiguous()
+        ok = ok and residual.shape == x.shape
+    return ok and native_usable("sparse", x)
+
+
+def _native_encode(x: Tensor, codec: SparseCodec, residual: Tensor | None = None) -> Tensor:
+    return native_sparse_encode(
+        x, codec.chunk, codec.k, codec.bits, codec.index_bits, packet_nbytes(x.numel(), codec),
+        residual,
+    )  # fmt: skip
 
 
 def sparse_encode_feedback(x: Tensor, codec: SparseCodec, residual: Tensor) -> Tensor:
@@ -327,6 +346,8 @@ def sparse_encode_feedback(x: Tensor, codec: SparseCodec, residual: Tensor) -> T
         codec: the settings.
         residual: float32 of ``x``'s shape.
     """
+    if _native(x, residual):  # the same bits, in C
+        return _native_encode(x, codec, residual)
     packet, index, values = _encode(x, codec)
     numel = x.numel()
     if index.numel():
@@ -351,8 +372,6 @@ def _top_k(x: Tensor, codec: SparseCodec) -> tuple[Tensor, Tensor]:
     both of shape ``(chunks, k)``; chosen a slice of chunks at a time (about :data:`SLICE`
     elements), so the keys and the padded copy of the last chunk stay a slice's size."""
     c, k = codec.chunk, codec.k
-    if native_usable("sparse", x) and x.is_contiguous():  # the same lists, chosen in C
-        return native_top_k(x, c, k)
     n_chunks = _chunks(x.numel(), c)
     index = torch.empty(n_chunks, k, dtype=torch.int64, device=x.device)
     kept = torch.empty(n_chunks, k, dtype=x.dtype, device=x.device)
@@ -493,6 +512,9 @@ def sparse_sum(
     padded = _chunks(numel, codec.chunk) * codec.chunk
     if out is None:
         out = torch.empty(padded, dtype=torch.float32, device=packets.device)
+    if native_usable("sparse", packets) and packets.stride(1) == 1 and out.is_contiguous():
+        native_sparse_sum(packets, numel, codec.chunk, codec.k, codec.bits, codec.index_bits, out)
+        return out[:numel]
     out.zero_()
     index, values = _decode_rows(packets, numel, codec)
     if packets.is_cuda:
