@@ -44,7 +44,7 @@ def test_offloaded_rounds_equal_the_inline_ones_bitwise(codec, m):
 @pytest.mark.parametrize(
     "module,function,native_codecs",
     [
-        (sparse_exchange, "sparse_encode_feedback", None),
+        (sparse_exchange, "sparse_encode_with_feedback", None),
         (dense_exchange, "encode_rows", "0"),  # the eager torch path
         (dense_exchange, "native_encode_rows", "1"),  # the C kernels
     ],

@@ -246,12 +246,18 @@ def test_fp8_rounds_every_tie_and_its_neighbours_as_torch_casts():
 @pytest.mark.parametrize("layout", ["random", "increasing", "on-the-sample"])
 def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits, layout):
     """The C encode keeps the entries of the eager ``topk`` of the codec's keys and packs them
-    into the same bytes, and its error feedback leaves the same residual: magnitude ties (broken
+    into the same bytes, and its error feedback (also with the decayed sum before it) leaves
+    the same residual: magnitude ties (broken
     by position), NaN, infinities, signed zeros, a short last chunk, positions of more and fewer
     than 8 bits; magnitudes increasing along each chunk (every entry displaces one); and the
     large entries on exactly the sampled positions, so that fewer than k pass the threshold and
     every key is a candidate (the fallback)."""
-    from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode, sparse_encode_feedback
+    from hvd_slowmo.compression.sparse import (
+        SparseCodec,
+        sparse_encode,
+        sparse_encode_feedback,
+        sparse_encode_with_feedback,
+    )
 
     n = 3 * chunk + chunk // 3 + 1
     g = torch.Generator().manual_seed(chunk)
@@ -264,13 +270,25 @@ def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits
     x[::7] = x[::7].round()
     x[min(3, n - 1)], x[min(11, n - 1)], x[n // 2] = float("nan"), -float("inf"), -0.0
     codec = SparseCodec(density=density, bits=bits, chunk=chunk)
-    got, got_residual = sparse_encode(x, codec), x.clone()
-    got_fed = sparse_encode_feedback(got_residual, codec, got_residual)
+    decayed = SparseCodec(density=density, bits=bits, chunk=chunk, ef_decay=0.9)
+    carried = torch.randn(n, generator=g)
+
+    def encodes():
+        residual, summed = x.clone(), carried.clone()
+        return (
+            sparse_encode(x, codec),
+            sparse_encode_feedback(residual, codec, residual),
+            residual,
+            sparse_encode_with_feedback(x, decayed, summed),  # 0.9 summed + x, then as above
+            summed,
+        )
+
+    got = encodes()
     monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
-    want, want_residual = sparse_encode(x, codec), x.clone()
-    want_fed = sparse_encode_feedback(want_residual, codec, want_residual)
-    assert torch.equal(got, want) and torch.equal(got_fed, want_fed)
-    assert same(got_residual, want_residual)
+    want = encodes()
+    for i in (0, 1, 3):  # packets
+        assert torch.equal(got[i], want[i])
+    assert same(got[2], want[2]) and same(got[4], want[4])  # residuals
 
 
 @pytest.mark.parametrize("path", ["0", "1"], ids=["eager", "native"])

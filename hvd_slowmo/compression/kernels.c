@@ -354,18 +354,17 @@ ROWS_DRIVERS(fp16)
 ROWS_DRIVERS(bf16)
 ROWS_DRIVERS(fp8)
 
-/* The sparse codec's choice: in each chunk of `chunk` elements of x (n elements, the last chunk
- * zero-padded), the k entries of the largest keys, key = |x|'s bits (sign cleared: ordered as
- * the magnitudes, NaN above infinity) * 2^16 + (chunk - 1 - position). No two keys tie, so the
- * k largest, in decreasing order, are one list: torch's topk(sorted=True) of the same keys
- * (hvd_slowmo/compression/sparse.py). Writes each chunk's k positions (index, int64) and values
- * (kept). scratch: 2 * chunk keys per thread.
+/* The sparse codec's choice: in each chunk of `chunk` elements (the last one zero-padded), the k
+ * entries of the largest keys, key = |x|'s bits (sign cleared: ordered as the magnitudes, NaN
+ * above infinity) * 2^16 + (chunk - 1 - position). No two keys tie, so the k largest, in
+ * decreasing order, are one list: torch's topk(sorted=True) of the same keys
+ * (hvd_slowmo/compression/sparse.py). scratch: 2 * chunk keys per thread.
  *
- * Per chunk: a threshold from a sample of the keys (every 16th: the key of rank about 2k/16
- * among them, or the least), then the keys at or above it, gathered without a branch; when at
- * least k pass, the k largest of the chunk are among them (the k-th largest is at or above
- * the threshold), else every key is a candidate. The candidates go through a min-heap of k
- * keys, then leave it in decreasing order. */
+ * Per chunk: a threshold from a sample of the keys (every 16th: the magnitude of the key of
+ * rank about 2k/16 among them), then the positions whose magnitude is at or above it, gathered
+ * without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
+ * largest key's magnitude is at or above the threshold), else every key is a candidate. The
+ * candidates' keys go through a min-heap of k keys, then leave it in decreasing order. */
 static void sift_down(uint64_t *heap, int64_t size, int64_t i) {
     for (;;) {
         int64_t least = i, left = 2 * i + 1, right = left + 1;
@@ -404,31 +403,43 @@ static void heap_largest(const uint64_t *keys, int64_t n, int64_t k, uint64_t *h
 
 #define SAMPLE_STRIDE 16
 
+static inline uint64_t key_at(const float *row, int64_t len, int64_t chunk, int64_t i) {
+    uint64_t bits = i < len ? abs_bits(row[i]) : 0u;
+    return bits << 16 | (uint64_t)(chunk - 1 - i);
+}
+
+/* Chunk `row` (len of its chunk elements are the vector's, the rest zeros): its k positions by
+ * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch. */
 static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k, uint64_t *keys,
                         int64_t *index, float *kept) {
-    uint64_t *candidates = keys + chunk;
-    for (int64_t i = 0; i < chunk; i++) {
-        uint64_t bits = i < len ? abs_bits(row[i]) : 0u;
-        keys[i] = bits << 16 | (uint64_t)(chunk - 1 - i);
-    }
-    int64_t samples = chunk / SAMPLE_STRIDE, want = 2 * k / SAMPLE_STRIDE + 1, count = chunk;
-    const uint64_t *pool = keys;
+    uint64_t *candidates = keys + chunk, *heap = NULL;
+    int64_t samples = chunk / SAMPLE_STRIDE, want = 2 * k / SAMPLE_STRIDE + 1, count = 0;
     if (samples >= 2 * want && want >= 1) {
-        for (int64_t s = 0; s < samples; s++) candidates[s] = keys[s * SAMPLE_STRIDE];
+        for (int64_t s = 0; s < samples; s++)
+            candidates[s] = key_at(row, len, chunk, s * SAMPLE_STRIDE);
         heap_largest(candidates, samples, want, candidates + samples);
-        uint64_t threshold = candidates[samples]; /* the want-th largest sample */
+        uint32_t least = (uint32_t)(candidates[samples] >> 16); /* the want-th largest sample's */
+        uint32_t *passing = (uint32_t *)keys; /* positions: the first half of keys */
         int64_t passed = 0;
-        for (int64_t i = 0; i < chunk; i++) {
-            candidates[passed] = keys[i];
-            passed += keys[i] >= threshold;
+        for (int64_t i = 0; i < len; i++) {
+            passing[passed] = (uint32_t)i;
+            passed += abs_bits(row[i]) >= least;
         }
+        for (int64_t i = len; i < chunk && least == 0u; i++) passing[passed++] = (uint32_t)i;
         if (passed >= k) {
-            pool = candidates;
+            for (int64_t c = 0; c < passed; c++)
+                candidates[c] = key_at(row, len, chunk, passing[c]);
+            heap = keys; /* the positions are read */
             count = passed;
         }
     }
-    uint64_t *heap = keys == pool ? candidates : keys; /* whichever buffer pool is not */
-    heap_largest(pool, count, k, heap);
+    if (heap == NULL) { /* every key a candidate */
+        for (int64_t i = 0; i < chunk; i++) keys[i] = key_at(row, len, chunk, i);
+        heap = candidates;
+        candidates = keys;
+        count = chunk;
+    }
+    heap_largest(candidates, count, k, heap);
     for (int64_t s = k; s > 0; s--) { /* the least key last: decreasing order */
         uint64_t key = heap[0];
         heap[0] = heap[s - 1];
@@ -479,7 +490,7 @@ static inline int64_t sparse_position(const uint8_t *packet, const SparseLayout 
  * sparse.py's _decode_rows (|v| = lo + q * step, one rounding each, then the sign) and added
  * as index_add_ does, one float32 add per entry, the packets in rank order. */
 static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
-                             const SparseLayout *s, int64_t j, float *out) {
+                             const SparseLayout *s, int64_t j, float divisor, float *out) {
     float *dst = out + j * s->chunk;
     memset(dst, 0, (size_t)s->chunk * sizeof(float));
     uint32_t magnitude = (1u << (s->bits - 1)) - 1u;
@@ -494,17 +505,21 @@ static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
             dst[sparse_position(packet, s, e)] += code >> (s->bits - 1) ? -size : size;
         }
     }
+    if (divisor != 1.0f)
+        for (int64_t i = 0; i < s->chunk; i++) dst[i] = dst[i] / divisor;
 }
 
 /* The sum of m sparse packets (rows `stride` bytes apart) of vectors of n elements into out
  * (whole chunks: num_blocks(n, chunk) * chunk floats), every element's adds in rank order from
- * +0.0: the bits of sparse.py's sparse_sum. */
+ * +0.0, then divided by divisor (an IEEE division; 1: none): the bits of sparse.py's
+ * sparse_sum. */
 void hvd_sparse_sum(const uint8_t *packets, int64_t stride, int64_t m, int64_t n, int64_t chunk,
-                    int64_t k, int bits, int index_bits, float *out, int threads) {
+                    int64_t k, int bits, int index_bits, float divisor, float *out,
+                    int threads) {
     SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
     (void)threads;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t j = 0; j < s.chunks; j++) sparse_sum_chunk(packets, stride, m, &s, j, out);
+    for (int64_t j = 0; j < s.chunks; j++) sparse_sum_chunk(packets, stride, m, &s, j, divisor, out);
 }
 
 /* Chunk j's kept entries quantized as sparse.py's _encode: lo = the least kept magnitude,
@@ -546,11 +561,14 @@ static void pack_group(const uint16_t *v16, const uint8_t *v8, int shift, int wi
 /* The sparse codec's packet of x (n > 0 elements; sparse.py's sparse_encode) into packet
  * (packet_nbytes bytes): per chunk the top-k (top_k_chunk), lo and step, then the positions and
  * codes packed into their bit streams. With residual (which may be x itself), the decoded kept
- * entries inside the vector are subtracted from it (sparse_encode_feedback). scratch: per thread
- * 2 * chunk + 2 * k 8-byte words; positions (uint16) and codes (uint8): chunks * k each. */
-void hvd_sparse_encode(const float *x, float *residual, int64_t n, int64_t chunk, int64_t k,
-                       int bits, int index_bits, uint8_t *packet, uint16_t *positions,
-                       uint8_t *codes, uint64_t *scratch, int64_t packet_bytes, int threads) {
+ * entries inside the vector are subtracted from it (sparse_encode_feedback). With add (then x
+ * is residual), each chunk of the residual is first set to decay * residual + add (sparse.py's
+ * with_feedback; decay 1: no product). scratch: per thread 2 * chunk + 2 * k 8-byte words;
+ * positions (uint16) and codes (uint8): chunks * k each. */
+void hvd_sparse_encode(const float *x, float *residual, const float *add, float decay, int64_t n,
+                       int64_t chunk, int64_t k, int bits, int index_bits, uint8_t *packet,
+                       uint16_t *positions, uint8_t *codes, uint64_t *scratch,
+                       int64_t packet_bytes, int threads) {
     SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
     int64_t entries = s.chunks * k;
     (void)threads;
@@ -561,6 +579,14 @@ void hvd_sparse_encode(const float *x, float *residual, int64_t n, int64_t chunk
         _Pragma("omp for schedule(static)") for (int64_t j = 0; j < s.chunks; j++) {
             int64_t len = n - j * chunk < chunk ? n - j * chunk : chunk;
             float lo, step;
+            if (add) { /* the error feedback's sum, a chunk at a time: read from the cache */
+                float *r = residual + j * chunk;
+                const float *a = add + j * chunk;
+                if (decay != 1.0f)
+                    for (int64_t i = 0; i < len; i++) r[i] = r[i] * decay + a[i];
+                else
+                    for (int64_t i = 0; i < len; i++) r[i] = r[i] + a[i];
+            }
             top_k_chunk(x + j * chunk, len, chunk, k, keys, index, kept);
             sparse_quantize(kept, k, bits, &lo, &step, codes + j * k, decoded);
             memcpy(packet + 4 * j, &lo, 4);

@@ -166,8 +166,25 @@ def _load() -> ctypes.CDLL | None:
                 reduce_.argtypes = [p, i64, i64, i64, p, p, i32]
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
-            lib.hvd_sparse_encode.argtypes = [p, p, i64, i64, i64, i32, i32, p, p, p, p, i64, i32]
-            lib.hvd_sparse_sum.argtypes = [p, i64, i64, i64, i64, i64, i32, i32, p, i32]
+            f32 = ctypes.c_float
+            lib.hvd_sparse_encode.argtypes = [
+                p,
+                p,
+                p,
+                f32,
+                i64,
+                i64,
+                i64,
+                i32,
+                i32,
+                p,
+                p,
+                p,
+                p,
+                i64,
+                i32,
+            ]
+            lib.hvd_sparse_sum.argtypes = [p, i64, i64, i64, i64, i64, i32, i32, f32, p, i32]
             for fn in (lib.hvd_sparse_encode, lib.hvd_sparse_sum):
                 fn.restype = None
             _LIB = lib
@@ -315,10 +332,18 @@ def decode_rows(codec: str, packets: Tensor, size: int, block: int, out: Tensor)
 
 
 def sparse_sum(
-    packets: Tensor, numel: int, chunk: int, k: int, bits: int, index_bits: int, out: Tensor
+    packets: Tensor,
+    numel: int,
+    chunk: int,
+    k: int,
+    bits: int,
+    index_bits: int,
+    out: Tensor,
+    divisor: int = 1,
 ) -> Tensor:
     """The sum of sparse packets, decoded and added in row order into ``out`` (zeroed here, a
-    chunk at a time): the bits of :func:`~.sparse.sparse_sum`'s ``index_add_``.
+    chunk at a time), then divided by ``divisor``: the bits of :func:`~.sparse.sparse_sum`'s
+    ``index_add_`` and :func:`~hvd_slowmo.divide.div_`.
 
     Args:
         packets: uint8 ``(m, nbytes)`` with contiguous rows, one packet each.
@@ -328,6 +353,7 @@ def sparse_sum(
         bits: bits per code.
         index_bits: bits per position.
         out: contiguous float32 of ``ceil(numel / chunk) * chunk`` elements.
+        divisor: the sum is divided by it (an IEEE float32 division); 1: not divided.
 
     Returns:
         ``out``.
@@ -338,14 +364,14 @@ def sparse_sum(
     if numel:
         _kernel_named("hvd_sparse_sum")(
             packets.data_ptr(), stride, packets.shape[0], numel, chunk, k, bits, index_bits,
-            out.data_ptr(), _threads(packets.shape[0] * numel),
+            float(divisor), out.data_ptr(), _threads(packets.shape[0] * numel),
         )  # fmt: skip
     return out
 
 
 def sparse_encode(
     x: Tensor, chunk: int, k: int, bits: int, index_bits: int, nbytes: int,
-    residual: Tensor | None = None,
+    residual: Tensor | None = None, add: Tensor | None = None, decay: float = 1.0,
 ) -> Tensor:  # fmt: skip
     """The sparse codec's packet of ``x``: per chunk the ``k`` entries of the largest magnitudes
     (through a sampled threshold and a min-heap of ``k`` keys; the lists of the eager ``topk``
@@ -361,12 +387,16 @@ def sparse_encode(
         index_bits: bits per position.
         nbytes: the packet's bytes (:func:`~.sparse.packet_nbytes`).
         residual: contiguous float32 of ``x``'s shape (``x`` itself, or another), or None.
+        add: with ``residual`` as ``x``: each chunk of the residual is set to ``decay *
+            residual + add`` before it is encoded (:func:`~.sparse.with_feedback`, the bits of
+            its ``mul_`` and ``add_``); None: no sum.
+        decay: the residual's factor with ``add`` (1.0: no product).
     """
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
     assert 1 <= k <= chunk <= 1 << 16 and x.numel() > 0
-    if residual is not None:
-        assert residual.dtype == torch.float32 and residual.is_contiguous()
-        assert residual.shape == x.shape
+    for t in (residual, add):
+        assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.shape == x.shape)
+    assert add is None or residual is x, "add: the residual is the encoded vector"
     entries = -(-x.numel() // chunk) * k
     packet = torch.empty(nbytes, dtype=torch.uint8)
     positions = torch.empty(entries, dtype=torch.int16)
@@ -374,8 +404,9 @@ def sparse_encode(
     threads = _threads(x.numel())
     scratch = torch.empty(threads * (2 * chunk + 2 * k), dtype=torch.int64)  # a thread's keys
     _kernel_named("hvd_sparse_encode")(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), x.numel(), chunk, k,
-        bits, index_bits, packet.data_ptr(), positions.data_ptr(), codes.data_ptr(),
-        scratch.data_ptr(), nbytes, threads,
+        x.data_ptr(), None if residual is None else residual.data_ptr(),
+        None if add is None else add.data_ptr(), decay, x.numel(), chunk, k, bits, index_bits,
+        packet.data_ptr(), positions.data_ptr(), codes.data_ptr(), scratch.data_ptr(), nbytes,
+        threads,
     )  # fmt: skip
     return packet

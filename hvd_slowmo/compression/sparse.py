@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..divide import div_
 from .native import sparse_encode as native_sparse_encode
 from .native import sparse_sum as native_sparse_sum
 from .native import usable as native_usable
@@ -61,6 +62,7 @@ __all__ = [
     "sparse_decode_runs",
     "sparse_encode",
     "sparse_encode_feedback",
+    "sparse_encode_with_feedback",
     "sparse_sum",
     "unpack_bits",
     "with_feedback",
@@ -319,19 +321,37 @@ def sparse_encode(x: Tensor, codec: SparseCodec) -> Tensor:
     return _encode(x, codec)[0]
 
 
-def _native(x: Tensor, residual: Tensor | None = None) -> bool:
-    """Whether the C encode (:mod:`.native`) takes ``x`` (and ``residual``)."""
+def sparse_encode_with_feedback(flat: Tensor, codec: SparseCodec, residual: Tensor) -> Tensor:
+    """Error feedback's whole encode: ``e <- d e + flat`` (:func:`with_feedback`), the packet of
+    ``e``, and ``e`` less what the packet decodes to (:func:`sparse_encode_feedback`); in C one
+    pass, a chunk at a time.
+
+    Args:
+        flat: this worker's 1-D float32 vector.
+        codec: the settings (``ef_decay`` is ``d``).
+        residual: its residual ``e`` (float32 of ``flat``'s shape), updated in place.
+    """
+    if _native(flat, residual):
+        return _native_encode(residual, codec, residual, flat)
+    return sparse_encode_feedback(with_feedback(flat, residual, codec), codec, residual)
+
+
+def _native(x: Tensor, *others: Tensor | None) -> bool:
+    """Whether the C encode (:mod:`.native`) takes ``x`` (and the vectors beside it)."""
     ok = x.dtype == torch.float32 and x.dim() == 1 and x.numel() > 0 and x.is_contiguous()
-    if residual is not None:
-        ok = ok and residual.dtype == torch.float32 and residual.is_contiguous()
-        ok = ok and residual.shape == x.shape
+    for t in others:
+        ok = ok and (
+            t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.shape == x.shape)
+        )
     return ok and native_usable("sparse", x)
 
 
-def _native_encode(x: Tensor, codec: SparseCodec, residual: Tensor | None = None) -> Tensor:
+def _native_encode(
+    x: Tensor, codec: SparseCodec, residual: Tensor | None = None, add: Tensor | None = None
+) -> Tensor:
     return native_sparse_encode(
         x, codec.chunk, codec.k, codec.bits, codec.index_bits, packet_nbytes(x.numel(), codec),
-        residual,
+        residual, add, codec.ef_decay,
     )  # fmt: skip
 
 
@@ -488,7 +508,11 @@ def sparse_decode(packet: Tensor, numel: int, codec: SparseCodec) -> tuple[Tenso
 
 
 def sparse_sum(
-    packets: Tensor, numel: int, codec: SparseCodec, out: Tensor | None = None
+    packets: Tensor,
+    numel: int,
+    codec: SparseCodec,
+    out: Tensor | None = None,
+    divide: int = 1,
 ) -> Tensor:
     """The sum of the vectors of ``m`` packets, added in row order into float32 zeros: element
     by element ``((0 + v_0) + v_1) + ...`` over the packets that keep it, so every worker that
@@ -504,6 +528,8 @@ def sparse_sum(
         codec: their settings.
         out: a float32 buffer of ``ceil(numel / chunk) * chunk`` elements to sum into (zeroed
             here); None: a new one.
+        divide: the sum divided by it (:func:`~hvd_slowmo.divide.div_`: the mean of ``m``
+            packets with ``m``); 1: the sum itself.
 
     Returns:
         The first ``numel`` elements of the sum (a view of ``out``).
@@ -513,7 +539,8 @@ def sparse_sum(
     if out is None:
         out = torch.empty(padded, dtype=torch.float32, device=packets.device)
     if native_usable("sparse", packets) and packets.stride(1) == 1 and out.is_contiguous():
-        native_sparse_sum(packets, numel, codec.chunk, codec.k, codec.bits, codec.index_bits, out)
+        c = codec
+        native_sparse_sum(packets, numel, c.chunk, c.k, c.bits, c.index_bits, out, divide)
         return out[:numel]
     out.zero_()
     index, values = _decode_rows(packets, numel, codec)
@@ -522,7 +549,7 @@ def sparse_sum(
             out.index_add_(0, i, v)
     else:
         out.index_add_(0, index.view(-1), values.view(-1))
-    return out[:numel]
+    return out[:numel] if divide == 1 else div_(out[:numel], divide)
 
 
 def sparse_decode_runs(packets: Tensor, sizes: list[int], codec: SparseCodec) -> Tensor:

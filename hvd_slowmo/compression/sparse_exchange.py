@@ -22,15 +22,13 @@ Each worker sends ``(m - 1)`` packets' worth on a ring all-gather (the communica
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors
-from ..divide import div_
 from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
     packet_nbytes,
     sparse_encode,
-    sparse_encode_feedback,
+    sparse_encode_with_feedback,
     sparse_sum,
-    with_feedback,
 )
 
 __all__ = ["PendingSparseMean", "sparse_mean"]
@@ -87,11 +85,10 @@ class PendingSparseMean:
         self._result: Tensor | None = flat.clone() if comm.size == 1 else None
         if self._result is not None:
             return
-        contribution = with_feedback(flat, residual, codec)
         if residual is None:
-            packet = sparse_encode(contribution, codec)
+            packet = sparse_encode(flat, codec)
         else:  # the residual (the contribution itself) less what its packet decodes to
-            packet = sparse_encode_feedback(contribution, codec, residual)
+            packet = sparse_encode_with_feedback(flat, codec, residual)
         self._gather: PendingTensors = comm.allgather_flat_start([packet], f"{name}.gather")
 
     def done(self) -> bool:
@@ -119,4 +116,4 @@ class PendingSparseMean:
                 "(the workers disagree on the vector's length or the codec)"
             )
         # One decode of every packet and one add in rank order: the same sum on every worker.
-        self._result = div_(sparse_sum(gathered.view(m, nbytes), n, codec, self._out), m)
+        self._result = sparse_sum(gathered.view(m, nbytes), n, codec, self._out, divide=m)

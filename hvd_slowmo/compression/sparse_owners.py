@@ -31,16 +31,14 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, PendingTensors, shard_sizes
-from ..divide import div_
 from .codecs import check_transport, check_vector
 from .sparse import (
     SparseCodec,
     packet_nbytes,
     sparse_decode_runs,
     sparse_encode,
-    sparse_encode_feedback,
+    sparse_encode_with_feedback,
     sparse_sum,
-    with_feedback,
 )
 
 __all__ = ["PendingOwnerSparseMean", "owner_sizes"]
@@ -99,15 +97,13 @@ class PendingOwnerSparseMean:
         self._gather: PendingTensors | None = None
         if self._result is not None:
             return
-        contribution = with_feedback(flat, residual, codec)
-        # One packet per region; with feedback each region of the residual (the contribution
-        # itself) also loses what its packet decodes to, in place.
-        packets = [
-            sparse_encode(part, codec)
-            if residual is None
-            else sparse_encode_feedback(part, codec, part)
-            for part in contribution.split(self._sizes)
-        ]
+        # One packet per region; with feedback each region of the residual takes its part of
+        # the vector, is encoded and loses what its packet decodes to, in place.
+        if residual is None:
+            packets = [sparse_encode(part, codec) for part in flat.split(self._sizes)]
+        else:
+            parts = zip(flat.split(self._sizes), residual.split(self._sizes))
+            packets = [sparse_encode_with_feedback(f, codec, r) for f, r in parts]
         mine = packet_nbytes(self._sizes[comm.rank], codec)
         self._alltoall = comm.alltoall_flat_start(packets, [mine] * comm.size, f"{name}.a2a")
 
@@ -139,6 +135,6 @@ class PendingOwnerSparseMean:
         if mine == 0:  # fewer chunks than workers: this owner has nothing
             reduced = torch.empty(0, dtype=torch.uint8, device=received[0].device)
         else:
-            total = div_(sparse_sum(torch.stack(received), mine, codec), m)
+            total = sparse_sum(torch.stack(received), mine, codec, divide=m)
             reduced = sparse_encode(total.contiguous(), codec)
         self._gather = self._comm.allgather_flat_start([reduced], f"{self._name}.gather")
