@@ -40,7 +40,7 @@ from cluster_algorithms import ALGORITHM_BY_KEY, WARMUP_ITERS, Algorithm
 from cluster_stats import cluster_stamps, pool_repeats, ring_bytes, window_stats
 
 import hvd_slowmo
-from hvd_slowmo.memory import held_bytes
+from hvd_slowmo.memory import held_bytes, release_free_pages
 
 Step = Callable[[nn.Module], None]
 
@@ -215,6 +215,9 @@ def barrier() -> None:
 
 #: The kinds of :data:`cluster.ALGORITHMS` that communicate over ``torch.distributed``.
 TORCH_KINDS = ("ddp", "postlocal")
+#: "1" in the environment: hvd_slowmo.memory.release_free_pages() after every outer step
+#: (benchmarks/memory_rows.py --release-free-pages).
+RELEASE_FREE_PAGES = "CLUSTER_RELEASE_FREE_PAGES"
 
 
 def uses_torch_distributed(algo: Algorithm) -> bool:
@@ -330,10 +333,16 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     if opt is None:
         return {"available": False, "reason": unavailable}
 
+    # memory_rows.py --release-free-pages: glibc's free pages returned after each outer step.
+    release = comm is not None and os.environ.get(RELEASE_FREE_PAGES) == "1"
+
     def iteration() -> None:
         opt.zero_grad()
         step(model)
+        outer_steps = opt.outer_steps if release else 0
         opt.step()
+        if release and opt.outer_steps != outer_steps:
+            release_free_pages()
 
     tau = algo.tau
     # Whole outer periods: any tau consecutive iterations hold exactly one outer step.

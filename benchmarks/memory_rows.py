@@ -11,7 +11,10 @@ temporaries, the allocator's per-thread arenas. Bytes, not time: a busy machine 
 figures, so this may run beside other work.
 
     sudo python benchmarks/memory_rows.py --params 10M        # and 50M (about 3 GB a worker)
-    MALLOC_ARENA_MAX=1 sudo -E python benchmarks/memory_rows.py --params 10M   # one glibc arena
+    # glibc's free pages returned after each outer step, an 8 MB fusion buffer
+    # (docs/results/memory-rows.md):
+    HOROVOD_FUSION_THRESHOLD=8388608 sudo -E python benchmarks/memory_rows.py --params 10M \
+        --release-free-pages
 """
 
 import argparse
@@ -31,6 +34,9 @@ ROWS = (
     "localsgd_slowmo_stream4_int8",
     "localsgd_slowmo_stream4_sparse",
 )
+#: The environment that decides what a freed buffer leaves behind (printed with the table):
+#: glibc's arenas and its mmap threshold, and Horovod's fusion buffer.
+ALLOCATOR_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "HOROVOD_FUSION_THRESHOLD")
 #: The parts the compute-only row holds as well (the training itself, not SlowMo's).
 TRAINING_PARTS = ("parameters", "gradients", "optimizer state")
 
@@ -62,7 +68,8 @@ def measure(row: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
         "--compute-ms", str(args.compute_ms), "--windows", "1", "--algorithms", row,
         "--prefix", args.prefix, "--subnet", args.subnet, "--out", out,
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    env = dict(os.environ, CLUSTER_RELEASE_FREE_PAGES="1" if args.release_free_pages else "0")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     (path,) = glob.glob(os.path.join(out, "raw_*.json"))
     with open(path) as f:
         record = next(_records(json.load(f)))
@@ -102,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default=",".join(ROWS), help="cluster.py keys; compute first")
     p.add_argument("--prefix", default="hsmm", help="network namespaces' name prefix")
     p.add_argument("--subnet", default="10.79.4", help="the emulated hosts' /24")
+    p.add_argument(
+        "--release-free-pages",
+        action="store_true",
+        help="the workers call hvd_slowmo.memory.release_free_pages() after every outer step",
+    )
     args = p.parse_args(argv)
     rows = args.rows.split(",")
     if rows[0] != "compute":
@@ -115,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
             results[row] = measure(row, args, os.path.join(tmp, row))
-    arena = os.environ.get("MALLOC_ARENA_MAX", "glibc's default")
-    print(f"{args.params} parameters, {args.hosts} emulated hosts, MALLOC_ARENA_MAX {arena}, "
+    settings = ", ".join(f"{k} {os.environ.get(k, 'unset')}" for k in ALLOCATOR_SETTINGS)
+    settings += f", free pages released after each outer step: {args.release_free_pages}"
+    print(f"{args.params} parameters, {args.hosts} emulated hosts, {settings}, "
           f"1-minute load {load:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
     print(table(results, params * 4 / 2**20))
 

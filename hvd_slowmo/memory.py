@@ -7,14 +7,20 @@ parameters themselves is not counted twice), so the parts add up to what the opt
 alive; the process's own memory (the framework, activations, the allocator's free pages) is
 not in it. The benchmarks print it beside the measured peak; the planner predicts it
 (:func:`hvd_slowmo.plan.memory_parts`).
+
+:func:`release_free_pages` hands the pages of freed buffers back to the system (glibc's
+``malloc_trim``): called after each outer step on a CPU, it keeps the resident peak within one
+model copy of what the optimizer holds (``docs/results/memory-rows.md``).
 """
 
+import ctypes
+import ctypes.util
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["PARTS", "held_bytes"]
+__all__ = ["PARTS", "held_bytes", "release_free_pages"]
 
 #: The parts, in the order they are counted.
 PARTS = (
@@ -86,3 +92,33 @@ def held_bytes(opt: Any) -> dict[str, int]:
             total += storage.nbytes()
         out[part] = total
     return out
+
+
+_TRIM: Any = None
+
+
+def release_free_pages() -> bool:
+    """Give the pages of freed host memory back to the system: glibc's ``malloc_trim(0)``,
+    which returns every whole free page of every heap arena, not only the top of the heap.
+
+    glibc keeps a freed block below its mmap threshold (which grows up to 32 MiB as mapped
+    blocks are freed) in its arena, counted in the resident set, for the next allocation of a
+    fitting size. The outer step's transients (a fragment's pseudo-gradient, packets, the
+    landing's differences) are sizes the training step does not ask for again, so they stay
+    resident until the next outer step; called after each one (``opt.outer_steps`` changed),
+    this returns them. Costs a walk of the free lists and, for pages reused later, a fault each.
+
+    Returns:
+        True where it ran (glibc), False elsewhere (another C library: nothing done).
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            _TRIM.argtypes, _TRIM.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # no glibc (musl, macOS): keep the allocator's own
+            _TRIM = False
+    if _TRIM is False:
+        return False
+    _TRIM(0)
+    return True
