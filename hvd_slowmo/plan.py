@@ -86,8 +86,9 @@ __all__ = [
 #: One worker's codec arithmetic per MB (2^20 bytes) of float32 input, in ms: its share of a
 #: 4-worker mean (encode, decode and sum, re-encode and decode: ``benchmarks/codec_cost.py
 #: --mb 64``'s "mean" column), measured alone on 2 cores of an Intel CPU with AVX-512, torch
-#: 2.14.1, 2026-11-29, through the C kernels (:mod:`hvd_slowmo.compression.native`: the dense
-#: codecs' phases, the sparse codec's top-k; a plain copy of the same bytes: 0.09). The
+#: 2.14.1, 2026-11-29, through the C kernels (:mod:`hvd_slowmo.compression.native`; a plain
+#: copy of the same bytes: 0.09); the sparse codec's after its whole mean moved to C (commit
+#: 43d1f5a), the median of three runs on 2 cores of an AMD EPYC with AVX-512 (copy 0.07). The
 #: emulated cluster's calibration runs ran the eager path, at its own costs
 #: (``benchmarks/plan_calibration.py``). A GPU's cost is far lower: pass your own with
 #: ``--codec-cost``.
@@ -97,8 +98,8 @@ CODEC_MS_PER_MB: dict[str, float] = {
     "bf16": 0.44,
     "int8": 0.32,
     "fp8": 0.43,
-    "sparse": 1.67,
-    "sparse-owners": 1.67,  # not measured: the all-gather form's figure
+    "sparse": 0.52,
+    "sparse-owners": 0.52,  # not measured: the all-gather form's figure
 }
 #: ``c`` of an all-to-all's slowdown on the slow link, ``1 + c (M-2)/(M-1)`` times its bytes'
 #: nominal time across ``M`` nodes (:func:`alltoall_slowdown`). Fitted by
