@@ -215,8 +215,9 @@ def barrier() -> None:
 
 #: The kinds of :data:`cluster.ALGORITHMS` that communicate over ``torch.distributed``.
 TORCH_KINDS = ("ddp", "postlocal")
-#: "1" in the environment: hvd_slowmo.memory.release_free_pages() after every outer step
-#: (benchmarks/memory_rows.py --release-free-pages).
+#: "step" ("outer") in the environment: hvd_slowmo.memory.release_free_pages() after every
+#: step of every row (after every outer step of the SlowMo rows;
+#: benchmarks/memory_rows.py --release-free-pages).
 RELEASE_FREE_PAGES = "CLUSTER_RELEASE_FREE_PAGES"
 
 
@@ -333,15 +334,17 @@ def measure(algo: Algorithm, spec: dict[str, Any]) -> dict[str, Any]:
     if opt is None:
         return {"available": False, "reason": unavailable}
 
-    # memory_rows.py --release-free-pages: glibc's free pages returned after each outer step.
-    release = comm is not None and os.environ.get(RELEASE_FREE_PAGES) == "1"
+    # memory_rows.py --release-free-pages: glibc's free pages returned after every step (every
+    # row, compute-only included, so that the baseline is taken alike), or after each outer step.
+    release = os.environ.get(RELEASE_FREE_PAGES, "no")
+    release = "no" if release == "outer" and comm is None else release
 
     def iteration() -> None:
         opt.zero_grad()
         step(model)
-        outer_steps = opt.outer_steps if release else 0
+        outer_steps = opt.outer_steps if release == "outer" else 0
         opt.step()
-        if release and opt.outer_steps != outer_steps:
+        if release == "step" or (release == "outer" and opt.outer_steps != outer_steps):
             release_free_pages()
 
     tau = algo.tau

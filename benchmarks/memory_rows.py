@@ -14,7 +14,7 @@ figures, so this may run beside other work.
     # glibc's free pages returned after each outer step, an 8 MB fusion buffer
     # (docs/results/memory-rows.md):
     HOROVOD_FUSION_THRESHOLD=8388608 sudo -E python benchmarks/memory_rows.py --params 10M \
-        --release-free-pages
+        --release-free-pages step
 """
 
 import argparse
@@ -68,7 +68,7 @@ def measure(row: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
         "--compute-ms", str(args.compute_ms), "--windows", "1", "--algorithms", row,
         "--prefix", args.prefix, "--subnet", args.subnet, "--out", out,
     ]  # fmt: skip
-    env = dict(os.environ, CLUSTER_RELEASE_FREE_PAGES="1" if args.release_free_pages else "0")
+    env = dict(os.environ, CLUSTER_RELEASE_FREE_PAGES=args.release_free_pages)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     (path,) = glob.glob(os.path.join(out, "raw_*.json"))
     with open(path) as f:
@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--subnet", default="10.79.4", help="the emulated hosts' /24")
     p.add_argument(
         "--release-free-pages",
-        action="store_true",
-        help="the workers call hvd_slowmo.memory.release_free_pages() after every outer step",
+        choices=("no", "step", "outer"),
+        default="no",
+        help="the workers call hvd_slowmo.memory.release_free_pages() after every step (every "
+        "row, compute-only included), or after each outer step (the SlowMo rows)",
     )
     args = p.parse_args(argv)
     rows = args.rows.split(",")
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             results[row] = measure(row, args, os.path.join(tmp, row))
     settings = ", ".join(f"{k} {os.environ.get(k, 'unset')}" for k in ALLOCATOR_SETTINGS)
-    settings += f", free pages released after each outer step: {args.release_free_pages}"
+    settings += f", free pages released (hvd_slowmo.memory): {args.release_free_pages}"
     print(f"{args.params} parameters, {args.hosts} emulated hosts, {settings}, "
           f"1-minute load {load:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
     print(table(results, params * 4 / 2**20))

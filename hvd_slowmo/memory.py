@@ -9,8 +9,9 @@ not in it. The benchmarks print it beside the measured peak; the planner predict
 (:func:`hvd_slowmo.plan.memory_parts`).
 
 :func:`release_free_pages` hands the pages of freed buffers back to the system (glibc's
-``malloc_trim``): called after each outer step on a CPU, it keeps the resident peak within one
-model copy of what the optimizer holds (``docs/results/memory-rows.md``).
+``malloc_trim``): called after every step on a CPU (with an 8 MB ``HOROVOD_FUSION_THRESHOLD``
+for an unstreamed exchange), it kept the emulated cluster's resident peak within one model copy
+of what the optimizer holds, at 10M and 50M parameters (``docs/results/memory-rows.md``).
 """
 
 import ctypes
@@ -104,9 +105,10 @@ def release_free_pages() -> bool:
     glibc keeps a freed block below its mmap threshold (which grows up to 32 MiB as mapped
     blocks are freed) in its arena, counted in the resident set, for the next allocation of a
     fitting size. The outer step's transients (a fragment's pseudo-gradient, packets, the
-    landing's differences) are sizes the training step does not ask for again, so they stay
-    resident until the next outer step; called after each one (``opt.outer_steps`` changed),
-    this returns them. Costs a walk of the free lists and, for pages reused later, a fault each.
+    landing's differences) are sizes the training step does not ask for again. Call it after
+    every ``opt.step()`` (once per outer step was not enough on the emulated cluster: a step's
+    freed pages are kept again before the next one). Costs a walk of the free lists and a
+    fault for each returned page used again; no step time was measurable on a CPU ResNet-18.
 
     Returns:
         True where it ran (glibc), False elsewhere (another C library: nothing done).
