@@ -11,9 +11,10 @@
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
  * operation the eager path runs (a product and a difference are never fused), in its order.
  *
- * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_sparse_*) split
- * their blocks between OpenMP threads. Built with -fopenmp, this library names libgomp.so.1, which
- * torch's wheels load first: one OpenMP runtime, whose idle threads do not spin beside ours. */
+ * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_sparse_*)
+ * split their blocks between OpenMP threads. Built with -fopenmp, this library names
+ * libgomp.so.1, which torch's wheels load first: one OpenMP runtime, whose idle threads do not
+ * spin beside ours. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -519,7 +520,8 @@ void hvd_sparse_sum(const uint8_t *packets, int64_t stride, int64_t m, int64_t n
     SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
     (void)threads;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t j = 0; j < s.chunks; j++) sparse_sum_chunk(packets, stride, m, &s, j, divisor, out);
+    for (int64_t j = 0; j < s.chunks; j++)
+        sparse_sum_chunk(packets, stride, m, &s, j, divisor, out);
 }
 
 /* Chunk j's kept entries quantized as sparse.py's _encode: lo = the least kept magnitude,

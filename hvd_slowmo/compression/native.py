@@ -167,23 +167,8 @@ def _load() -> ctypes.CDLL | None:
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
             f32 = ctypes.c_float
-            lib.hvd_sparse_encode.argtypes = [
-                p,
-                p,
-                p,
-                f32,
-                i64,
-                i64,
-                i64,
-                i32,
-                i32,
-                p,
-                p,
-                p,
-                p,
-                i64,
-                i32,
-            ]
+            encode_args = [p, p, p, f32, i64, i64, i64, i32, i32, p, p, p, p, i64, i32]
+            lib.hvd_sparse_encode.argtypes = encode_args
             lib.hvd_sparse_sum.argtypes = [p, i64, i64, i64, i64, i64, i32, i32, f32, p, i32]
             for fn in (lib.hvd_sparse_encode, lib.hvd_sparse_sum):
                 fn.restype = None
@@ -193,8 +178,8 @@ def _load() -> ctypes.CDLL | None:
 
 def usable(codec: str, t: Tensor) -> bool:
     """Whether the C kernels run ``codec``'s phases on ``t``'s device here: one of
-    :data:`CODECS` (or ``"sparse"``: :func:`sparse_encode`, :func:`sparse_sum`) on a CPU, not turned
-    off by ``HVD_SLOWMO_NATIVE_CODECS=0``, and the library built.
+    :data:`CODECS` (or ``"sparse"``: :func:`sparse_encode`, :func:`sparse_sum`) on a CPU, not
+    turned off by ``HVD_SLOWMO_NATIVE_CODECS=0``, and the library built.
 
     Args:
         codec: the codec's name.
