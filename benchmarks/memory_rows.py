@@ -11,7 +11,7 @@ temporaries, the allocator's per-thread arenas. Bytes, not time: a busy machine 
 figures, so this may run beside other work.
 
     sudo python benchmarks/memory_rows.py --params 10M        # and 50M (about 3 GB a worker)
-    # glibc's free pages returned after each outer step, an 8 MB fusion buffer
+    # glibc's free pages returned after every step, an 8 MB fusion buffer
     # (docs/results/memory-rows.md):
     HOROVOD_FUSION_THRESHOLD=8388608 sudo -E python benchmarks/memory_rows.py --params 10M \
         --release-free-pages step

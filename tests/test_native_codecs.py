@@ -163,22 +163,32 @@ def test_fewer_elements_than_workers_leave_chunks_empty(codec, n):
     assert all(torch.equal(g, w) for g, w in zip(run_threads(5, fn), want))
 
 
-@pytest.mark.parametrize("codec", native.CODECS)
-def test_threads_split_the_work_without_changing_a_bit(monkeypatch, codec):
-    size, block = 50 * 256 + 9, 256
-    rows = awkward(2 * size, seed=7).view(2, size)
+def on_1_2_and_3_threads(monkeypatch, fn):
+    """``fn()``'s results on 1 thread, then on 2 and 3 (every phase split however small)."""
     outs = []
     for threads, least in ((1, 1 << 30), (2, 1), (3, 1)):
         monkeypatch.setattr(native, "_MIN_PER_THREAD", least)
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            out = torch.empty(2, encoded_nbytes(size, codec, block), dtype=torch.uint8)
-            native.encode_rows(codec, rows, block, out)
-            decoded = native.decode_rows(codec, out, size, block, torch.empty(2, size))
-            outs.append((out, native.reduce(codec, list(out), size, block), decoded))
+            outs.append(fn())
         finally:
             torch.set_num_threads(previous)
+    return outs
+
+
+@pytest.mark.parametrize("codec", native.CODECS)
+def test_threads_split_the_work_without_changing_a_bit(monkeypatch, codec):
+    size, block = 50 * 256 + 9, 256
+    rows = awkward(2 * size, seed=7).view(2, size)
+
+    def phases():
+        out = torch.empty(2, encoded_nbytes(size, codec, block), dtype=torch.uint8)
+        native.encode_rows(codec, rows, block, out)
+        decoded = native.decode_rows(codec, out, size, block, torch.empty(2, size))
+        return out, native.reduce(codec, list(out), size, block), decoded
+
+    outs = on_1_2_and_3_threads(monkeypatch, phases)
     for got in outs[1:]:
         assert all(same(a.view(-1).float(), b.view(-1).float()) for a, b in zip(got, outs[0]))
 
@@ -322,17 +332,13 @@ def test_sparse_threads_split_the_work_without_changing_a_bit(monkeypatch):
     from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode_feedback, sparse_sum
 
     n, codec = 37 * 512 + 5, SparseCodec(density=0.05, bits=2, chunk=512)
-    outs = []
-    for threads, least in ((1, 1 << 30), (2, 1), (3, 1)):
-        monkeypatch.setattr(native, "_MIN_PER_THREAD", least)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            residual = awkward(n, seed=3)
-            packet = sparse_encode_feedback(residual, codec, residual)
-            outs.append((packet, residual, sparse_sum(torch.stack([packet] * 3), n, codec)))
-        finally:
-            torch.set_num_threads(previous)
+
+    def phases():
+        residual = awkward(n, seed=3)
+        packet = sparse_encode_feedback(residual, codec, residual)
+        return packet, residual, sparse_sum(torch.stack([packet] * 3), n, codec)
+
+    outs = on_1_2_and_3_threads(monkeypatch, phases)
     for got in outs[1:]:
         assert torch.equal(got[0], outs[0][0])
         assert same(got[1], outs[0][1]) and same(got[2], outs[0][2])
