@@ -167,8 +167,10 @@ def _load() -> ctypes.CDLL | None:
                 for fn in (encode, decode, reduce_):
                     fn.restype = None
             f32 = ctypes.c_float
-            encode_args = [p, p, p, f32, i64, i64, i64, i32, i32, p, p, p, p, i64, i32]
-            lib.hvd_sparse_encode.argtypes = encode_args
+            lib.hvd_sparse_encode.argtypes = [
+                *(p, p, p, f32, i64, i64, i64, i32, i32),
+                *(p, p, p, p, i64, i32),
+            ]
             lib.hvd_sparse_sum.argtypes = [p, i64, i64, i64, i64, i64, i32, i32, f32, p, i32]
             for fn in (lib.hvd_sparse_encode, lib.hvd_sparse_sum):
                 fn.restype = None
