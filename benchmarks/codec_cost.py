@@ -38,6 +38,7 @@ from bench_timing import median_ms  # benchmarks/, beside this script
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.compression import CODECS, as_codec
 from hvd_slowmo.compression.means import mean_start
+from hvd_slowmo.compression.offload import Scratch
 
 #: The codecs measured first, in this order; others of CODECS follow (fp32 is the baseline, no
 #: codec at all, and is left out).
@@ -96,14 +97,15 @@ def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callabl
     spec = as_codec(codec, x.device)
     packet = spec.encode(x)
     residual = torch.zeros_like(x)
-    # The mean lands in a buffer kept from one mean to the next, as the library's averager
-    # keeps one (a new tensor each time would add the first touch of its pages).
+    # The mean lands in a buffer kept from one mean to the next, and its packets in a scratch
+    # kept likewise, as the library's averager keeps them (new tensors each time would add the
+    # first touch of their pages).
     into = torch.empty(spec.sum_numel(n), dtype=torch.float32, device=x.device)
-    echo = Echo(workers)
+    echo, scratch = Echo(workers), Scratch()
     return (
         lambda: spec.encode(x),
         lambda: spec.decode(packet, n),
-        lambda: mean_start(spec, echo, x, "cost", residual, into).wait(),
+        lambda: mean_start(spec, echo, x, "cost", residual, into, scratch).wait(),
         packet.numel(),
     )
 

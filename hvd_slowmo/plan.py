@@ -507,7 +507,8 @@ def memory_parts(
     error-feedback residual (a copy, of the node's shard when hierarchical; none for fp32), the
     outer step in flight (with ``overlap``: the sent copy and the snapshot of one fragment), and
     the codec's scratch (``hvd_slowmo.compression.averager``: kept and shared by the fragments,
-    one fragment's buffer, its pseudo-gradient and then its mean).
+    one fragment's buffer, its pseudo-gradient and then its mean, and a flat dense codec's
+    packets of it).
     :func:`hvd_slowmo.memory.held_bytes` measures the kept parts of a running optimizer.
 
     Args:
@@ -526,9 +527,16 @@ def memory_parts(
     compressed = setting.codec != "fp32"
     shard = cluster.per_node if setting.hierarchical else 1
     # Kept across outer steps and shared by the fragments (their averages run one at a time):
-    # one fragment's buffer, the pseudo-gradient and then the mean. The encode's and decode's
-    # own temporaries (a few slices, hvd_slowmo.compression.codecs.SLICE) are left out.
+    # one fragment's buffer, the pseudo-gradient and then the mean; a flat dense codec's
+    # packets too (every chunk's, and the reduced one). The encode's and decode's own
+    # temporaries (a few slices, hvd_slowmo.compression.codecs.SLICE) are left out.
     scratch = fragment
+    from .compression import CODECS, encoded_nbytes
+
+    if setting.codec in CODECS and compressed and not setting.hierarchical:
+        sizes = _shards(fragment // 4, cluster.workers)
+        scratch += sum(encoded_nbytes(s, setting.codec) for s in sizes)
+        scratch += encoded_nbytes(sizes[0], setting.codec)
     return {
         "parameters": copy,
         "gradients": copy,

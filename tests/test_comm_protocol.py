@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_slowmo import DistributedOptimizer
-from hvd_slowmo.comm.base import PendingAverage, PendingExchange, PendingTensors
+from hvd_slowmo.comm.base import PendingAverage, PendingExchange, PendingTensors, joined
 from hvd_slowmo.comm.hierarchy import Hierarchy
 from hvd_slowmo.comm.local import ThreadWorld, run_threads
 from hvd_slowmo.compression.exchange import PendingMean
@@ -139,3 +139,21 @@ def test_a_thread_world_of_one_counts_nothing():
     comm = ThreadWorld(1).communicator(0)
     comm.average_([torch.ones(3)], "a")
     assert comm.bytes_sent == 0
+
+
+def test_joined_views_packets_of_one_buffer_and_copies_anything_else():
+    buffer = torch.arange(12, dtype=torch.uint8)
+    pieces = list(buffer[1:].split([3, 0, 4, 4]))  # an empty piece too
+    view = joined(pieces)
+    assert torch.equal(view, buffer[1:]) and view.data_ptr() == buffer[1:].data_ptr()
+    assert joined(pieces[:1]).data_ptr() == pieces[0].data_ptr()
+    other = torch.arange(5, dtype=torch.uint8)
+    for apart in (
+        [buffer[:3], buffer[4:8]],  # a gap
+        [buffer[4:8], buffer[:4]],  # out of order
+        [buffer[:3], other],  # two storages
+        [buffer[0:6:2], buffer[6:9]],  # strided
+    ):
+        out = joined(apart)
+        assert torch.equal(out, torch.cat(apart))
+        assert all(out.data_ptr() != t.data_ptr() for t in apart), "a copy"

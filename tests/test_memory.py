@@ -6,6 +6,7 @@ import torch
 
 from hvd_slowmo import DistributedOptimizer
 from hvd_slowmo.comm.local import run_threads
+from hvd_slowmo.compression import encoded_nbytes
 from hvd_slowmo.memory import PARTS, held_bytes
 from hvd_slowmo.plan import Cluster, Setting, memory_parts
 
@@ -36,17 +37,21 @@ def run(steps: int, **options):
 def test_each_part_of_an_int8_run_with_an_average_in_flight():
     # Step 9 of tau=4 with overlap=2: the average started at step 8 is in flight (sent and
     # snapshot copies); Adam's two moments, an anchor, a slow buffer, a residual, and the kept
-    # pseudo-gradient buffer, each one copy of the model.
+    # pseudo-gradient buffer, each one copy of the model, and the kept packets (both workers'
+    # chunks and the reduced one).
     held = run(9, codec="int8", error_feedback=True, overlap=2)
     assert list(held) == list(PARTS)
     copy = 4 * N
     assert held["parameters"] == held["gradients"] == held["anchor"] == copy
-    assert held["slow buffer"] == held["residual"] == held["codec scratch"] == copy
+    assert held["slow buffer"] == held["residual"] == copy
+    chunk = encoded_nbytes(N // 2, "int8")  # N is even: two equal chunks
+    assert held["codec scratch"] == copy + 3 * chunk
     assert 2 * copy <= held["optimizer state"] <= 2 * copy + 16  # the moments and step counters
     assert held["in flight"] == 2 * copy
     planned = memory_parts(Setting("int8", overlap=2), N, Cluster(2))
-    for part in ("parameters", "gradients", "anchor", "slow buffer", "residual", "in flight"):
-        assert held[part] == planned[part], part
+    for part in PARTS:
+        if part != "optimizer state":
+            assert held[part] == planned[part], part
 
 
 def test_without_overlap_nothing_is_counted_twice():
@@ -62,6 +67,7 @@ def test_the_fragments_share_one_scratch_buffer(codec):
     # pseudo-gradient, then the mean; sparse: padded to a whole chunk, the sum's length) serves
     # them all, the same storage every outer step, where each fragment kept its own
     # pseudo-gradient buffer and, sparse, its sum buffer before (four or eight times the bytes).
+    # int8 keeps its packets too: two more buffers (the chunks sent, the reduced one), shared.
     fragment = 30 * 30 + 30
 
     def fn(comm):
@@ -90,8 +96,10 @@ def test_the_fragments_share_one_scratch_buffer(codec):
         return held_bytes(opt), pointers
 
     held, pointers = run_threads(2, fn)[0]
-    assert len(pointers[0]) == 1 and pointers[0] == pointers[1] == pointers[2]
-    assert held["codec scratch"] == 4 * (4096 if codec == "sparse" else fragment)
+    assert len(pointers[0]) == (1 if codec == "sparse" else 3)
+    assert pointers[0] == pointers[1] == pointers[2]
+    packets = 3 * encoded_nbytes(fragment // 2, "int8")  # two chunks sent, one reduced
+    assert held["codec scratch"] == (4 * 4096 if codec == "sparse" else 4 * fragment + packets)
 
 
 _FREED_IN_THE_HEAP = """

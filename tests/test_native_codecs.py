@@ -13,6 +13,8 @@ import hvd_slowmo.compression.native as native
 from hvd_slowmo.comm.local import run_threads
 from hvd_slowmo.compression import compressed_mean, encoded_nbytes
 from hvd_slowmo.compression.codecs import decode_rows, encode, encode_rows, to_bytes
+from hvd_slowmo.compression.exchange import PendingMean
+from hvd_slowmo.compression.offload import Scratch
 from hvd_slowmo.divide import div_
 
 
@@ -147,6 +149,37 @@ def test_both_paths_equal_the_reference_on_every_worker(monkeypatch, codec, path
     for rank, (out, residual) in enumerate(got):
         assert torch.equal(out, want[rank]), f"rank {rank}: mean differs from the reference"
         assert torch.equal(residual, want_res[rank]), f"rank {rank}: residual differs"
+
+
+@pytest.mark.parametrize("path", ["0", "1"], ids=["eager", "native"])
+@pytest.mark.parametrize("codec", native.CODECS)
+def test_kept_packet_buffers_serve_successive_means_of_any_size(monkeypatch, codec, path):
+    """Means one after another through one scratch (as the codec thread runs them): each equals
+    the reference, and the packets and the reduced chunk stay in the buffers the first made."""
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", path)
+    m, sizes = 3, [4 * 256 * 3 + 7, 100, 4 * 256 * 3 + 7]
+
+    def fn(comm):
+        scratch, outs, kept = Scratch(), [], []
+        for seed, n in enumerate(sizes):
+            residual = 0.1 * worker_vector(comm.rank, n, seed=10 + seed)
+            flat = worker_vector(comm.rank, n, seed=seed)
+            mean = PendingMean(comm, flat, codec, "t", residual, scratch=scratch).wait()
+            outs.append((mean, residual))
+            kept.append(sorted(b.data_ptr() for b in scratch.buffers))
+        return outs, kept
+
+    got = run_threads(m, fn)
+    for i, n in enumerate(sizes):
+        residuals = [0.1 * worker_vector(r, n, seed=10 + i) for r in range(m)]
+        want, want_res, _ = reference_compressed_mean(
+            [worker_vector(r, n, seed=i) for r in range(m)], codec, 256, residuals
+        )
+        for rank, (outs, kept) in enumerate(got):
+            mean, residual = outs[i]
+            assert torch.equal(mean, want[rank]), f"mean {i}, rank {rank}: differs"
+            assert torch.equal(residual, want_res[rank]), f"mean {i}, rank {rank}: residual"
+            assert len(kept[i]) == 2 and kept[i] == kept[0], "packets and reduced chunk kept"
 
 
 @pytest.mark.parametrize("codec", native.CODECS)

@@ -17,6 +17,7 @@ from .base import (
     PendingExchange,
     PendingTensors,
     filled,
+    joined,
     shard_range,
 )
 from .deadline import collective_timeout, timeout_message, wait_until
@@ -297,7 +298,7 @@ class HorovodCommunicator(Communicator):
         hvd = _hvd()
         splits = torch.tensor([s.numel() for s in sends], dtype=torch.int32)
         handle = hvd.alltoall_async(
-            torch.cat(sends), splits=splits, name=name, process_set=self.process_set
+            joined(sends), splits=splits, name=name, process_set=self.process_set
         )
 
         def finish() -> list[Tensor]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Communicator, PendingAverage, PendingExchange, PendingTensors
+from .base import Communicator, PendingAverage, PendingExchange, PendingTensors, joined
 from .deadline import CollectiveTimeout, collective_timeout, timeout_message, wait_until
 
 __all__ = ["MPICommunicator"]
@@ -371,9 +371,9 @@ class MPICommunicator(Communicator):
     def _alltoall_flat_start(
         self, sends: list[Tensor], recv_numels: list[int], name: str
     ) -> PendingTensors:
-        # Staged through host memory like the average: a collective of the outer step, where the
-        # copy is small next to the wire time.
-        send = torch.cat([s.detach().to("cpu") for s in sends])
+        # Staged through host memory like the average (a GPU's packets: a copy small next to the
+        # wire time); a CPU's packets of one buffer are sent where they lie.
+        send = joined([s.detach().to("cpu") for s in sends])
         recv = torch.empty(sum(recv_numels), dtype=send.dtype)
         etype = self._elem_type(send.element_size())
         counts = [s.numel() for s in sends]

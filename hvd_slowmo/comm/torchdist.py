@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..divide import div_
-from .base import Communicator, PendingAverage, PendingExchange, filled, shard_range
+from .base import Communicator, PendingAverage, PendingExchange, filled, joined, shard_range
 from .deadline import collective_timeout
 from .serial import join_at_exit
 
@@ -333,7 +333,7 @@ class TorchDistCommunicator(Communicator):
     ) -> list[Tensor]:
         dtype, size = sends[0].dtype, sends[0].element_size()
         # As bytes: every dtype travels (int8 and fp8 codes, bf16), on every backend.
-        send = torch.cat([s.detach().reshape(-1) for s in sends]).view(torch.uint8)
+        send = joined([s.detach().reshape(-1) for s in sends]).view(torch.uint8)
         recv = send.new_empty(sum(recv_numels) * size)
         with self._named(f"alltoall {name!r}"):
             dist.all_to_all_single(

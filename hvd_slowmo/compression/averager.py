@@ -126,7 +126,8 @@ class PseudoGradientAverage:
                 self.residual = torch.zeros_like(flat)
             self.residual = residual = self.residual.to(flat.device)  # a loaded one: on the CPU
         out = buffer[:into] if into else None
-        return mean_start(self.codec, self.comm, flat, name, residual, out)
+        scratch = self._scratch if offloaded else None  # packets too: one mean at a time
+        return mean_start(self.codec, self.comm, flat, name, residual, out, scratch)
 
     @staticmethod
     @torch.no_grad()

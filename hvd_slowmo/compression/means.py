@@ -9,6 +9,7 @@ from torch import Tensor
 from ..comm.base import Communicator
 from .codecs import Codec
 from .exchange import PendingMean
+from .offload import Scratch
 from .sparse_exchange import PendingSparseMean
 from .sparse_owners import PendingOwnerSparseMean
 
@@ -25,6 +26,7 @@ def mean_start(
     name: str,
     residual: Tensor | None = None,
     out: Tensor | None = None,
+    scratch: Scratch | None = None,
 ) -> PendingCodecMean:
     """Start the average of ``flat`` over ``comm``'s workers through ``codec``'s packets
     (collective); the handle's ``wait()`` returns the decoded average, the same bits on every
@@ -38,9 +40,13 @@ def mean_start(
         residual: this worker's error-feedback residual, updated in place, or None.
         out: a buffer of ``codec.sum_numel(n)`` float32 the mean is written into (the dense
             codecs' decoded chunks, the sparse all-gather's sum), or None: a new one.
+        scratch: buffers the dense codecs' packets are kept in from one mean to the next, where
+            the caller waits for each mean before it starts the next
+            (:class:`~hvd_slowmo.compression.exchange.PendingMean`), or None: new ones.
     """
     if codec.exchange == "dense":
-        return PendingMean(comm, flat, codec.name, name, residual, codec.block, out)  # type: ignore[attr-defined]
+        name_, block = codec.name, codec.block  # type: ignore[attr-defined]
+        return PendingMean(comm, flat, name_, name, residual, block, out, scratch)
     if codec.exchange == "owners":
         return PendingOwnerSparseMean(comm, flat, codec, name, residual)  # type: ignore[arg-type]
     return PendingSparseMean(comm, flat, codec, name, residual, out=out)  # type: ignore[arg-type]

@@ -262,7 +262,9 @@ def encode_rows(
     )  # fmt: skip
 
 
-def reduce(codec: str, packets: list[Tensor], size: int, block: int) -> Tensor:
+def reduce(
+    codec: str, packets: list[Tensor], size: int, block: int, out: Tensor | None = None
+) -> Tensor:
     """The reduced packet of the received ones: decoded, summed in rank order, divided by their
     count, encoded; the bits of the eager reduce (:class:`~.exchange.PendingMean`).
 
@@ -272,16 +274,19 @@ def reduce(codec: str, packets: list[Tensor], size: int, block: int) -> Tensor:
             they lie: no copy into one matrix).
         size: the chunk's elements.
         block: elements per scale (int8).
+        out: a contiguous uint8 buffer of one packet's bytes to write it into, or None: a new one.
 
     Returns:
-        A new uint8 packet.
+        The uint8 packet: ``out``, or a new one.
     """
     unit, m = _unit(codec, block), len(packets)
     if size == 0:
         return packets[0].new_empty(0)
     for p in packets:
         assert p.dtype == torch.uint8 and p.device.type == "cpu" and p.is_contiguous()
-    reduced = packets[0].new_empty(packets[0].numel())
+    reduced = packets[0].new_empty(packets[0].numel()) if out is None else out
+    assert reduced.dtype == torch.uint8 and reduced.is_contiguous()
+    assert reduced.numel() == packets[0].numel()
     threads = _threads(m * size)
     scratch = torch.empty(threads * unit, dtype=torch.float32)  # one unit's sum a thread
     pointers = (ctypes.c_void_p * m)(*(p.data_ptr() for p in packets))

@@ -73,28 +73,31 @@ class CodecJob:
 
 
 class Scratch:
-    """Float32 buffers for work that runs one piece at a time (a :class:`CodecThread`'s jobs, or
+    """Buffers for work that runs one piece at a time (a :class:`CodecThread`'s jobs, or
     the averages started on the training thread), one per role and device: each user takes a
     buffer and is done with it before the next one takes it, so every fragment's average shares
     one, of the largest fragment's size, instead of keeping one of its own (the buffers of all
     fragments together were a copy of the model per role)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def take(self, role: str, numel: int, device: torch.device) -> torch.Tensor:
+    def take(
+        self, role: str, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """The first ``numel`` elements of the ``role`` buffer on ``device`` (made, or made
         larger, the first time a size needs it; its contents are whatever the last user left).
 
         Args:
-            role: what the buffer is for (the pseudo-gradient, a sum).
+            role: what the buffer is for (the pseudo-gradient, a sum, the packets sent).
             numel: the elements needed.
             device: where.
+            dtype: the elements' type (float32; uint8 for packets).
         """
-        key = (role, device)
+        key = (role, device, dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
     @property
