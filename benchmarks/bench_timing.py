@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["median_ms", "sync"]
+__all__ = ["median_ms", "median_ms_beside", "sync"]
 
 
 def sync(device: torch.device) -> None:
@@ -38,3 +38,29 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
         sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def median_ms_beside(
+    fn: Callable[[], object], baseline: Callable[[], object], repeats: int, device: torch.device
+) -> tuple[float, float]:
+    """The median wall times of ``fn`` and of ``baseline`` in ms, their calls alternating
+    (after one untimed call of each): a machine whose speed drifts (a neighbour's memory
+    traffic, the clock) moves both alike, so their ratio is steadier than two runs apart.
+
+    Args:
+        fn: the work.
+        baseline: what it is compared with (a copy of the same bytes).
+        repeats: timed calls of each.
+        device: where they run.
+    """
+    fn()
+    baseline()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for f, out in ((fn, times[0]), (baseline, times[1])):
+            sync(device)
+            t0 = time.perf_counter()
+            f()
+            sync(device)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])

@@ -14,9 +14,9 @@ CPU and, where there is one, on the GPU, the median over repeats of:
     copy: the error feedback, the encode, (dense codecs) the decode and sum of ``workers``
     chunks, the re-encode and the decode of the gathered chunks, (sparse) the decode and sum
     of ``workers`` packets;
-  - copy: a plain ``copy_`` of the same float32 bytes, timed beside each codec in the same run,
-    and the encode's, the decode's and the mean's cost as multiples of it (the issue's target:
-    the mean within 5x of a copy).
+  - copy: a plain ``copy_`` of the same float32 bytes, its calls alternating with the mean's
+    (a drift of the machine's speed moves both alike), and the encode's, the decode's and the
+    mean's cost as multiples of it (the issue's target: the mean within 5x of a copy).
 Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``), the median of
 ``--repeats``; ``uptime`` is printed before and after (timings are only worth reading from a
 quiet machine: a load average near the number of cores means they are not). Printed as a
@@ -33,7 +33,7 @@ import subprocess
 from collections.abc import Callable
 
 import torch
-from bench_timing import median_ms  # benchmarks/, beside this script
+from bench_timing import median_ms, median_ms_beside  # benchmarks/, beside this script
 
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.compression import CODECS, as_codec
@@ -122,8 +122,8 @@ def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: 
         out = torch.empty_like(x)
         row["encode_ms_per_mb"] = median_ms(enc, repeats, device) / per_mb
         row["decode_ms_per_mb"] = median_ms(dec, repeats, device) / per_mb
-        row["mean_ms_per_mb"] = median_ms(mean, repeats, device) / per_mb
-        row["copy_ms_per_mb"] = median_ms(lambda: out.copy_(x), repeats, device) / per_mb
+        mean_ms, copy_ms = median_ms_beside(mean, lambda: out.copy_(x), repeats, device)
+        row["mean_ms_per_mb"], row["copy_ms_per_mb"] = mean_ms / per_mb, copy_ms / per_mb
         for step in ("encode", "decode", "mean"):
             row[f"{step}_per_copy"] = row[f"{step}_ms_per_mb"] / row["copy_ms_per_mb"]
         row["wire_bytes_per_fp32_byte"] = nbytes / (n * 4)

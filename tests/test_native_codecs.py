@@ -282,19 +282,39 @@ def test_fp8_rounds_every_tie_and_its_neighbours_as_torch_casts():
     assert torch.equal(got, want)
 
 
+@pytest.fixture(scope="module")
+def portable_cache(tmp_path_factory):
+    """Where the portable builds of this module's tests are cached (one compile)."""
+    return tmp_path_factory.mktemp("portable-kernels")
+
+
+def use_build(monkeypatch, build: str, cache) -> None:
+    """``native``: the library as built for this machine (-march=native: here AVX-512, the
+    vector paths of the sparse codec); ``portable``: built for any x86-64 (no -march), so the
+    scalar paths run, as on a CPU without AVX-512."""
+    if build == "portable":
+        monkeypatch.setattr(native, "_VARIANTS", (["-fopenmp"], []))
+        monkeypatch.setenv("HVD_SLOWMO_CACHE", str(cache))
+        monkeypatch.setattr(native, "_LIB", None)
+        monkeypatch.setattr(native, "_TRIED", False)
+
+
 @pytest.mark.parametrize(
     "chunk,density,bits",
     [(4096, 0.02, 2), (7, 0.5, 4), (64, 1.0, 8), (65536, 0.001, 2), (2, 0.5, 2)],
 )
 @pytest.mark.parametrize("layout", ["random", "increasing", "on-the-sample"])
-def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits, layout):
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_sparse_encode_equals_the_eager_encode(
+    monkeypatch, portable_cache, build, chunk, density, bits, layout
+):
     """The C encode keeps the entries of the eager ``topk`` of the codec's keys and packs them
     into the same bytes, and its error feedback (also with the decayed sum before it) leaves
     the same residual: magnitude ties (broken
     by position), NaN, infinities, signed zeros, a short last chunk, positions of more and fewer
     than 8 bits; magnitudes increasing along each chunk (every entry displaces one); and the
     large entries on exactly the sampled positions, so that fewer than k pass the threshold and
-    every key is a candidate (the fallback)."""
+    every key is a candidate (the fallback). On both builds (:func:`use_build`)."""
     from hvd_slowmo.compression.sparse import (
         SparseCodec,
         sparse_encode,
@@ -313,6 +333,7 @@ def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits
     x[::7] = x[::7].round()
     x[min(3, n - 1)], x[min(11, n - 1)], x[n // 2] = float("nan"), -float("inf"), -0.0
     codec = SparseCodec(density=density, bits=bits, chunk=chunk)
+    use_build(monkeypatch, build, portable_cache)
     decayed = SparseCodec(density=density, bits=bits, chunk=chunk, ef_decay=0.9)
     carried = torch.randn(n, generator=g)
 
@@ -334,18 +355,20 @@ def test_sparse_encode_equals_the_eager_encode(monkeypatch, chunk, density, bits
     assert same(got[2], want[2]) and same(got[4], want[4])  # residuals
 
 
-@pytest.mark.parametrize("path", ["0", "1"], ids=["eager", "native"])
+@pytest.mark.parametrize("path", ["0", "1", "portable"], ids=["eager", "native", "portable"])
 @pytest.mark.parametrize("m", [2, 3, 5])
-def test_sparse_mean_of_both_paths_equals_the_reference(monkeypatch, path, m):
-    """The all-gather sparse mean with decayed error feedback (the C encode and sum, or the
-    eager ones) against the hand-written reference: every worker's mean and residual."""
+def test_sparse_mean_of_both_paths_equals_the_reference(monkeypatch, portable_cache, path, m):
+    """The all-gather sparse mean with decayed error feedback (the C encode and sum, on either
+    build, or the eager ones) against the hand-written reference: every worker's mean and
+    residual."""
     from reference_sparse import sparse_mean as reference_sparse_mean
     from reference_sparse import vector
 
     from hvd_slowmo.compression.sparse import SparseCodec
     from hvd_slowmo.compression.sparse_exchange import sparse_mean
 
-    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", path)
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0" if path == "0" else "1")
+    use_build(monkeypatch, "portable" if path == "portable" else "native", portable_cache)
     n, codec = 5 * 64 + 13, SparseCodec(density=0.1, bits=4, chunk=64, ef_decay=0.95)
 
     def fn(comm):

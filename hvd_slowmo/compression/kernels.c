@@ -17,7 +17,11 @@
  * spin beside ours. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -402,6 +406,99 @@ static void heap_largest(const uint64_t *keys, int64_t n, int64_t k, uint64_t *h
     }
 }
 
+/* out[0, k) becomes the k largest of keys[0, n) (n >= k, no two equal), in decreasing order:
+ * each key's rank is the count of keys above it. Branch-free compares, which vectorize: for
+ * the few candidates past a threshold, faster than a heap, whose every comparison is a branch
+ * that a random order mispredicts half the time. */
+static void rank_largest(const uint64_t *keys, int64_t n, int64_t k, uint64_t *out) {
+    enum { SWEEP = 8 }; /* keys a sweep: each load serves SWEEP compares */
+    int64_t i = 0;
+    for (; i + SWEEP <= n; i += SWEEP) {
+        int64_t above[SWEEP] = {0};
+        for (int64_t j = 0; j < n; j++)
+            for (int s = 0; s < SWEEP; s++) above[s] += keys[j] > keys[i + s];
+        for (int s = 0; s < SWEEP; s++)
+            if (above[s] < k) out[above[s]] = keys[i + s];
+    }
+    for (; i < n; i++) {
+        int64_t above = 0;
+        for (int64_t j = 0; j < n; j++) above += keys[j] > keys[i];
+        if (above < k) out[above] = keys[i];
+    }
+}
+
+/* Candidates up to which ranks are counted (n^2 compares), beyond them the heap. */
+#define RANK_MAX 512
+
+#ifdef __AVX512F__
+/* rank_largest by the magnitudes alone (a key's upper bits), sixteen 32-bit lanes a compare:
+ * each key's slot is the count of magnitudes at or above its own, less one. Every slot is at
+ * least the key's rank, and they sum to the ranks' sum (n (n - 1) / 2) only where no two
+ * magnitudes are equal: then out is rank_largest's; else (returns 0) nothing is written.
+ * The magnitudes are padded with zeros to whole vectors (a zero magnitude's count less them).
+ * n <= RANK_MAX. */
+static int rank_largest_magnitudes(const uint64_t *keys, int64_t n, int64_t k, uint64_t *out) {
+    enum { SWEEP = 8 };
+    uint32_t magnitudes[RANK_MAX + 16] __attribute__((aligned(64)));
+    int32_t slots[RANK_MAX];
+    int64_t padded = (n + 15) & ~(int64_t)15, total = 0;
+    for (int64_t i = 0; i < padded; i++) magnitudes[i] = i < n ? (uint32_t)(keys[i] >> 16) : 0u;
+    const __m512i one = _mm512_set1_epi32(1);
+    for (int64_t i = 0; i < n; i += SWEEP) {
+        __m512i mine[SWEEP], at_or_above[SWEEP];
+        for (int s = 0; s < SWEEP; s++) {
+            mine[s] = _mm512_set1_epi32((int)magnitudes[i + s < n ? i + s : i]);
+            at_or_above[s] = _mm512_setzero_si512();
+        }
+        for (int64_t j = 0; j < padded; j += 16) {
+            __m512i v = _mm512_load_si512(magnitudes + j);
+            for (int s = 0; s < SWEEP; s++)
+                at_or_above[s] = _mm512_mask_add_epi32(
+                    at_or_above[s], _mm512_cmpge_epu32_mask(v, mine[s]), at_or_above[s], one);
+        }
+        for (int s = 0; s < SWEEP && i + s < n; s++) {
+            int32_t count = _mm512_reduce_add_epi32(at_or_above[s]);
+            slots[i + s] = count - 1 - (magnitudes[i + s] == 0u ? (int32_t)(padded - n) : 0);
+        }
+    }
+    for (int64_t i = 0; i < n; i++) total += slots[i];
+    if (total != n * (n - 1) / 2) return 0;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < k) out[slots[i]] = keys[i];
+    return 1;
+}
+#else
+static int rank_largest_magnitudes(const uint64_t *keys, int64_t n, int64_t k, uint64_t *out) {
+    (void)keys, (void)n, (void)k, (void)out;
+    return 0; /* rank_largest's 64-bit compares instead */
+}
+#endif
+
+/* The positions i < len whose |row[i]|'s bits are at or above least, in increasing order, into
+ * passing (room for len + 16); returns their count. With AVX-512, sixteen at a time: a mask
+ * of those that pass compresses the positions in a register, which is stored whole (the lanes
+ * past the count are overwritten by the next store). */
+static int64_t pass_threshold(const float *row, int64_t len, uint32_t least, uint32_t *passing) {
+    int64_t passed = 0, i = 0;
+#ifdef __AVX512F__
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), bar = _mm512_set1_epi32((int)least);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= len; i += 16) {
+        __m512i bits = _mm512_and_si512(_mm512_loadu_si512(row + i), magnitude);
+        __mmask16 pass = _mm512_cmpge_epu32_mask(bits, bar);
+        _mm512_storeu_si512(passing + passed, _mm512_maskz_compress_epi32(pass, index));
+        passed += __builtin_popcount((unsigned)pass);
+        index = _mm512_add_epi32(index, sixteen);
+    }
+#endif
+    for (; i < len; i++) { /* without a branch: every position written, the count moves on */
+        passing[passed] = (uint32_t)i;
+        passed += abs_bits(row[i]) >= least;
+    }
+    return passed;
+}
+
 #define SAMPLE_STRIDE 16
 
 static inline uint64_t key_at(const float *row, int64_t len, int64_t chunk, int64_t i) {
@@ -409,8 +506,18 @@ static inline uint64_t key_at(const float *row, int64_t len, int64_t chunk, int6
     return bits << 16 | (uint64_t)(chunk - 1 - i);
 }
 
+/* The position a key names and the value there (zero in the padding). */
+static inline void entry_of(const float *row, int64_t len, int64_t chunk, uint64_t key,
+                            int64_t *index, float *kept) {
+    int64_t position = chunk - 1 - (int64_t)(key & 0xffffu);
+    *index = position;
+    *kept = position < len ? row[position] : 0.0f;
+}
+
 /* Chunk `row` (len of its chunk elements are the vector's, the rest zeros): its k positions by
- * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch. */
+ * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch (the
+ * positions that pass, chunk + 16 at most, fit in its first half for chunk >= 16; a shorter
+ * chunk takes no sample). */
 static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k, uint64_t *keys,
                         int64_t *index, float *kept) {
     uint64_t *candidates = keys + chunk, *heap = NULL;
@@ -421,11 +528,7 @@ static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k,
         heap_largest(candidates, samples, want, candidates + samples);
         uint32_t least = (uint32_t)(candidates[samples] >> 16); /* the want-th largest sample's */
         uint32_t *passing = (uint32_t *)keys; /* positions: the first half of keys */
-        int64_t passed = 0;
-        for (int64_t i = 0; i < len; i++) {
-            passing[passed] = (uint32_t)i;
-            passed += abs_bits(row[i]) >= least;
-        }
+        int64_t passed = pass_threshold(row, len, least, passing);
         for (int64_t i = len; i < chunk && least == 0u; i++) passing[passed++] = (uint32_t)i;
         if (passed >= k) {
             for (int64_t c = 0; c < passed; c++)
@@ -440,14 +543,18 @@ static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k,
         candidates = keys;
         count = chunk;
     }
+    if (count <= RANK_MAX) {
+        if (!rank_largest_magnitudes(candidates, count, k, heap)) /* two magnitudes equal */
+            rank_largest(candidates, count, k, heap);             /* a list, decreasing, here */
+        for (int64_t s = 0; s < k; s++) entry_of(row, len, chunk, heap[s], index + s, kept + s);
+        return;
+    }
     heap_largest(candidates, count, k, heap);
     for (int64_t s = k; s > 0; s--) { /* the least key last: decreasing order */
         uint64_t key = heap[0];
         heap[0] = heap[s - 1];
         sift_down(heap, s - 1, 0);
-        int64_t position = chunk - 1 - (int64_t)(key & 0xffffu);
-        index[s - 1] = position;
-        kept[s - 1] = position < len ? row[position] : 0.0f;
+        entry_of(row, len, chunk, key, index + s - 1, kept + s - 1);
     }
 }
 
@@ -459,6 +566,12 @@ static inline uint32_t stream_bits(const uint8_t *stream, int64_t e, int width) 
     uint32_t v = at[0];
     if ((t & 7) + width > 8) v |= (uint32_t)at[1] << 8; /* the value runs into the next byte */
     return (v >> (t & 7)) & ((1u << width) - 1u);
+}
+
+/* -v where negative is 1, v where 0: the sign bit flipped without a branch (a sign is as likely
+ * one way as the other, so a branch on it mispredicts half the time). */
+static inline float with_sign(float v, uint32_t negative) {
+    return float_of_bits(bits_of_float(v) ^ negative << 31);
 }
 
 /* A sparse packet's layout (sparse.py: every chunk's lo, then every chunk's step, float32; the
@@ -487,13 +600,32 @@ static inline int64_t sparse_position(const uint8_t *packet, const SparseLayout 
     return (int64_t)index[e] | (int64_t)stream_bits(index + entries, e, s->index_bits - 8) << 8;
 }
 
-/* Adds chunk j of every packet (m, in order) into out[j * chunk, (j + 1) * chunk): decoded as
- * sparse.py's _decode_rows (|v| = lo + q * step, one rounding each, then the sign) and added
- * as index_add_ does, one float32 add per entry, the packets in rank order. */
+/* dst[0, len) = acc[i] / divisor (1: acc itself). With AVX-512 and dst on 64 bytes, sixteen at a
+ * time by non-temporal stores: dst's lines go to memory without being read first (the whole sum
+ * is written once, where a store through the cache reads each line before it writes it). The
+ * same IEEE division either way. */
+static void store_divided(const float *acc, int64_t len, float divisor, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (((uintptr_t)dst & 63u) == 0 && ((uintptr_t)acc & 63u) == 0) {
+        const __m512 d = _mm512_set1_ps(divisor);
+        for (; i + 16 <= len; i += 16) {
+            __m512 v = _mm512_load_ps(acc + i);
+            _mm512_stream_ps(dst + i, divisor != 1.0f ? _mm512_div_ps(v, d) : v);
+        }
+    }
+#endif
+    for (; i < len; i++) dst[i] = divisor != 1.0f ? acc[i] / divisor : acc[i];
+}
+
+/* Adds chunk j of every packet (m, in order) into acc (chunk floats, zeroed here), then stores
+ * it divided into out[j * chunk, (j + 1) * chunk): decoded as sparse.py's _decode_rows (|v| =
+ * lo + q * step, one rounding each, then the sign) and added as index_add_ does, one float32
+ * add per entry, the packets in rank order. */
 static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
-                             const SparseLayout *s, int64_t j, float divisor, float *out) {
-    float *dst = out + j * s->chunk;
-    memset(dst, 0, (size_t)s->chunk * sizeof(float));
+                             const SparseLayout *s, int64_t j, float divisor, float *acc,
+                             float *out) {
+    memset(acc, 0, (size_t)s->chunk * sizeof(float));
     uint32_t magnitude = (1u << (s->bits - 1)) - 1u;
     for (int64_t r = 0; r < m; r++) {
         const uint8_t *packet = packets + r * stride;
@@ -503,25 +635,33 @@ static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
         for (int64_t e = j * s->k; e < (j + 1) * s->k; e++) {
             uint32_t code = stream_bits(packet + s->codes_at, e, s->bits);
             float size = (float)(code & magnitude) * step + lo;
-            dst[sparse_position(packet, s, e)] += code >> (s->bits - 1) ? -size : size;
+            acc[sparse_position(packet, s, e)] += with_sign(size, code >> (s->bits - 1));
         }
     }
-    if (divisor != 1.0f)
-        for (int64_t i = 0; i < s->chunk; i++) dst[i] = dst[i] / divisor;
+    store_divided(acc, s->chunk, divisor, out + j * s->chunk);
 }
 
 /* The sum of m sparse packets (rows `stride` bytes apart) of vectors of n elements into out
  * (whole chunks: num_blocks(n, chunk) * chunk floats), every element's adds in rank order from
  * +0.0, then divided by divisor (an IEEE division; 1: none): the bits of sparse.py's
- * sparse_sum. */
+ * sparse_sum. Each thread adds a chunk in a buffer of its own, which stays in its cache; one
+ * it cannot have (no memory) adds in out itself. */
 void hvd_sparse_sum(const uint8_t *packets, int64_t stride, int64_t m, int64_t n, int64_t chunk,
                     int64_t k, int bits, int index_bits, float divisor, float *out,
                     int threads) {
     SparseLayout s = sparse_layout(n, chunk, k, bits, index_bits);
     (void)threads;
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t j = 0; j < s.chunks; j++)
-        sparse_sum_chunk(packets, stride, m, &s, j, divisor, out);
+    _Pragma("omp parallel num_threads(threads)") {
+        size_t bytes = ((size_t)chunk * sizeof(float) + 63u) & ~(size_t)63u;
+        float *acc = aligned_alloc(64, bytes);
+        _Pragma("omp for schedule(static)") for (int64_t j = 0; j < s.chunks; j++)
+            sparse_sum_chunk(packets, stride, m, &s, j, divisor,
+                             acc ? acc : out + j * chunk, out);
+        free(acc);
+#ifdef __AVX512F__
+        _mm_sfence(); /* the non-temporal stores seen before the threads join */
+#endif
+    }
 }
 
 /* Chunk j's kept entries quantized as sparse.py's _encode: lo = the least kept magnitude,
@@ -539,8 +679,7 @@ static void sparse_quantize(const float *kept, int64_t k, int bits, float *lo_ou
         level = level < 0.0f ? 0.0f : (level > levels ? levels : level);
         int negative = kept[i] < 0.0f;
         codes[i] = (uint8_t)((uint32_t)level | (uint32_t)negative << (bits - 1));
-        float size = level * step + lo;
-        decoded[i] = negative ? -size : size;
+        decoded[i] = with_sign(level * step + lo, (uint32_t)negative);
     }
     *lo_out = lo;
     *step_out = step;
