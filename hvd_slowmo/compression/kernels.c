@@ -10,6 +10,9 @@
  *
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
  * operation the eager path runs (a product and a difference are never fused), in its order.
+ * Where the compiler targets AVX-512 (-march=native on such a CPU), the sparse codec's threshold
+ * pass, ranks and sum stores use its intrinsics; elsewhere the same loops in plain C, with the
+ * same bits.
  *
  * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_sparse_*)
  * split their blocks between OpenMP threads. Built with -fopenmp, this library names
@@ -475,9 +478,9 @@ static int rank_largest_magnitudes(const uint64_t *keys, int64_t n, int64_t k, u
 #endif
 
 /* The positions i < len whose |row[i]|'s bits are at or above least, in increasing order, into
- * passing (room for len + 16); returns their count. With AVX-512, sixteen at a time: a mask
- * of those that pass compresses the positions in a register, which is stored whole (the lanes
- * past the count are overwritten by the next store). */
+ * passing (room for len); returns their count. With AVX-512, sixteen at a time: a mask of those
+ * that pass compresses the positions in a register, which is stored whole (its lanes past the
+ * count, still below i + 16 <= len, are overwritten by the next store). */
 static int64_t pass_threshold(const float *row, int64_t len, uint32_t least, uint32_t *passing) {
     int64_t passed = 0, i = 0;
 #ifdef __AVX512F__
@@ -515,9 +518,7 @@ static inline void entry_of(const float *row, int64_t len, int64_t chunk, uint64
 }
 
 /* Chunk `row` (len of its chunk elements are the vector's, the rest zeros): its k positions by
- * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch (the
- * positions that pass, chunk + 16 at most, fit in its first half for chunk >= 16; a shorter
- * chunk takes no sample). */
+ * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch. */
 static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k, uint64_t *keys,
                         int64_t *index, float *kept) {
     uint64_t *candidates = keys + chunk, *heap = NULL;
