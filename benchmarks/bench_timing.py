@@ -30,14 +30,16 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> f
         device: where it runs.
     """
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_call_ms(fn, device) for _ in range(repeats))
+
+
+def _call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call of ``fn`` in ms, synchronized on ``device`` before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def median_ms_beside(
@@ -55,12 +57,5 @@ def median_ms_beside(
     """
     fn()
     baseline()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for f, out in ((fn, times[0]), (baseline, times[1])):
-            sync(device)
-            t0 = time.perf_counter()
-            f()
-            sync(device)
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    pairs = [(_call_ms(fn, device), _call_ms(baseline, device)) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)

@@ -371,8 +371,10 @@ ROWS_DRIVERS(fp8)
  * Per chunk: a threshold from a sample of the keys (every 16th: the magnitude of the key of
  * rank about 2k/16 among them), then the positions whose magnitude is at or above it, gathered
  * without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
- * largest key's magnitude is at or above the threshold), else every key is a candidate. The
- * candidates' keys go through a min-heap of k keys, then leave it in decreasing order. */
+ * largest key's magnitude is at or above the threshold), else every key is a candidate. Up to
+ * RANK_MAX candidates are ordered by their counted ranks (rank_largest); more go through a
+ * min-heap of k keys (the sample's threshold uses one too), which they leave in decreasing
+ * order. */
 static void sift_down(uint64_t *heap, int64_t size, int64_t i) {
     for (;;) {
         int64_t least = i, left = 2 * i + 1, right = left + 1;

@@ -333,8 +333,8 @@ def sparse_sum(
     out: Tensor,
     divisor: int = 1,
 ) -> Tensor:
-    """The sum of sparse packets, decoded and added in row order into ``out`` (zeroed here, a
-    chunk at a time), then divided by ``divisor``: the bits of :func:`~.sparse.sparse_sum`'s
+    """The sum of sparse packets, decoded and added in row order from zeros a chunk at a time,
+    divided by ``divisor`` and written into ``out``: the bits of :func:`~.sparse.sparse_sum`'s
     ``index_add_`` and :func:`~hvd_slowmo.divide.div_`.
 
     Args:
@@ -366,8 +366,8 @@ def sparse_encode(
     residual: Tensor | None = None, add: Tensor | None = None, decay: float = 1.0,
 ) -> Tensor:  # fmt: skip
     """The sparse codec's packet of ``x``: per chunk the ``k`` entries of the largest magnitudes
-    (through a sampled threshold and a min-heap of ``k`` keys; the lists of the eager ``topk``
-    of the codec's tie-free keys), their lo and step, positions and codes; the bits of
+    (through a sampled threshold and the candidates' counted ranks; the lists of the eager
+    ``topk`` of the codec's tie-free keys), their lo and step, positions and codes; the bits of
     :func:`~.sparse.sparse_encode`. With ``residual``, what the packet decodes to is subtracted
     from it in place (:func:`~.sparse.sparse_encode_feedback`).
 
