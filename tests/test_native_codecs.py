@@ -413,3 +413,33 @@ def test_fp8_decodes_every_code_as_torch_casts():
         finally:
             torch.set_flush_denormal(False)
         assert same(got, want), f"flush_denormal={flush}"
+
+
+@pytest.mark.parametrize(
+    "chunk,density,bits",
+    [(4096, 0.02, 2), (256, 0.25, 4), (1000, 0.05, 8), (65536, 0.001, 2), (48, 0.75, 4)],
+)
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_sparse_sum_equals_the_eager_sum(monkeypatch, portable_cache, build, chunk, density, bits):
+    """The C sum of packets from different vectors (NaN, infinities, signed zeros among them)
+    equals the eager decode and ``index_add_``, divided and not: positions of 8 bits and fewer
+    (one stream) and more (low bytes and a stream), codes of 2, 4 and 8 bits, and k of 16 and more,
+    so that the AVX-512 build decodes sixteen entries at a time and the group at the packet's
+    end falls back to one at a time. On both builds (:func:`use_build`)."""
+    from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode, sparse_sum
+
+    n = 3 * chunk + chunk // 3 + 1
+    codec = SparseCodec(density=density, bits=bits, chunk=chunk)
+    assert codec.k >= 16
+    rows = []
+    for seed in range(3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+        x[seed], x[n // 2 + seed], x[-1 - seed] = float("nan"), -float("inf"), -0.0
+        rows.append(sparse_encode(x, codec))
+    packets = torch.stack(rows)
+    use_build(monkeypatch, build, portable_cache)
+    got = [sparse_sum(packets, n, codec, divide=d).clone() for d in (1, 3)]
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
+    want = [sparse_sum(packets, n, codec, divide=d) for d in (1, 3)]
+    for g, w in zip(got, want):
+        assert same(g, w)
