@@ -10,9 +10,9 @@
  *
  * Built with -ffp-contract=off and without -ffast-math: every operation is the IEEE float32
  * operation the eager path runs (a product and a difference are never fused), in its order.
- * Where the compiler targets AVX-512 (-march=native on such a CPU), the sparse codec's threshold
- * pass, ranks and sum stores use its intrinsics; elsewhere the same loops in plain C, with the
- * same bits.
+ * Where the compiler targets AVX-512 (-march=native on such a CPU), the sparse codec's sample
+ * threshold, threshold pass, ranks, and the sum's decode and stores use its intrinsics;
+ * elsewhere the same loops in plain C, with the same bits.
  *
  * The exported functions (hvd_<codec>_{encode,decode}_rows, hvd_<codec>_reduce, hvd_sparse_*)
  * split their blocks between OpenMP threads. Built with -fopenmp, this library names
@@ -373,8 +373,10 @@ ROWS_DRIVERS(fp8)
  * without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
  * largest key's magnitude is at or above the threshold), else every key is a candidate. Up to
  * RANK_MAX candidates are ordered by their counted ranks (rank_largest); more go through a
- * min-heap of k keys (the sample's threshold uses one too), which they leave in decreasing
- * order. */
+ * min-heap of k keys, which they leave in decreasing order. The sample's threshold is counted
+ * too with AVX-512 (sample_threshold), else a heap finds it. Any threshold gives the same
+ * entries (at least k at or above it hold the k largest); a good one only keeps the candidates
+ * few. */
 static void sift_down(uint64_t *heap, int64_t size, int64_t i) {
     for (;;) {
         int64_t least = i, left = 2 * i + 1, right = left + 1;
@@ -506,6 +508,54 @@ static int64_t pass_threshold(const float *row, int64_t len, uint32_t least, uin
 
 #define SAMPLE_STRIDE 16
 
+#ifdef __AVX512F__
+/* The want-th largest of the sampled magnitudes |row[s * SAMPLE_STRIDE]| (0 past len), s <
+ * samples, into least; returns 0 (nothing written) where want > 16. Without a heap, whose
+ * sift branches mispredict: the least of sixteen lanes' largest samples is at or below the
+ * sixteenth largest, so the samples at or above it (compressed into m, room for samples + 16
+ * words) hold the want-th largest; it is the largest of them with at least want at or above
+ * it, counted sixteen at a time. */
+static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t want,
+                            uint32_t *m, uint32_t *least) {
+    if (want > 16) return 0;
+    int64_t padded = (samples + 15) & ~(int64_t)15, kept = 0;
+    for (int64_t s = 0; s < padded; s++) {
+        int64_t i = s * SAMPLE_STRIDE;
+        m[s] = s < samples && i < len ? abs_bits(row[i]) : 0u;
+    }
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t s = 0; s < padded; s += 16) top = _mm512_max_epu32(top, _mm512_loadu_si512(m + s));
+    const __m512i bar = _mm512_set1_epi32((int)_mm512_reduce_min_epu32(top));
+    for (int64_t s = 0; s < padded; s += 16) { /* in place: kept <= s */
+        __m512i v = _mm512_loadu_si512(m + s);
+        __mmask16 pass = _mm512_cmpge_epu32_mask(v, bar);
+        _mm512_mask_compressstoreu_epi32(m + kept, pass, v);
+        kept += __builtin_popcount((unsigned)pass);
+    }
+    for (int64_t s = kept; s < ((kept + 15) & ~(int64_t)15); s++) m[s] = 0u; /* never counted */
+    __m512i best = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1), enough = _mm512_set1_epi32((int)want - 1);
+    for (int64_t i = 0; i < kept; i += 16) {
+        __m512i mine = _mm512_loadu_si512(m + i), at_or_above = _mm512_setzero_si512();
+        for (int64_t j = 0; j < kept; j++)
+            at_or_above = _mm512_mask_add_epi32(
+                at_or_above, _mm512_cmpge_epu32_mask(_mm512_set1_epi32((int)m[j]), mine),
+                at_or_above, one);
+        __mmask16 valid = (__mmask16)(kept - i >= 16 ? 0xffffu : (1u << (kept - i)) - 1u);
+        __mmask16 ranked = _mm512_mask_cmpgt_epi32_mask(valid, at_or_above, enough);
+        best = _mm512_mask_max_epu32(best, ranked, best, mine);
+    }
+    *least = _mm512_reduce_max_epu32(best);
+    return 1;
+}
+#else
+static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t want,
+                            uint32_t *m, uint32_t *least) {
+    (void)row, (void)len, (void)samples, (void)want, (void)m, (void)least;
+    return 0; /* the heap of keys instead */
+}
+#endif
+
 static inline uint64_t key_at(const float *row, int64_t len, int64_t chunk, int64_t i) {
     uint64_t bits = i < len ? abs_bits(row[i]) : 0u;
     return bits << 16 | (uint64_t)(chunk - 1 - i);
@@ -526,10 +576,13 @@ static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k,
     uint64_t *candidates = keys + chunk, *heap = NULL;
     int64_t samples = chunk / SAMPLE_STRIDE, want = 2 * k / SAMPLE_STRIDE + 1, count = 0;
     if (samples >= 2 * want && want >= 1) {
-        for (int64_t s = 0; s < samples; s++)
-            candidates[s] = key_at(row, len, chunk, s * SAMPLE_STRIDE);
-        heap_largest(candidates, samples, want, candidates + samples);
-        uint32_t least = (uint32_t)(candidates[samples] >> 16); /* the want-th largest sample's */
+        uint32_t least; /* the want-th largest sample's magnitude */
+        if (!sample_threshold(row, len, samples, want, (uint32_t *)candidates, &least)) {
+            for (int64_t s = 0; s < samples; s++)
+                candidates[s] = key_at(row, len, chunk, s * SAMPLE_STRIDE);
+            heap_largest(candidates, samples, want, candidates + samples);
+            least = (uint32_t)(candidates[samples] >> 16);
+        }
         uint32_t *passing = (uint32_t *)keys; /* positions: the first half of keys */
         int64_t passed = pass_threshold(row, len, least, passing);
         for (int64_t i = len; i < chunk && least == 0u; i++) passing[passed++] = (uint32_t)i;
