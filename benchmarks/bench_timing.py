@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["median_ms", "median_ms_beside", "sync"]
+__all__ = ["cache_flusher", "median_ms", "median_ms_beside", "sync"]
 
 
 def sync(device: torch.device) -> None:
@@ -43,7 +43,11 @@ def _call_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def median_ms_beside(
-    fn: Callable[[], object], baseline: Callable[[], object], repeats: int, device: torch.device
+    fn: Callable[[], object],
+    baseline: Callable[[], object],
+    repeats: int,
+    device: torch.device,
+    before: Callable[[], object] | None = None,
 ) -> tuple[float, float]:
     """The median wall times of ``fn`` and of ``baseline`` in ms, their calls alternating
     (after one untimed call of each): a machine whose speed drifts (a neighbour's memory
@@ -54,8 +58,30 @@ def median_ms_beside(
         baseline: what it is compared with (a copy of the same bytes).
         repeats: timed calls of each.
         device: where they run.
+        before: run untimed before every timed call of either (e.g. :func:`cache_flusher`'s
+            function, so that both start from the same cold caches), or None.
     """
     fn()
     baseline()
-    pairs = [(_call_ms(fn, device), _call_ms(baseline, device)) for _ in range(repeats)]
+
+    def timed(f: Callable[[], object]) -> float:
+        if before is not None:
+            before()
+        return _call_ms(f, device)
+
+    pairs = [(timed(fn), timed(baseline)) for _ in range(repeats)]
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def cache_flusher(mb: float, device: torch.device) -> Callable[[], object]:
+    """A function that writes ``mb`` MB on ``device``: run before a timed call, it leaves the
+    caches holding none of the timed work's data (as the training compute between two outer
+    steps leaves them), so a small copy cannot run from the cache while the work beside it
+    runs from memory.
+
+    Args:
+        mb: MB written each call (more than the last-level cache).
+        device: where.
+    """
+    scratch = torch.empty(max(1, int(mb * 2**20 / 4)), dtype=torch.float32, device=device)
+    return lambda: scratch.fill_(1.0)

@@ -15,8 +15,11 @@ CPU and, where there is one, on the GPU, the median over repeats of:
     chunks, the re-encode and the decode of the gathered chunks, (sparse) the decode and sum
     of ``workers`` packets;
   - copy: a plain ``copy_`` of the same float32 bytes, its calls alternating with the mean's
-    (a drift of the machine's speed moves both alike), and the encode's, the decode's and the
-    mean's cost as multiples of it (the issue's target: the mean within 5x of a copy).
+    (a drift of the machine's speed moves both alike), each of them after an untimed write of
+    ``--flush-mb`` MB (both start from caches that hold none of their data, as after a
+    training step; else a 16 MB copy ran from the cache in some runs and not in others), and
+    the encode's, the decode's and the mean's cost as multiples of it (the issue's target: the
+    mean within 5x of a copy).
 Times are ms per MB of the float32 input (GPU: after ``torch.cuda.synchronize``), the median of
 ``--repeats``; ``uptime`` is printed before and after (timings are only worth reading from a
 quiet machine: a load average near the number of cores means they are not). Printed as a
@@ -33,7 +36,7 @@ import subprocess
 from collections.abc import Callable
 
 import torch
-from bench_timing import median_ms, median_ms_beside  # benchmarks/, beside this script
+from bench_timing import cache_flusher, median_ms, median_ms_beside  # benchmarks/, beside this
 
 from hvd_slowmo.comm.base import Communicator
 from hvd_slowmo.compression import CODECS, as_codec
@@ -110,8 +113,11 @@ def _steps(codec: str, x: torch.Tensor, workers: int) -> tuple[Callable, Callabl
     )
 
 
-def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: int) -> dict:
-    """One row: ms per MB of encode, decode and mean, or the error that stopped it."""
+def measure(
+    codec: str, device: torch.device, mb: float, repeats: int, workers: int, flush_mb: float = 0.0
+) -> dict:
+    """One row: ms per MB of encode, decode and mean, or the error that stopped it; with
+    ``flush_mb``, the mean and the copy each after an untimed write of that many MB."""
     row: dict = {"codec": codec, "device": device.type}
     try:
         n = max(1, int(mb * 2**20 / 4))
@@ -122,7 +128,8 @@ def measure(codec: str, device: torch.device, mb: float, repeats: int, workers: 
         out = torch.empty_like(x)
         row["encode_ms_per_mb"] = median_ms(enc, repeats, device) / per_mb
         row["decode_ms_per_mb"] = median_ms(dec, repeats, device) / per_mb
-        mean_ms, copy_ms = median_ms_beside(mean, lambda: out.copy_(x), repeats, device)
+        before = cache_flusher(flush_mb, device) if flush_mb > 0 else None
+        mean_ms, copy_ms = median_ms_beside(mean, lambda: out.copy_(x), repeats, device, before)
         row["mean_ms_per_mb"], row["copy_ms_per_mb"] = mean_ms / per_mb, copy_ms / per_mb
         for step in ("encode", "decode", "mean"):
             row[f"{step}_per_copy"] = row[f"{step}_ms_per_mb"] / row["copy_ms_per_mb"]
@@ -150,12 +157,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats (default 10)")
     parser.add_argument("--workers", type=int, default=4, help="workers of the mean (default 4)")
     parser.add_argument(
+        "--flush-mb",
+        type=float,
+        default=128.0,
+        help="MB written untimed before each timed mean and copy, to empty the caches "
+        "(default 128; 0: none)",
+    )
+    parser.add_argument(
         "--device", default=None, help="comma-separated (default: cpu, and cuda when available)"
     )
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if args.mb <= 0:
         parser.error(f"--mb must be > 0, got {args.mb}")
+    if args.flush_mb < 0:
+        parser.error(f"--flush-mb must be >= 0, got {args.flush_mb}")
     for name in ("repeats", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     uptime_before, load_before = _uptime()
     rows = [
-        measure(codec, torch.device(d), args.mb, args.repeats, args.workers)
+        measure(codec, torch.device(d), args.mb, args.repeats, args.workers, args.flush_mb)
         for d in devices
         for codec in codec_names()
     ]
@@ -179,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mb": args.mb,
         "repeats": args.repeats,
         "workers": args.workers,
+        "flush_mb": args.flush_mb,
         "devices": where,
         "torch": torch.__version__,
         "load_before": load_before,
@@ -189,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(
         f"codec cost: {args.mb:g} MB of float32, median of {args.repeats}, mean of "
-        f"{args.workers} workers with error feedback; {where}; torch {torch.__version__}"
+        f"{args.workers} workers with error feedback, caches flushed by {args.flush_mb:g} MB "
+        f"before each timed mean and copy; {where}; torch {torch.__version__}"
     )
     print(f"uptime before: {uptime_before}")
     print(f"uptime after:  {uptime_after}")

@@ -847,3 +847,24 @@ def test_codec_cost_runs_tiny_on_cpu(tmp_path):
     assert all(r[key] > 0 for key in ("encode_ms_per_mb", "decode_ms_per_mb", "mean_ms_per_mb"))
     assert r["wire_bytes_per_fp32_byte"] == packet_nbytes(n, SparseCodec()) / (4 * n)
     assert "fp32" not in rows
+
+
+def test_timing_beside_runs_the_flush_before_every_timed_call():
+    """benchmarks/bench_timing.py: with ``before``, each timed call of the work and of its
+    baseline comes right after one call of it (and the untimed warm-up calls after none)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from bench_timing import cache_flusher, median_ms_beside
+    finally:
+        sys.path.pop(0)
+    calls: list[str] = []
+    median_ms_beside(
+        lambda: calls.append("fn"),
+        lambda: calls.append("copy"),
+        3,
+        torch.device("cpu"),
+        before=lambda: calls.append("flush"),
+    )
+    assert calls == ["fn", "copy"] + ["flush", "fn", "flush", "copy"] * 3
+    flush = cache_flusher(1.0, torch.device("cpu"))
+    assert flush().numel() == 2**18  # 1 MB of float32 written
