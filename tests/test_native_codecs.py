@@ -443,3 +443,30 @@ def test_sparse_sum_equals_the_eager_sum(monkeypatch, portable_cache, build, chu
     want = [sparse_sum(packets, n, codec, divide=d) for d in (1, 3)]
     for g, w in zip(got, want):
         assert same(g, w)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_sparse_encode_when_only_the_looser_threshold_passes_k(monkeypatch, portable_cache, build):
+    """The AVX-512 encode tries a tight threshold from the sample first (its 8th largest of every
+    16th magnitude for k = 82 of 4096) and, where fewer than k pass it, the looser one (the
+    11th): here 8 pass the first and 91 the second, so the second pass runs; the packet and the
+    residual equal the eager path's."""
+    from hvd_slowmo.compression.sparse import SparseCodec, sparse_encode_with_feedback
+
+    chunk = 4096
+    codec = SparseCodec(density=0.02, bits=2, chunk=chunk)
+    assert codec.k == 82
+    x = 1e-3 * torch.randn(2 * chunk, generator=torch.Generator().manual_seed(5))
+    x[0:176:16] = torch.arange(110, 99, -1, dtype=torch.float32)  # 11 samples: 110 ... 100
+    between = torch.arange(1, 4096, 16)[20:100] + 3  # 80 positions off the sample
+    x[between] = 100.5 + torch.arange(80, dtype=torch.float32) / 100  # between 100 and 103
+    use_build(monkeypatch, build, portable_cache)
+
+    def encode():
+        residual = torch.zeros_like(x)
+        return sparse_encode_with_feedback(x, codec, residual), residual
+
+    got = encode()
+    monkeypatch.setenv("HVD_SLOWMO_NATIVE_CODECS", "0")
+    want = encode()
+    assert torch.equal(got[0], want[0]) and same(got[1], want[1])

@@ -369,8 +369,9 @@ ROWS_DRIVERS(fp8)
  * (hvd_slowmo/compression/sparse.py). scratch: 2 * chunk keys per thread.
  *
  * Per chunk: a threshold from a sample of the keys (every 16th: the magnitude of the key of
- * rank about 2k/16 among them), then the positions whose magnitude is at or above it, gathered
- * without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
+ * rank about 2k/16 among them; with AVX-512 one of rank about 1.5k/16 first, the looser one
+ * only where fewer than k pass it), then the positions whose magnitude is at or above it,
+ * gathered without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
  * largest key's magnitude is at or above the threshold), else every key is a candidate. Up to
  * RANK_MAX candidates are ordered by their counted ranks (rank_largest); more go through a
  * min-heap of k keys, which they leave in decreasing order. The sample's threshold is counted
@@ -509,14 +510,15 @@ static int64_t pass_threshold(const float *row, int64_t len, uint32_t least, uin
 #define SAMPLE_STRIDE 16
 
 #ifdef __AVX512F__
-/* The want-th largest of the sampled magnitudes |row[s * SAMPLE_STRIDE]| (0 past len), s <
- * samples, into least; returns 0 (nothing written) where want > 16. Without a heap, whose
+/* The want-th and the tight-th largest (tight <= want) of the sampled magnitudes
+ * |row[s * SAMPLE_STRIDE]| (0 past len), s < samples, into least and first; returns 0 (nothing
+ * written) where want > 16. Without a heap, whose
  * sift branches mispredict: the least of sixteen lanes' largest samples is at or below the
  * sixteenth largest, so the samples at or above it (compressed into m, room for samples + 16
  * words) hold the want-th largest; it is the largest of them with at least want at or above
  * it, counted sixteen at a time. */
-static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t want,
-                            uint32_t *m, uint32_t *least) {
+static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t tight,
+                            int64_t want, uint32_t *m, uint32_t *first, uint32_t *least) {
     if (want > 16) return 0;
     int64_t padded = (samples + 15) & ~(int64_t)15, kept = 0;
     for (int64_t s = 0; s < padded; s++) {
@@ -533,8 +535,9 @@ static int sample_threshold(const float *row, int64_t len, int64_t samples, int6
         kept += __builtin_popcount((unsigned)pass);
     }
     for (int64_t s = kept; s < ((kept + 15) & ~(int64_t)15); s++) m[s] = 0u; /* never counted */
-    __m512i best = _mm512_setzero_si512();
+    __m512i best = _mm512_setzero_si512(), best_tight = _mm512_setzero_si512();
     const __m512i one = _mm512_set1_epi32(1), enough = _mm512_set1_epi32((int)want - 1);
+    const __m512i enough_tight = _mm512_set1_epi32((int)tight - 1);
     for (int64_t i = 0; i < kept; i += 16) {
         __m512i mine = _mm512_loadu_si512(m + i), at_or_above = _mm512_setzero_si512();
         for (int64_t j = 0; j < kept; j++)
@@ -544,14 +547,18 @@ static int sample_threshold(const float *row, int64_t len, int64_t samples, int6
         __mmask16 valid = (__mmask16)(kept - i >= 16 ? 0xffffu : (1u << (kept - i)) - 1u);
         __mmask16 ranked = _mm512_mask_cmpgt_epi32_mask(valid, at_or_above, enough);
         best = _mm512_mask_max_epu32(best, ranked, best, mine);
+        ranked = _mm512_mask_cmpgt_epi32_mask(valid, at_or_above, enough_tight);
+        best_tight = _mm512_mask_max_epu32(best_tight, ranked, best_tight, mine);
     }
     *least = _mm512_reduce_max_epu32(best);
+    *first = _mm512_reduce_max_epu32(best_tight);
     return 1;
 }
 #else
-static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t want,
-                            uint32_t *m, uint32_t *least) {
-    (void)row, (void)len, (void)samples, (void)want, (void)m, (void)least;
+static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t tight,
+                            int64_t want, uint32_t *m, uint32_t *first, uint32_t *least) {
+    (void)row, (void)len, (void)samples, (void)tight, (void)want, (void)m, (void)first;
+    (void)least;
     return 0; /* the heap of keys instead */
 }
 #endif
@@ -569,23 +576,36 @@ static inline void entry_of(const float *row, int64_t len, int64_t chunk, uint64
     *kept = position < len ? row[position] : 0.0f;
 }
 
+/* pass_threshold over the chunk's padding too: past len every magnitude is 0, which passes
+ * only a threshold of 0. */
+static int64_t pass_padded(const float *row, int64_t len, int64_t chunk, uint32_t least,
+                           uint32_t *passing) {
+    int64_t passed = pass_threshold(row, len, least, passing);
+    for (int64_t i = len; i < chunk && least == 0u; i++) passing[passed++] = (uint32_t)i;
+    return passed;
+}
+
 /* Chunk `row` (len of its chunk elements are the vector's, the rest zeros): its k positions by
  * decreasing key (index) and their values (kept). keys: 2 * chunk words of scratch. */
 static void top_k_chunk(const float *row, int64_t len, int64_t chunk, int64_t k, uint64_t *keys,
                         int64_t *index, float *kept) {
     uint64_t *candidates = keys + chunk, *heap = NULL;
     int64_t samples = chunk / SAMPLE_STRIDE, want = 2 * k / SAMPLE_STRIDE + 1, count = 0;
+    int64_t tight = 3 * k / (2 * SAMPLE_STRIDE) + 1;
     if (samples >= 2 * want && want >= 1) {
-        uint32_t least; /* the want-th largest sample's magnitude */
-        if (!sample_threshold(row, len, samples, want, (uint32_t *)candidates, &least)) {
+        /* The want-th largest sample's magnitude (about 2k pass it), and a tighter threshold
+         * tried first (about 1.5k pass; the ranks cost the square of the candidates). */
+        uint32_t least, first;
+        if (!sample_threshold(row, len, samples, tight, want, (uint32_t *)candidates, &first,
+                              &least)) {
             for (int64_t s = 0; s < samples; s++)
                 candidates[s] = key_at(row, len, chunk, s * SAMPLE_STRIDE);
             heap_largest(candidates, samples, want, candidates + samples);
-            least = (uint32_t)(candidates[samples] >> 16);
+            least = first = (uint32_t)(candidates[samples] >> 16);
         }
         uint32_t *passing = (uint32_t *)keys; /* positions: the first half of keys */
-        int64_t passed = pass_threshold(row, len, least, passing);
-        for (int64_t i = len; i < chunk && least == 0u; i++) passing[passed++] = (uint32_t)i;
+        int64_t passed = pass_padded(row, len, chunk, first, passing);
+        if (passed < k && least != first) passed = pass_padded(row, len, chunk, least, passing);
         if (passed >= k) {
             for (int64_t c = 0; c < passed; c++)
                 candidates[c] = key_at(row, len, chunk, passing[c]);
