@@ -85,20 +85,20 @@ __all__ = [
 
 #: One worker's codec arithmetic per MB (2^20 bytes) of float32 input, in ms: its share of a
 #: 4-worker mean (encode, decode and sum, re-encode and decode: ``benchmarks/codec_cost.py
-#: --mb 64``'s "mean" column), the median of four runs measured alone on 2 cores of an AMD EPYC
-#: with AVX-512, torch 2.14.1, 2026-11-29, commit aeb21fc, through the C kernels
-#: (:mod:`hvd_slowmo.compression.native`; a plain copy of the same bytes, timed alternating
-#: with each mean: 0.062-0.077). The emulated cluster's calibration runs ran the eager path, at
-#: its own costs (``benchmarks/plan_calibration.py``). A GPU's cost is far lower: pass your own
-#: with ``--codec-cost``.
+#: --mb 64``'s "mean" column, timed from cold caches), the median of eight runs measured alone
+#: on 2 cores of an AMD EPYC with AVX-512, torch 2.14.1, 2026-11-29, commit 57dbf27, through
+#: the C kernels (:mod:`hvd_slowmo.compression.native`; a plain copy of the same bytes, timed
+#: alternating with each mean: 0.048-0.075). The emulated cluster's calibration runs ran the
+#: eager path, at its own costs (``benchmarks/plan_calibration.py``). A GPU's cost is far
+#: lower: pass your own with ``--codec-cost``.
 CODEC_MS_PER_MB: dict[str, float] = {
     "fp32": 0.0,
-    "fp16": 0.21,
+    "fp16": 0.20,
     "bf16": 0.19,
-    "int8": 0.17,
-    "fp8": 0.24,
-    "sparse": 0.24,
-    "sparse-owners": 0.24,  # not measured: the all-gather form's figure
+    "int8": 0.15,
+    "fp8": 0.22,
+    "sparse": 0.21,
+    "sparse-owners": 0.21,  # not measured: the all-gather form's figure
 }
 #: ``c`` of an all-to-all's slowdown on the slow link, ``1 + c (M-2)/(M-1)`` times its bytes'
 #: nominal time across ``M`` nodes (:func:`alltoall_slowdown`). Fitted by
