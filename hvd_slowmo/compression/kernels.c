@@ -371,8 +371,9 @@ ROWS_DRIVERS(fp8)
  * Per chunk: a threshold from a sample of the keys (every 16th: the magnitude of the key of
  * rank about 2k/16 among them; with AVX-512 one of rank about 1.5k/16 first, the looser one
  * only where fewer than k pass it), then the positions whose magnitude is at or above it,
- * gathered without a branch; when at least k pass, the k largest keys of the chunk are theirs (the k-th
- * largest key's magnitude is at or above the threshold), else every key is a candidate. Up to
+ * gathered without a branch; when at least k pass, the k largest keys of the chunk are theirs
+ * (the k-th largest key's magnitude is at or above the threshold), else every key is a
+ * candidate. Up to
  * RANK_MAX candidates are ordered by their counted ranks (rank_largest); more go through a
  * min-heap of k keys, which they leave in decreasing order. The sample's threshold is counted
  * too with AVX-512 (sample_threshold), else a heap finds it. Any threshold gives the same
@@ -512,11 +513,10 @@ static int64_t pass_threshold(const float *row, int64_t len, uint32_t least, uin
 #ifdef __AVX512F__
 /* The want-th and the tight-th largest (tight <= want) of the sampled magnitudes
  * |row[s * SAMPLE_STRIDE]| (0 past len), s < samples, into least and first; returns 0 (nothing
- * written) where want > 16. Without a heap, whose
- * sift branches mispredict: the least of sixteen lanes' largest samples is at or below the
- * sixteenth largest, so the samples at or above it (compressed into m, room for samples + 16
- * words) hold the want-th largest; it is the largest of them with at least want at or above
- * it, counted sixteen at a time. */
+ * written) where want > 16. Without a heap, whose sift branches mispredict: the least of
+ * sixteen lanes' largest samples is at or below the sixteenth largest, so the samples at or
+ * above it (compressed into m, room for samples + 16 words) hold both; each is the largest of
+ * them with at least want (tight) at or above it, counted sixteen at a time. */
 static int sample_threshold(const float *row, int64_t len, int64_t samples, int64_t tight,
                             int64_t want, uint32_t *m, uint32_t *first, uint32_t *least) {
     if (want > 16) return 0;
@@ -695,10 +695,6 @@ static void store_divided(const float *acc, int64_t len, float divisor, float *d
     for (; i < len; i++) dst[i] = divisor != 1.0f ? acc[i] / divisor : acc[i];
 }
 
-/* Adds chunk j of every packet (m, in order) into acc (chunk floats, zeroed here), then stores
- * it divided into out[j * chunk, (j + 1) * chunk): decoded as sparse.py's _decode_rows (|v| =
- * lo + q * step, one rounding each, then the sign) and added as index_add_ does, one float32
- * add per entry, the packets in rank order. */
 #ifdef __AVX512F__
 /* Bits [e * width, (e + 1) * width) of the stream for the sixteen entries e0 + lane (width <= 8):
  * stream_bits of each, from four bytes gathered at its first byte. The caller makes sure those
@@ -736,6 +732,10 @@ static inline void decode16(const uint8_t *packet, const SparseLayout *s, int64_
 }
 #endif
 
+/* Adds chunk j of every packet (m, in order) into acc (chunk floats, zeroed here), then stores
+ * it divided into out[j * chunk, (j + 1) * chunk): decoded as sparse.py's _decode_rows (|v| =
+ * lo + q * step, one rounding each, then the sign) and added as index_add_ does, one float32
+ * add per entry, the packets in rank order. */
 static void sparse_sum_chunk(const uint8_t *packets, int64_t stride, int64_t m,
                              const SparseLayout *s, int64_t j, float divisor, float *acc,
                              float *out) {
