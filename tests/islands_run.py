@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import hvd_slowmo
 from hvd_slowmo.comm.torchdist import TorchDistCommunicator
 
-from helpers import state_tensors_of
+from helpers import end_process, state_tensors_of
 
 WIDTH = 256  # every row of every weight is one 256-value chunk of the codecs, sharded or not
 LAYERS = 3
@@ -303,3 +303,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv)
+    end_process()

@@ -16,6 +16,7 @@ hook wakes every runner, lets the jobs already queued run, and joins the threads
 
 import atexit
 import collections
+import gc
 import threading
 import time
 import weakref
@@ -106,7 +107,11 @@ class SerialRunner:
 
 @atexit.register
 def _finish_before_exit() -> None:
-    """Let every runner's queued jobs finish and its thread end, before finalization."""
+    """Let every runner's queued jobs finish and its thread end, then free what only reference
+    cycles still hold (optimizers, their pending collectives and the tensors those hold), all
+    before finalization: a collective's handle freed during finalization releases its tensors
+    from a transport's own thread (Gloo's), which then asks for the GIL and is stopped, and
+    ``std::terminate`` aborts the finished process."""
     global _exiting
     _exiting = True
     threads = [t for t in (r._wake_for_exit() for r in list(_runners)) if t is not None]
@@ -114,3 +119,4 @@ def _finish_before_exit() -> None:
     deadline = time.monotonic() + EXIT_SECONDS
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    gc.collect()

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hvd_slowmo import DistributedOptimizer
 
 from device_run import FEATURES, run_feature
-from helpers import anchor_of
+from helpers import anchor_of, end_process
 from reference import batch, make_model
 
 #: Horovod when launched by horovodrun (imported in main), else None: torch.distributed.
@@ -144,3 +144,4 @@ def main(mode: str, out_dir: str, device_type: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_process()

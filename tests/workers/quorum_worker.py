@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import hvd_slowmo
 
+from helpers import end_process
 from reference import loss_at, make_model
 
 TAU, OUTER, STEP_S, PAUSE_S, PAUSED = 4, 12, 0.03, 1.0, 3
@@ -58,3 +59,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import hvd_slowmo
 from hvd_slowmo.comm.torchdist import FP16, TorchDistCommunicator, broadcast_parameters
 
-from helpers import state_tensors_of
+from helpers import end_process, state_tensors_of
 from reference import batch, loss_at, lr_at, make_model, params_of
 
 CORE = {  # as tests/workers/core_worker.py (the transport-equality test compares the two)
@@ -356,3 +356,4 @@ def comm_checks():
 
 if __name__ == "__main__":
     main()
+    end_process()

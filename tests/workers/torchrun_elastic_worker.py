@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hvd_slowmo
 from hvd_slowmo.checkpoint import load_checkpoint, save_checkpoint
 
+from helpers import end_process
 from reference import loss_at
 
 STEPS = 14
@@ -105,3 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()

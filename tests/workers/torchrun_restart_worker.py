@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import hvd_slowmo
 from hvd_slowmo.checkpoint import load_checkpoint, save_checkpoint
 
+from helpers import end_process
 from reference import loss_at
 
 STEPS = 14
@@ -131,3 +132,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()
