@@ -28,6 +28,10 @@ def test_torchrun_paused_rank_is_left_out_and_resynchronized(tmp_path):
             if value.is_floating_point():
                 assert torch.equal(value, out[0]["state"][key]), f"ranks differ at {key}"
     want = reference_quorum(members, 4, 0.05, 0.9, 1.0, 0.5).state_dict()
+    # The reference adds in another order and replays the slow step as SGD: with rank 3 out for
+    # eight periods (how long depends on timing) it drifted up to 2.2e-6 from the run (3.6e-5
+    # relative, 2026-11-29), where one period replayed with the wrong members moves it by over
+    # 5 relative; this tolerance holds the first with room for other CPUs' kernels.
     for key, value in out[0]["state"].items():
         if value.is_floating_point():
-            torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5)
