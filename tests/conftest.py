@@ -28,11 +28,8 @@ tests run first, so that a failure shows within the first minutes, then the laun
 inside each group is kept.
 """
 
-import atexit
 import json
 import os
-import sys
-import threading
 import time
 
 import pytest
@@ -155,21 +152,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     """End a command line's pytest process here, with its exit status, once the exit hooks
     have run (the library's threads joined, Horovod shut down), without the interpreter's
-    finalization: twice a run whose every test had passed then aborted ("terminate called
-    without an active exception", exit 134: a daemon thread stopped inside C++ code), which
-    turns a passing CI run red. The threads other than the main one still alive at that point
-    are named on stderr, to find the one. A session run inside a test (``pytest.main`` with
-    plugins, as tests/test_gpu_check.py runs one, or any while a test runs) returns as usual."""
+    finalization (:func:`helpers.end_process`): twice a run whose every test had passed then
+    aborted there, which turns a passing CI run red. A session run inside a test
+    (``pytest.main`` with plugins, as tests/test_gpu_check.py runs one, or any while a test
+    runs) returns as usual."""
     nested = config.invocation_params.plugins or "PYTEST_CURRENT_TEST" in os.environ
     if nested or _EXIT_STATUS not in config.stash:
         return
-    atexit._run_exitfuncs()
-    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    if alive:
-        sys.stderr.write(f"conftest: threads alive at exit: {', '.join(alive)}\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(config.stash[_EXIT_STATUS])
+    from helpers import end_process  # tests/, on sys.path as for the test files
+
+    end_process(config.stash[_EXIT_STATUS])
 
 
 def is_launch(item: pytest.Item) -> bool:

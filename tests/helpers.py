@@ -326,18 +326,23 @@ def assert_close_models(got, want, atol=1e-5):
 
 
 def end_process(status: int = 0) -> None:
-    """End a launched worker process now, its output flushed, after the exit hooks and without
-    the interpreter's finalization: a torchrun worker that had written every result aborted
-    there about once in fifteen launches ("terminate called without an active exception",
-    docs/limitations.md), which fails its launch. Call it last, after
-    ``destroy_process_group()``.
+    """End this process now, after the exit hooks and without the interpreter's finalization,
+    its output flushed; the threads other than the main one still alive then are named on
+    stderr. A torchrun worker that had written every result aborted in finalization about once
+    in fifteen launches, and a pytest run whose tests had passed twice ("terminate called
+    without an active exception", docs/limitations.md), which fails the launch or the run.
+    Call it last (a worker: after ``destroy_process_group()``).
 
     Args:
         status: the process's exit status.
     """
     import atexit
+    import threading
 
     atexit._run_exitfuncs()
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        sys.stderr.write(f"threads alive at exit: {', '.join(alive)}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
